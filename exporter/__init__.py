@@ -1,0 +1,1 @@
+"""Model in, graphs out: sources, architecture specs, graph building, validation, bundles."""

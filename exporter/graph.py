@@ -1,0 +1,270 @@
+"""Build the target graph directly from the weights (no tracing).
+
+One graph serves prefill, single-token decode and tree verification. Two flavours:
+
+- ``ort``: ONNX Runtime's fused contrib ops (GroupQueryAttention with an additive bias over
+  past+new tokens, SkipSimplifiedLayerNormalization, RotaryEmbedding, DynamicQuantizeMatMul /
+  MatMulNBits). The KV cache is one preallocated buffer per layer, bound as both past and present.
+- ``onnx``: standard ONNX ops only (opset 24: RMSNormalization, RotaryEmbedding, TensorScatter into
+  the preallocated cache, Attention with a mask and ``nonpad_kv_seqlen``), the portable form that
+  TensorRT parses. Its bias spans the whole cache capacity.
+
+RoPE is always applied outside attention with explicit position ids (GQA's built-in rotary is
+wrong for a branching tree with no past).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from specexport.errors import UserError
+from specexport.exporter.arch import ArchSpec, Dims
+from specexport.exporter import quant
+
+PRECISIONS = ("fp32", "int8", "int4", "fp16", "bf16")
+FLAVOURS = ("ort", "onnx")
+OPSET = 24
+
+_FLOAT_TYPES = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    precision: str = "fp32"
+    flavour: str = "ort"
+    aux_layers: tuple[int, ...] = ()  # export the input of these layers (EAGLE-3 features)
+
+    def check(self, d: Dims) -> None:
+        if self.precision not in PRECISIONS:
+            raise UserError(f"unknown precision '{self.precision}'; choose from {', '.join(PRECISIONS)}")
+        if self.flavour not in FLAVOURS:
+            raise UserError(f"unknown graph flavour '{self.flavour}'; choose from {', '.join(FLAVOURS)}")
+        bad = [i for i in self.aux_layers if not 0 <= i < d.layers]
+        if bad:
+            raise UserError(f"aux layer indices {bad} out of range: the model has {d.layers} layers")
+
+    @property
+    def compute_type(self) -> int:
+        """Element type of activations and KV cache."""
+        return _FLOAT_TYPES.get(self.precision, TensorProto.FLOAT)
+
+
+def _to_compute(array: np.ndarray, elem_type: int) -> onnx.TensorProto:
+    if elem_type == TensorProto.FLOAT:
+        return numpy_helper.from_array(array.astype(np.float32))
+    if elem_type == TensorProto.FLOAT16:
+        return numpy_helper.from_array(array.astype(np.float16))
+    # bfloat16: round-to-nearest-even of the top 16 bits of fp32
+    bits = array.astype(np.float32).view(np.uint32)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+    tensor = TensorProto()
+    tensor.data_type = TensorProto.BFLOAT16
+    tensor.dims.extend(array.shape)
+    tensor.raw_data = rounded.tobytes()
+    return tensor
+
+
+class _Graph:
+    """Minimal node/initializer accumulator with unique names."""
+
+    def __init__(self, elem_type: int):
+        self.elem_type = elem_type
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._count = 0
+
+    def const(self, name: str, array: np.ndarray, compute: bool = False) -> str:
+        tensor = _to_compute(array, self.elem_type) if compute else numpy_helper.from_array(array)
+        tensor.name = name
+        self.initializers.append(tensor)
+        return name
+
+    def op(self, op_type: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", **attrs):
+        self._count += 1
+        if isinstance(outputs, int):
+            outputs = [f"{op_type}_{self._count}_{k}" for k in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=f"{op_type}_{self._count}", domain=domain, **attrs))
+        return outputs[0] if len(outputs) == 1 else outputs
+
+
+class TargetGraphBuilder:
+    def __init__(self, spec: ArchSpec, dims: Dims, weights: dict[str, np.ndarray], options: GraphOptions,
+                 rope: tuple[np.ndarray, np.ndarray]):
+        options.check(dims)
+        self.spec, self.d, self.w, self.opt = spec, dims, weights, options
+        self.g = _Graph(options.compute_type)
+        self.rope = rope
+        self.ort = options.flavour == "ort"
+
+    # -- building blocks -------------------------------------------------------------------
+    def linear(self, x: str, name: str, w: np.ndarray, bias: np.ndarray | None = None) -> str:
+        """y = x @ w.T + bias for a PyTorch-layout weight w [out, in]."""
+        g, p = self.g, self.opt.precision
+        out_dim, in_dim = w.shape
+        b = g.const(f"{name}.bias", bias, compute=True) if bias is not None else ""
+        if p == "int8":
+            q, scale = quant.int8_per_channel(w)
+            if self.ort:
+                y = g.op("DynamicQuantizeMatMul", [x, g.const(f"{name}.qweight", q), g.const(f"{name}.scale", scale), "", b],
+                         domain="com.microsoft")
+                return y
+            wd = g.op("DequantizeLinear", [g.const(f"{name}.qweight", q), g.const(f"{name}.scale", scale)], axis=1)
+            y = g.op("MatMul", [x, wd])
+        elif p == "int4":
+            if self.ort:
+                packed = quant.matmul_nbits(w)
+                inputs = [x] + [g.const(f"{name}.{k}", v) for k, v in packed.items()] + ["", b]
+                return g.op("MatMulNBits", inputs, domain="com.microsoft", K=in_dim, N=out_dim, bits=4,
+                            block_size=quant.INT4_BLOCK, accuracy_level=4)
+            y = g.op("MatMul", [x, self._qdq_int4(name, w)])
+        else:
+            y = g.op("MatMul", [x, g.const(f"{name}.weight", np.ascontiguousarray(w.T), compute=True)])
+        return g.op("Add", [y, b]) if b else y
+
+    def _qdq_int4(self, name: str, w: np.ndarray) -> str:
+        """Blockwise int4 DequantizeLinear (opset 21+) -> float [in, out]: TensorRT's weight-only int4."""
+        g = self.g
+        in_dim = w.shape[1]
+        if in_dim % quant.INT4_BLOCK:
+            raise UserError(f"int4 needs input dims divisible by {quant.INT4_BLOCK}; {name} has {in_dim}")
+        q, scale, zero = quant.int4_blocks(w)
+        qt = helper.make_tensor(f"{name}.qweight", TensorProto.UINT4, q.T.shape, quant.pack_nibbles(np.ascontiguousarray(q.T)).tobytes(), raw=True)
+        zt = helper.make_tensor(f"{name}.zero", TensorProto.UINT4, zero.T.shape, quant.pack_nibbles(np.ascontiguousarray(zero.T)).tobytes(), raw=True)
+        g.initializers += [qt, zt]
+        s = g.const(f"{name}.scale", np.ascontiguousarray(scale.T))
+        return g.op("DequantizeLinear", [qt.name, s, zt.name], axis=0, block_size=quant.INT4_BLOCK)
+
+    def norm(self, x: str, residual: str | None, weight: np.ndarray, name: str) -> tuple[str, str]:
+        """RMSNorm(x + residual) -> (normed, new residual stream)."""
+        g, eps = self.g, self.d.rms_eps
+        wname = g.const(name, weight, compute=True)
+        if self.ort:
+            if residual is None:
+                return g.op("SimplifiedLayerNormalization", [x, wname], axis=-1, epsilon=eps), x
+            out = g.op("SkipSimplifiedLayerNormalization", [x, residual, wname], outputs=4, domain="com.microsoft", epsilon=eps)
+            return out[0], out[3]
+        stream = x if residual is None else g.op("Add", [residual, x])
+        return g.op("RMSNormalization", [stream, wname], axis=-1, epsilon=eps, stash_type=1), stream
+
+    def head_norm(self, x: str, weight: np.ndarray, name: str, heads: int) -> str:
+        """qwen3: RMSNorm over each head_dim slice of x [B, T, heads*hd]."""
+        g, hd = self.g, self.d.head_dim
+        split = g.op("Reshape", [x, g.const(f"{name}.shape", np.array([0, 0, heads, hd], np.int64))])
+        normed, _ = self.norm(split, None, weight, name)
+        return g.op("Reshape", [normed, g.const(f"{name}.flat", np.array([0, 0, heads * hd], np.int64))])
+
+    # -- the graph ---------------------------------------------------------------------------
+    def build(self) -> onnx.ModelProto:
+        d, g, w = self.d, self.g, self.w
+        et = self.opt.compute_type
+        cap = "capacity"
+        inputs = [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT, ["batch", 1, "seq", "total" if self.ort else cap]),
+            helper.make_tensor_value_info("past_len", TensorProto.INT32, ["batch"]),
+            helper.make_tensor_value_info("logits_indices", TensorProto.INT64, ["rows"]),
+        ]
+        outputs = [
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["rows", d.vocab]),
+            helper.make_tensor_value_info("hidden_states", et, ["batch", "seq", d.hidden]),
+        ]
+        outputs += [helper.make_tensor_value_info(f"layer_input.{i}", et, ["batch", "seq", d.hidden]) for i in self.opt.aux_layers]
+        for i in range(d.layers):
+            for kv in ("key", "value"):
+                shape = ["batch", d.kv_heads, cap, d.head_dim]
+                inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kv}", et, shape))
+                outputs.append(helper.make_tensor_value_info(f"present.{i}.{kv}", et, shape))
+
+        cos = g.const("rope.cos", self.rope[0], compute=True)
+        sin = g.const("rope.sin", self.rope[1], compute=True)
+        bias = "attention_bias" if et == TensorProto.FLOAT else g.op("Cast", ["attention_bias"], to=et)
+        seq_len = self._seq_len()
+        attn_args = self._attention_lengths(seq_len)
+
+        embed = g.const("embed", w["embed"], compute=self.opt.precision in _FLOAT_TYPES)
+        x = g.op("Gather", [embed, "input_ids"])
+        residual = None
+        for i in range(d.layers):
+            p = f"layers.{i}."
+            h, residual = self.norm(x, residual, w[p + "attn_norm"], p + "attn_norm")
+            if i in self.opt.aux_layers:
+                g.op("Identity", [residual], outputs=[f"layer_input.{i}"])
+            attn = self.attention(i, h, cos, sin, bias, attn_args)
+            x = self.linear(attn, p + "o", w[p + "o"])
+            h, residual = self.norm(x, residual, w[p + "mlp_norm"], p + "mlp_norm")
+            gate_up = self.linear(h, p + "gate_up", np.concatenate([w[p + "gate"], w[p + "up"]]))
+            gate, up = g.op("Split", [gate_up, g.const(p + "mlp.split", np.array([d.intermediate] * 2, np.int64))], outputs=2, axis=-1)
+            act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
+            x = self.linear(act, p + "down", w[p + "down"])
+        final, _ = self.norm(x, residual, w["norm"], "norm")
+        g.op("Identity", [final], outputs=["hidden_states"])
+
+        rows = g.op("Gather", [g.op("Reshape", [final, g.const("flat_hidden", np.array([-1, d.hidden], np.int64))]), "logits_indices"], axis=0)
+        if self.opt.precision in _FLOAT_TYPES and d.tie_embeddings:
+            logits = g.op("Gemm", [rows, embed], transB=1)  # share the embedding table, no transposed copy
+        else:
+            logits = self.linear(rows, "lm_head", w["lm_head"])
+        if et != TensorProto.FLOAT:
+            logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
+        g.op("Identity", [logits], outputs=["logits"])
+
+        graph = helper.make_graph(g.nodes, "target", inputs, outputs, initializer=g.initializers)
+        opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
+        model = helper.make_model(graph, opset_imports=opsets, producer_name="specexport")
+        model.ir_version = 11
+        return model
+
+    def _seq_len(self) -> str:
+        g = self.g
+        shape = g.op("Shape", ["input_ids"])
+        return g.op("Gather", [shape, g.const("one_i64", np.array(1, np.int64))], axis=0)  # scalar int64
+
+    def _attention_lengths(self, seq_len: str) -> dict[str, str]:
+        g = self.g
+        past = "past_len"
+        if self.ort:
+            seq32 = g.op("Cast", [seq_len], to=TensorProto.INT32)
+            seqlens_k = g.op("Sub", [g.op("Add", [past, seq32]), g.const("one_i32", np.array(1, np.int32))])
+            total = g.op("Add", [g.op("ReduceMax", [past], keepdims=0), seq32])
+            batch = g.op("Gather", [g.op("Shape", ["input_ids"]), g.const("zero_i64", np.array([0], np.int64))], axis=0)
+            query_seqlens = g.op("Expand", [seq32, batch])
+            return {"seqlens_k": seqlens_k, "total": total, "query_seqlens": query_seqlens}
+        past64 = g.op("Cast", [past], to=TensorProto.INT64)
+        return {"write_at": past64, "kv_len": g.op("Add", [past64, seq_len])}
+
+    def attention(self, i: int, h: str, cos: str, sin: str, bias: str, lengths: dict[str, str]) -> str:
+        d, g, w = self.d, self.g, self.w
+        p = f"layers.{i}."
+        qkv_w = np.concatenate([w[p + "q"], w[p + "k"], w[p + "v"]])
+        qkv_b = np.concatenate([w[p + "q_bias"], w[p + "k_bias"], w[p + "v_bias"]]) if self.spec.qkv_bias else None
+        qkv = self.linear(h, p + "qkv", qkv_w, qkv_b)
+        sizes = g.const(p + "qkv.split", np.array([d.q_size, d.kv_size, d.kv_size], np.int64))
+        q, k, v = g.op("Split", [qkv, sizes], outputs=3, axis=-1)
+        if self.spec.qk_norm:
+            q = self.head_norm(q, w[p + "q_norm"], p + "q_norm", d.heads)
+            k = self.head_norm(k, w[p + "k_norm"], p + "k_norm", d.kv_heads)
+        past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
+        present_k, present_v = f"present.{i}.key", f"present.{i}.value"
+        if self.ort:
+            q = g.op("RotaryEmbedding", [q, "position_ids", cos, sin], domain="com.microsoft", num_heads=d.heads)
+            k = g.op("RotaryEmbedding", [k, "position_ids", cos, sin], domain="com.microsoft", num_heads=d.kv_heads)
+            inputs = [q, k, v, past_k, past_v, lengths["seqlens_k"], lengths["total"]] + [""] * 3 + [bias] + [""] * 5 + [lengths["query_seqlens"]]
+            out, _, _ = g.op("GroupQueryAttention", inputs, outputs=[f"attn_{i}", present_k, present_v], domain="com.microsoft",
+                             num_heads=d.heads, kv_num_heads=d.kv_heads, do_rotary=0, causal=1)
+            return out
+        heads = []
+        for t, n in ((q, d.heads), (k, d.kv_heads), (v, d.kv_heads)):
+            split = g.op("Reshape", [t, g.const(f"{t}.shape", np.array([0, 0, n, d.head_dim], np.int64))])
+            heads.append(g.op("Transpose", [split], perm=[0, 2, 1, 3]))  # [B, n, T, hd]
+        q4 = g.op("RotaryEmbedding", [heads[0], cos, sin, "position_ids"])
+        k4 = g.op("RotaryEmbedding", [heads[1], cos, sin, "position_ids"])
+        g.op("TensorScatter", [past_k, k4, lengths["write_at"]], outputs=[present_k], axis=2)
+        g.op("TensorScatter", [past_v, heads[2], lengths["write_at"]], outputs=[present_v], axis=2)
+        y = g.op("Attention", [q4, present_k, present_v, bias, "", "", lengths["kv_len"]])
+        y = g.op("Transpose", [y], perm=[0, 2, 1, 3])
+        return g.op("Reshape", [y, g.const(f"attn_{i}.shape", np.array([0, 0, d.q_size], np.int64))])

@@ -1,0 +1,64 @@
+"""Weight quantization into the layouts ONNX Runtime's kernels read.
+
+All functions take a PyTorch-layout weight [out, in] (float32) and return numpy arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+INT4_BLOCK = 32
+
+
+def int8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric signed int8, one scale per output channel: (q [in, out] int8, scale [out] fp32).
+
+    Signed weights keep ORT's DynamicQuantizeMatMul on the AMX/VNNI path (unsigned ones lose it).
+    """
+    amax = np.abs(w).max(axis=1)
+    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
+    return np.ascontiguousarray(q.T), scale
+
+
+def int4_blocks(w: np.ndarray, block: int = INT4_BLOCK) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric uint4 in blocks of `block` along the input dim.
+
+    Returns (q [out, in_padded] uint8 values 0..15, scale [out, blocks] fp32, zero [out, blocks] uint8);
+    w ~= (q - zero) * scale blockwise.
+    """
+    out_dim, in_dim = w.shape
+    pad = (-in_dim) % block
+    wp = np.pad(w, ((0, 0), (0, pad))).reshape(out_dim, -1, block)
+    lo = np.minimum(wp.min(axis=2), 0.0)
+    hi = np.maximum(wp.max(axis=2), 0.0)
+    scale = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
+    zero = np.clip(np.rint(-lo / scale), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint(wp / scale[..., None]) + zero[..., None], 0, 15).astype(np.uint8)
+    return q.reshape(out_dim, -1), scale, zero
+
+
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """Pack uint8 values 0..15 pairwise along the last axis, low nibble first."""
+    if values.shape[-1] % 2:
+        values = np.concatenate([values, np.zeros(values.shape[:-1] + (1,), np.uint8)], axis=-1)
+    return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+
+
+def matmul_nbits(w: np.ndarray, block: int = INT4_BLOCK) -> dict[str, np.ndarray]:
+    """Inputs of com.microsoft::MatMulNBits (bits=4): B [N, blocks, block/2], scales, zero_points."""
+    q, scale, zero = int4_blocks(w, block)
+    out_dim = w.shape[0]
+    return {
+        "B": pack_nibbles(q).reshape(out_dim, -1, block // 2),
+        "scales": scale.reshape(-1),
+        "zero_points": pack_nibbles(zero).reshape(-1),
+    }
+
+
+def dequantize_int4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray, in_dim: int) -> np.ndarray:
+    """Inverse of int4_blocks (for tests and the numerics report)."""
+    out_dim = q.shape[0]
+    blocks = scale.shape[1]
+    w = (q.reshape(out_dim, blocks, -1).astype(np.float32) - zero[..., None]) * scale[..., None]
+    return w.reshape(out_dim, -1)[:, :in_dim]

@@ -1,0 +1,1 @@
+"""Per-hardware profiles (data files)."""

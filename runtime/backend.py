@@ -1,0 +1,105 @@
+"""ONNX Runtime backend for the target graph: one session, IO binding, the KV cache bound in place."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from specexport.errors import UserError
+from specexport.runtime.kvcache import KVCache
+
+_NUMPY_TYPES = {"fp32": np.float32, "fp16": np.float16}
+
+
+def providers(device: str = "auto") -> list[str]:
+    """CUDA when asked for or available (GPU package + GPU), else CPU."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if device == "cpu":
+        return ["CPUExecutionProvider"]
+    if device == "cuda" and "CUDAExecutionProvider" not in available:
+        raise UserError("CUDA requested but this onnxruntime has no CUDAExecutionProvider (pip install onnxruntime-gpu)")
+    if "CUDAExecutionProvider" in available and device in ("auto", "cuda"):
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def session_options(threads: int | None = None, optimized_path: Path | None = None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1")
+    if optimized_path is not None:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        so.optimized_model_filepath = str(optimized_path)
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", optimized_path.name + ".data")
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    return so
+
+
+class TargetSession:
+    """Runs the target graph: `forward(cache, ids, positions, bias, rows)` -> logits (+ hidden states)."""
+
+    def __init__(self, graph_path: Path, graph_info: dict, threads: int | None = None, device: str = "auto"):
+        import onnxruntime as ort
+
+        self.info = graph_info
+        self.dtype = _NUMPY_TYPES.get(graph_info["kv_dtype"])
+        if self.dtype is None:
+            raise UserError(f"KV dtype {graph_info['kv_dtype']} cannot run with this runtime on CPU")
+        self.full_width_bias = graph_info["bias_width"] == "capacity"
+        try:
+            self.session = ort.InferenceSession(str(graph_path), session_options(threads), providers=providers(device))
+        except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+            raise UserError(f"cannot load graph {graph_path.name}: {str(e).splitlines()[0]}") from None
+        self.layers = graph_info["layers"]
+        self.outputs = [o.name for o in self.session.get_outputs()]
+
+    def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        i = self.info
+        return KVCache(i["layers"], batch, i["kv_heads"], capacity, i["head_dim"], self.dtype)
+
+    def bias_width(self, cache: KVCache, past: int, t: int) -> int:
+        return cache.capacity if self.full_width_bias else past + t
+
+    def forward(self, cache: KVCache, input_ids: np.ndarray, position_ids: np.ndarray, bias: np.ndarray,
+                logits_indices: np.ndarray, want: tuple[str, ...] = ("logits",)) -> dict[str, np.ndarray]:
+        """One step over T new tokens; K/V land at rows [cache.length, cache.length + T)."""
+        b, t = input_ids.shape
+        if cache.length + t > cache.capacity:
+            raise ValueError(f"KV cache overflow: {cache.length} + {t} > capacity {cache.capacity}")
+        io = self._binding(cache)
+        io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
+        io.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        io.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, dtype=np.float32))
+        io.bind_cpu_input("past_len", np.full(b, cache.length, dtype=np.int32))
+        io.bind_cpu_input("logits_indices", np.ascontiguousarray(logits_indices, dtype=np.int64))
+        for name in want:
+            io.bind_output(name, "cpu")
+        self.session.run_with_iobinding(io)
+        values = io.get_outputs()  # the cache's presents first, then `want` in binding order
+        if len(values) != 2 * self.layers + len(want):
+            raise RuntimeError(f"unexpected bound outputs: {len(values)}")
+        return {name: values[2 * self.layers + k].numpy() for k, name in enumerate(want)}
+
+    def _binding(self, cache: KVCache):
+        """The cache's IO binding, made once: each buffer bound as both past and present (in place)."""
+        import onnxruntime as ort
+
+        if cache.handle is None:
+            io, values = self.session.io_binding(), []
+            for layer in range(self.layers):
+                for j, kind in enumerate(("key", "value")):
+                    value = ort.OrtValue.ortvalue_from_numpy(cache.buffers[2 * layer + j])  # shares memory
+                    values.append(value)
+                    io.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", value)
+                    io.bind_ortvalue_output(f"present.{layer}.{kind}", value)
+            cache.handle = (io, values)
+        return cache.handle[0]
+
