@@ -158,7 +158,7 @@ class TargetGraphBuilder:
         return g.op("Reshape", [normed, g.const(f"{name}.flat", np.array([0, 0, heads * hd], np.int64))])
 
     # -- the graph ---------------------------------------------------------------------------
-    def build(self) -> onnx.ModelProto:
+    def build(self, on_layer=lambda i: None) -> onnx.ModelProto:
         d, g, w = self.d, self.g, self.w
         et = self.opt.compute_type
         cap = "capacity"
@@ -201,6 +201,7 @@ class TargetGraphBuilder:
             gate, up = g.op("Split", [gate_up, g.const(p + "mlp.split", np.array([d.intermediate] * 2, np.int64))], outputs=2, axis=-1)
             act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
             x = self.linear(act, p + "down", w[p + "down"])
+            on_layer(i)
         final, _ = self.norm(x, residual, w["norm"], "norm")
         g.op("Identity", [final], outputs=["hidden_states"])
 

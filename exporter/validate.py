@@ -87,6 +87,23 @@ def compare(model, session, seed: int = 0) -> dict[str, dict]:
     return report
 
 
+def reference_sequences(model, tokenizer, prompts: list[str], new_tokens: int) -> list[list[int]]:
+    """Chat-formatted prompts followed by the fp32 model's own greedy continuation."""
+    import torch
+
+    sequences = []
+    for prompt in prompts:
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer(prompt)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
+        sequences.append(out[0].tolist())
+    return sequences
+
+
 def agreement_on_prompts(model, session, prompts: list[list[int]], prefill_first_alone: bool) -> dict:
     """Teacher-forced top-1 agreement with the fp32 model over real token sequences."""
     import torch

@@ -1,0 +1,206 @@
+"""Model in, bundle out: resolve, load, build the target graph, validate it, write the bundle."""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specexport.errors import UserError
+from specexport.exporter.graph import GraphOptions
+
+# Real prompts for the quantized graphs' top-1 agreement (teacher-forced on the fp32 model's
+# own greedy continuation, so the positions look like generation).
+AGREEMENT_PROMPTS = [
+    "Explain why the sky is blue in two sentences.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Summarise the plot of Romeo and Juliet.",
+    "What are three tips for staying focused while studying?",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+    "Give me a recipe for a simple tomato pasta.",
+    "def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
+    "List the planets of the solar system in order from the sun.",
+    "Rewrite this sentence to be more formal: hey, can u send me the report asap?",
+    "What is the difference between a list and a tuple in Python?",
+]
+AGREEMENT_NEW_TOKENS = 48
+
+
+@dataclass
+class ExportOptions:
+    graph: GraphOptions = field(default_factory=GraphOptions)
+    max_context: int | None = None  # default: the model's own limit
+    optimize: bool = False  # save ORT's optimized graph (what `build` does for onnxruntime)
+    validate: bool = True
+    method: str = "none"
+
+
+class Steps:
+    """Numbered progress lines on stderr, with the time each step took."""
+
+    def __init__(self, total: int, quiet: bool = False):
+        self.total, self.n, self.quiet, self.t0 = total, 0, quiet, None
+
+    def __call__(self, text: str) -> None:
+        self.done()
+        self.n += 1
+        self.t0 = time.perf_counter()
+        if not self.quiet:
+            print(f"[{self.n}/{self.total}] {text} ...", file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.t0 is not None and not self.quiet:
+            print(f"      done in {time.perf_counter() - self.t0:.1f} s", file=sys.stderr, flush=True)
+        self.t0 = None
+
+
+def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwrite: bool = False,
+                  quiet: bool = False) -> dict:
+    """Export `model_spec` into a bundle folder at `output`; returns the manifest."""
+    from specexport.exporter import arch, sources
+    from specexport.runtime.bundle import staged_output, write_manifest
+
+    step = Steps(5 if options.validate else 4, quiet)
+    source = sources.resolve(model_spec)
+    config = sources.load_config(source)
+    spec = arch.spec_for(config.model_type)
+    dims = arch.dims_from_config(config)
+    options.graph.check(dims)
+    max_context = _max_context(options.max_context, dims)
+
+    with staged_output(Path(output), overwrite=overwrite) as tmp:
+        step(f"loading {source.name} ({source.kind}: {source.path})")
+        model, tokenizer = sources.load_model(source)
+        step(f"building the {options.graph.precision} target graph ({options.graph.flavour} ops, {dims.layers} layers)")
+        graph_info = _write_target(model, spec, dims, options, max_context, tmp, quiet)
+        step("saving the tokenizer")
+        tokenizer_files = sources.save_tokenizer(tokenizer, tmp) + sources.save_generation_config(model, tmp)
+        if options.optimize:
+            step("optimizing the graph for onnxruntime")
+            _optimize(tmp, graph_info)
+        numerics = {}
+        if options.validate:
+            step("validating against transformers")
+            numerics = _validate(model, tokenizer, tmp, graph_info, options.graph.precision)
+        step.done()
+        manifest = {
+            "model": {"name": source.name, "source": str(source.path), "kind": source.kind, **dims.as_dict()},
+            "method": {"name": options.method},
+            "precision": options.graph.precision,
+            "flavour": options.graph.flavour,
+            "max_context": max_context,
+            "graphs": {"target": graph_info},
+            "tokenizer": {"files": sorted(tokenizer_files)},
+            "runtime": {"prefill_first_token_alone": options.graph.precision == "int8"},
+            "numerics": numerics,
+            "tools": _tool_versions(),
+        }
+        return write_manifest(tmp, manifest)
+
+
+def _max_context(requested: int | None, dims) -> int:
+    if requested is None:
+        return dims.max_positions
+    if not 1 <= requested <= dims.max_positions:
+        raise UserError(f"--max-context must be in 1..{dims.max_positions} for this model, got {requested}")
+    return requested
+
+
+def _write_target(model, spec, dims, options: ExportOptions, max_context: int, folder: Path, quiet: bool) -> dict:
+    import onnx
+    from tqdm import tqdm
+
+    from specexport.exporter.arch import extract_weights, rope_tables
+    from specexport.exporter.graph import TargetGraphBuilder
+
+    weights = extract_weights(spec, dims, model.state_dict())
+    rotary = model.model.rotary_emb
+    rope = rope_tables(rotary.inv_freq.detach().float().numpy(), float(rotary.attention_scaling), max_context)
+    builder = TargetGraphBuilder(spec, dims, weights, options.graph, rope)
+    with tqdm(total=dims.layers, desc="layers", unit="layer", disable=quiet, leave=False) as bar:
+        proto = builder.build(on_layer=lambda i: bar.update(1))
+    del weights
+    onnx.save(proto, folder / "target.onnx", save_as_external_data=True, location="target.onnx.data",
+              size_threshold=1024)
+    g = options.graph
+    return {
+        "file": "target.onnx",
+        "flavour": g.flavour,
+        "layers": dims.layers,
+        "kv_heads": dims.kv_heads,
+        "head_dim": dims.head_dim,
+        "kv_dtype": g.precision if g.precision in ("fp16", "bf16") else "fp32",
+        "bias_width": "total" if g.flavour == "ort" else "capacity",
+        "aux_layers": list(g.aux_layers),
+        "inputs": _io(proto.graph.input),
+        "outputs": _io(proto.graph.output),
+    }
+
+
+def _io(values) -> list[dict]:
+    from onnx import TensorProto
+
+    return [
+        {
+            "name": v.name,
+            "dtype": TensorProto.DataType.Name(v.type.tensor_type.elem_type).lower(),
+            "shape": [dim.dim_param or dim.dim_value for dim in v.type.tensor_type.shape.dim],
+        }
+        for v in values
+    ]
+
+
+def _optimize(folder: Path, graph_info: dict) -> None:
+    """Let ORT fuse and constant-fold once, at build time; the bundle keeps the optimized graph."""
+    import onnxruntime as ort
+
+    from specexport.runtime.backend import session_options
+
+    raw, optimized = folder / "target.onnx", folder / "target.opt.onnx"
+    ort.InferenceSession(str(raw), session_options(optimized_path=optimized), providers=["CPUExecutionProvider"])
+    raw.unlink()
+    (folder / "target.onnx.data").unlink()
+    graph_info["file"] = optimized.name
+    graph_info["optimized"] = f"onnxruntime {ort.__version__}, ORT_ENABLE_EXTENDED"
+
+
+def _validate(model, tokenizer, folder: Path, graph_info: dict, precision: str) -> dict:
+    from specexport.exporter import validate
+    from specexport.runtime.backend import TargetSession
+
+    model.config._attn_implementation = "eager"  # the literal reference: the bias is added to the scores
+    session = TargetSession(folder / graph_info["file"], graph_info)
+    report = {"cases": validate.compare(model, session)}
+    worst = max(case["max_abs_diff"] for case in report["cases"].values())
+    report["max_abs_diff"] = worst
+    if precision != "fp32":
+        sequences = validate.reference_sequences(model, tokenizer, AGREEMENT_PROMPTS, AGREEMENT_NEW_TOKENS)
+        report["agreement"] = validate.agreement_on_prompts(model, session, sequences, precision == "int8")
+    return report
+
+
+def _tool_versions() -> dict:
+    import importlib.metadata as md
+
+    versions = {"python": platform.python_version()}
+    for name in ("specexport", "torch", "transformers", "onnx", "onnxruntime", "numpy"):
+        try:
+            versions[name] = md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return versions
+
+
+def numerics_lines(manifest: dict) -> list[str]:
+    """Human summary of a manifest's numerics (printed by export/build and `info`)."""
+    n = manifest.get("numerics") or {}
+    lines = []
+    for name, case in (n.get("cases") or {}).items():
+        lines.append(f"  {name:<20} max |logit diff| {case['max_abs_diff']:.2e}   top-1 agreement {case['top1_agreement']:.1%}")
+    if "agreement" in n:
+        a = n["agreement"]
+        lines.append(f"  real prompts         top-1 agreement with fp32 {a['top1_agreement']:.1%} over {a['positions']} positions")
+    return lines
+

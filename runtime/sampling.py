@@ -1,0 +1,114 @@
+"""Sampling: turn target logits into the distribution to sample from, and draw tokens from it.
+
+The functions are pure (random numbers are arguments) so that verification can reuse
+`probabilities` for the target distribution and tests can hand-work every case.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from specexport.errors import UserError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token; temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 keeps every token
+    top_p: float = 1.0  # 1.0 keeps every token
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UserError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:  # also false for NaN
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The sampling distribution over the last axis of `logits` [..., V], as float64.
+
+    Greedy gives a one-hot at the first maximum. Otherwise: divide by temperature, keep the
+    top_k largest logits (ties with the k-th are kept, as in transformers), softmax, then keep
+    the smallest set of most likely tokens whose mass reaches top_p (ties broken by lower
+    token id; the most likely token is always kept), and renormalise.
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    if params.greedy:
+        best = np.argmax(x, axis=-1)[..., None]
+        probs = np.zeros_like(x)
+        np.put_along_axis(probs, best, 1.0, axis=-1)
+        return probs
+    x = x / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
+        kth = -np.partition(-x, params.top_k - 1, axis=-1)[..., params.top_k - 1 : params.top_k]
+        x = np.where(x < kth, -np.inf, x)
+    probs = np.exp(x - x.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if params.top_p < 1:
+        for row in probs.reshape(-1, probs.shape[-1]):  # a view: rows change in place
+            _keep_nucleus(row, params.top_p)
+    return probs
+
+
+def _keep_nucleus(probs: np.ndarray, top_p: float) -> None:
+    """In place on one normalised row: zero all but the nucleus, then renormalise.
+
+    Sorts only the most likely candidates (growing 64, 1024, ... until they hold top_p of
+    the mass) instead of the whole vocabulary; candidates include every tie with the
+    smallest one, so the result equals a full stable sort by probability.
+    """
+    support = np.flatnonzero(probs)  # after top-k most entries are 0: skip them
+    p = probs[support]
+    k = min(64, p.size)
+    while True:
+        kth = np.partition(p, p.size - k)[p.size - k] if k < p.size else 0.0
+        top = np.flatnonzero(p >= kth)
+        top = top[np.argsort(-p[top], kind="stable")]
+        mass = np.cumsum(p[top])
+        if mass[-1] >= top_p or k == p.size:
+            break
+        k = min(16 * k, p.size)
+    keep = support[top[mass - p[top] < top_p]]
+    kept = probs[keep]
+    probs[:] = 0.0
+    probs[keep] = kept / kept.sum()
+
+
+def sample(probs: np.ndarray, u: float) -> int:
+    """Inverse-CDF draw of one token from `probs` [V] given a uniform `u` in [0, 1).
+
+    Never returns a zero-probability token, even when u is close to 1 or the cumulative
+    sum rounds short of the total.
+    """
+    if not 0 <= u < 1:
+        raise ValueError(f"u must be in [0, 1), got {u}")
+    cdf = np.cumsum(probs, dtype=np.float64)
+    token = int(np.searchsorted(cdf, u * cdf[-1], side="right"))
+    if token == len(cdf) or probs[token] == 0:  # u * total rounded up to the total
+        token = int(np.flatnonzero(probs)[-1])
+    return token
+
+
+class Sampler:
+    """Picks one token from one row of logits, with its own seeded random stream."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits_row: np.ndarray) -> int:
+        if self.params.greedy:
+            return int(np.argmax(logits_row))
+        return sample(probabilities(logits_row, self.params), self.rng.random())

@@ -1,0 +1,239 @@
+"""The `specexport` command line: a thin Click layer over the exporter and runtime libraries."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import click
+
+from specexport.errors import UserError
+
+PRECISIONS = ["fp32", "int8", "int4", "fp16", "bf16"]
+METHODS = ["none"]
+BACKENDS = ["onnxruntime", "tensorrt"]
+DEFAULT_CPU_PRECISION = "int8"  # AMX/VNNI DynamicQuantizeMatMul: cheap decode, and cheap wide verify
+
+
+class Command(click.Command):
+    """Turns a UserError or Ctrl-C into one line and a non-zero exit, never a traceback."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UserError as e:
+            raise click.ClickException(str(e)) from None
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+
+
+class Group(click.Group):
+    command_class = Command
+
+
+def _export_options(f):
+    f = click.option("--max-context", type=int, default=None, help="Context limit (default: the model's).")(f)
+    f = click.option("--flavour", type=click.Choice(["ort", "onnx"]), default="ort", show_default=True,
+                     help="ort: ONNX Runtime fused ops. onnx: standard ONNX ops only (for TensorRT).")(f)
+    f = click.option("--aux-layers", default="", help="Also output the inputs of these layers, e.g. 2,15,27.")(f)
+    f = click.option("--no-validate", is_flag=True, help="Skip the numerics check against transformers.")(f)
+    f = click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")(f)
+    return f
+
+
+def _graph_options(precision: str, flavour: str, aux_layers: str):
+    from specexport.exporter.graph import GraphOptions
+
+    try:
+        aux = tuple(int(x) for x in aux_layers.split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"--aux-layers must be comma-separated integers, got '{aux_layers}'") from None
+    return GraphOptions(precision=precision, flavour=flavour, aux_layers=aux)
+
+
+def _print_export(manifest: dict, output: Path) -> None:
+    from specexport.exporter.export import numerics_lines
+
+    click.echo(f"bundle written to {output}")
+    lines = numerics_lines(manifest)
+    if lines:
+        click.echo("numerics vs transformers:")
+        click.echo("\n".join(lines))
+
+
+@click.group(cls=Group)
+@click.version_option(package_name="specexport")
+def main():
+    """Export LLMs with speculative decoding to ONNX bundles, build engines, run them fast.
+
+    \b
+    Quick start (the embedded SmolLM2-135M):
+      specexport build --model smollm2-135m --method none
+      specexport run smollm2-135m-none-onnxruntime-int8 --prompt "Write a haiku about the sea."
+    """
+
+
+@main.command()
+@click.option("--model", "model_spec", required=True, help="HF folder, .gguf file, HF cache id or alias (smollm2-135m, llama3-8b, ...).")
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
+@click.option("--output", type=click.Path(path_type=Path), required=True, help="Bundle folder to write.")
+@_export_options
+def export(model_spec, precision, output, max_context, flavour, aux_layers, no_validate, overwrite):
+    """Export a model's target graph and manifest into a bundle folder.
+
+    \b
+    Examples:
+      specexport export --model smollm2-135m --output smol-fp32
+      specexport export --model ./my-llama --precision int4 --output my-llama-int4
+      specexport export --model smollm2-135m --flavour onnx --precision fp16 --output smol-trt
+    """
+    from specexport.exporter.export import ExportOptions, export_bundle
+
+    options = ExportOptions(graph=_graph_options(precision, flavour, aux_layers), max_context=max_context,
+                            validate=not no_validate)
+    manifest = export_bundle(model_spec, output, options, overwrite=overwrite)
+    _print_export(manifest, output)
+
+
+@main.command()
+@click.option("--model", "model_spec", required=True, help="HF folder, .gguf file, HF cache id or alias.")
+@click.option("--method", type=click.Choice(METHODS), default="none", show_default=True, help="Speculation method.")
+@click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True)
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
+              help=f"Default: {DEFAULT_CPU_PRECISION} for onnxruntime on CPU, fp16 for tensorrt.")
+@click.option("--output", type=click.Path(path_type=Path), default=None,
+              help="Bundle folder (default: ./MODEL-METHOD-BACKEND-PRECISION).")
+@_export_options
+def build(model_spec, method, backend, precision, output, max_context, flavour, aux_layers, no_validate, overwrite):
+    """Export a model and compile it for a backend into a ready-to-run bundle.
+
+    \b
+    Examples:
+      specexport build --model smollm2-135m --method none
+      specexport build --model smollm2-135m --precision fp32 --output smol-fp32
+      specexport build --model llama3-8b --method none --precision int4
+    """
+    from specexport.exporter.export import ExportOptions, export_bundle
+    from specexport.exporter.sources import resolve
+
+    if backend == "tensorrt":
+        raise UserError("the tensorrt backend needs TensorRT >= 10.14 and a GPU, neither found here; "
+                        "export a standard-ONNX graph with --flavour onnx --precision fp16 instead")
+    precision = precision or DEFAULT_CPU_PRECISION
+    if output is None:
+        output = Path(f"{resolve(model_spec).name}-{method}-{backend}-{precision}")
+    options = ExportOptions(graph=_graph_options(precision, flavour, aux_layers), max_context=max_context,
+                            optimize=True, validate=not no_validate, method=method)
+    manifest = export_bundle(model_spec, output, options, overwrite=overwrite)
+    _print_export(manifest, output)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+def info(bundle):
+    """Show a bundle's manifest: model, method, precision, graphs and numerics."""
+    from specexport.exporter.export import numerics_lines
+    from specexport.runtime.bundle import load_bundle
+
+    b = load_bundle(bundle)
+    m = b.manifest
+    model = m["model"]
+    click.echo(f"bundle       {b.path}")
+    click.echo(f"model        {model['name']} ({model['model_type']}, {model['layers']} layers, hidden {model['hidden']}, "
+               f"heads {model['heads']}/{model['kv_heads']}, vocab {model['vocab']})")
+    click.echo(f"method       {m['method']['name']}")
+    click.echo(f"precision    {m['precision']} ({m['flavour']} ops), context {m['max_context']}")
+    for name, g in m["graphs"].items():
+        click.echo(f"graph        {name}: {g['file']} ({len(g['inputs'])} inputs, {len(g['outputs'])} outputs)")
+    size = sum(f["bytes"] for f in m["files"].values())
+    click.echo(f"files        {len(m['files'])} ({size / 1e6:.1f} MB), checksums ok")
+    click.echo(f"tools        " + ", ".join(f"{k} {v}" for k, v in m.get("tools", {}).items()))
+    lines = numerics_lines(m)
+    if lines:
+        click.echo("numerics")
+        click.echo("\n".join(lines))
+
+
+def _sampling(temperature, top_k, top_p, seed):
+    from specexport.runtime.sampling import SamplingParams
+
+    if temperature is not None and math.isnan(temperature):
+        raise UserError("--temperature must be a number >= 0, got nan")
+    return SamplingParams(temperature=temperature or 0.0, top_k=top_k, top_p=top_p, seed=seed)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True, help="Prompt text (the chat template is applied when the model has one).")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--threads", type=int, default=None, help="ORT intra-op threads (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, raw, threads, as_json):
+    """Generate from a prompt with a bundle, streaming the text, then print stats.
+
+    \b
+    Examples:
+      specexport run smollm2-135m-none-onnxruntime-int8 --prompt "Write a haiku about the sea."
+      specexport run smol-fp32 --prompt "Tell me a story" --temperature 0.7 --top-p 0.9 --seed 1
+      specexport run smol-fp32 --prompt "List three colours" --json
+    """
+    from specexport.runtime.generate import Engine
+
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    params = _sampling(temperature, top_k, top_p, seed)
+    engine = Engine.load(bundle, threads=threads)
+    stream = None if as_json else (lambda text: click.echo(text, nl=False))
+    result = engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=params, stop=tuple(stop),
+                             chat=not raw, on_text=stream)
+    s = result.stats
+    if as_json:
+        click.echo(json.dumps({"text": result.text, "tokens": result.tokens, "stop_reason": result.stop_reason,
+                               "method": engine.bundle.method, **s.as_dict()}))
+        return
+    click.echo()
+    click.echo(f"[{s.new_tokens} tokens in {s.seconds:.2f} s: {s.tokens_per_s:.1f} tokens/s, "
+               f"time to first token {s.ttft_s * 1000:.0f} ms, {s.steps} steps, "
+               f"method {engine.bundle.method}, stop: {result.stop_reason}]", err=True)
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), required=True,
+              help="JSON lines with a 'prompt' field (and optional 'id').")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the results here.")
+@click.option("--compare-hf", is_flag=True, help="Also time transformers generate on the same model.")
+@click.option("--threads", type=int, default=None)
+def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads):
+    """Benchmark a bundle's method against plain decoding on the same engine (greedy, batch 1).
+
+    \b
+    Examples:
+      specexport bench smollm2-135m-none-onnxruntime-int8 --prompts prompts.jsonl
+      specexport bench smol-fp32 --prompts prompts.jsonl --compare-hf --json results.json
+    """
+    from specexport.runtime.bench import read_prompts, run_bench, summary_lines
+
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    prompts = read_prompts(prompts_file)
+    result = run_bench(bundle, prompts, max_new_tokens=max_new_tokens, compare_hf=compare_hf, threads=threads,
+                       progress=lambda text: click.echo(text, err=True))
+    click.echo("\n".join(summary_lines(result)))
+    if json_out:
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        click.echo(f"results written to {json_out}")
+
+
+if __name__ == "__main__":
+    main()

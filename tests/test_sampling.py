@@ -1,0 +1,186 @@
+"""Sampling: hand-worked masks, validation, determinism, and one distribution test."""
+
+import math
+
+import numpy as np
+import pytest
+
+from specexport.errors import UserError
+from specexport.runtime.sampling import Sampler, SamplingParams, probabilities, sample
+
+LOG_P = np.log([0.1, 0.4, 0.2, 0.3])  # softmax(LOG_P) == [0.1, 0.4, 0.2, 0.3]
+
+
+def P(**kw):
+    return SamplingParams(temperature=kw.pop("temperature", 1.0), **kw)
+
+
+def test_plain_softmax():
+    np.testing.assert_allclose(probabilities(LOG_P, P()), [0.1, 0.4, 0.2, 0.3])
+
+
+def test_greedy_is_one_hot_at_first_max():
+    np.testing.assert_array_equal(probabilities([1.0, 3.0, 3.0, 0.0], SamplingParams()), [0, 1, 0, 0])
+
+
+def test_temperature_scales_logits():
+    # T=2 halves the logits: softmax([0, 2]/2) = [1, e] / (1 + e)
+    e = math.e
+    np.testing.assert_allclose(probabilities([0.0, 2.0], P(temperature=2.0)), [1 / (1 + e), e / (1 + e)])
+    # T=0.5 doubles them: p ∝ p0^2 = [0.01, 0.16, 0.04, 0.09] / 0.30
+    np.testing.assert_allclose(probabilities(LOG_P, P(temperature=0.5)), np.array([1, 16, 4, 9]) / 30)
+
+
+def test_top_k_mask():
+    np.testing.assert_allclose(probabilities(LOG_P, P(top_k=2)), [0, 4 / 7, 0, 3 / 7])
+    np.testing.assert_allclose(probabilities(LOG_P, P(top_k=1)), [0, 1, 0, 0])
+    np.testing.assert_allclose(probabilities(LOG_P, P(top_k=9)), [0.1, 0.4, 0.2, 0.3])
+
+
+def test_top_k_keeps_ties_with_kth():
+    np.testing.assert_allclose(probabilities([0.0, 1.0, 1.0, -1.0], P(top_k=2)), [0, 0.5, 0.5, 0])
+
+
+def test_top_p_mask():
+    # sorted: 0.4, 0.3, 0.2, 0.1 -> cumulative 0.4, 0.7, 0.9, 1.0
+    np.testing.assert_allclose(probabilities(LOG_P, P(top_p=0.4)), [0, 1, 0, 0])
+    np.testing.assert_allclose(probabilities(LOG_P, P(top_p=0.5)), [0, 4 / 7, 0, 3 / 7])
+    np.testing.assert_allclose(probabilities(LOG_P, P(top_p=0.75)), [0, 4 / 9, 2 / 9, 3 / 9])
+    np.testing.assert_allclose(probabilities(LOG_P, P(top_p=0.95)), [0.1, 0.4, 0.2, 0.3])
+    np.testing.assert_allclose(probabilities(LOG_P, P(top_p=1e-9)), [0, 1, 0, 0])
+
+
+def test_top_k_then_top_p():
+    # top_k=3 -> [0, 4, 2, 3] / 9; cumulative 4/9, 7/9 -> top_p=0.6 keeps 0.4 and 0.3
+    np.testing.assert_allclose(probabilities(LOG_P, P(top_k=3, top_p=0.6)), [0, 4 / 7, 0, 3 / 7])
+
+
+def test_top_p_matches_full_sort_on_a_large_vocabulary():
+    # rounded logits give many ties; nuclei of up to ~1000 tokens exercise candidate growth
+    rng = np.random.default_rng(3)
+    logits = np.round(rng.standard_normal((4, 5000)) * 2, 1)
+    for top_p in (0.05, 0.5, 0.9, 0.99):
+        got = probabilities(logits, P(top_p=top_p))
+        probs = probabilities(logits, P())
+        order = np.argsort(-probs, axis=-1, kind="stable")
+        ranked = np.take_along_axis(probs, order, axis=-1)
+        keep = np.zeros_like(probs, dtype=bool)
+        np.put_along_axis(keep, order, np.cumsum(ranked, axis=-1) - ranked < top_p, axis=-1)
+        expected = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum(axis=-1, keepdims=True)
+        np.testing.assert_array_equal(got > 0, expected > 0)
+        np.testing.assert_allclose(got, expected, rtol=1e-12)
+
+
+def test_rows_are_independent():
+    logits = np.stack([LOG_P, LOG_P[::-1]]).astype(np.float32)
+    expected = np.array([[0, 4 / 7, 0, 3 / 7], [3 / 7, 0, 4 / 7, 0]])
+    np.testing.assert_allclose(probabilities(logits, P(top_p=0.5)), expected, rtol=1e-6)
+    np.testing.assert_array_equal(probabilities(logits, SamplingParams()), [[0, 1, 0, 0], [0, 0, 1, 0]])
+
+
+def test_large_logits_are_stable():
+    probs = probabilities(np.array([1000.0, 1000.0, -1000.0], dtype=np.float32), P())
+    assert probs.dtype == np.float64
+    np.testing.assert_allclose(probs, [0.5, 0.5, 0.0])
+
+
+@pytest.mark.parametrize(
+    "kw, word",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+    ],
+)
+def test_validation(kw, word):
+    with pytest.raises(UserError, match=word) as err:
+        SamplingParams(**kw)
+    assert "\n" not in str(err.value)
+
+
+def test_greedy_property():
+    assert SamplingParams().greedy
+    assert not SamplingParams(temperature=0.7).greedy
+
+
+def test_sample_inverse_cdf():
+    probs = np.array([0.1, 0.4, 0.2, 0.3])
+    assert [sample(probs, u) for u in (0.0, 0.099, 0.1, 0.49, 0.5, 0.69, 0.7, 0.999)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_sample_never_picks_zero_probability():
+    below_one = np.nextafter(1.0, 0.0)
+    assert sample(np.array([0.5, 0.5, 0.0]), below_one) == 1
+    assert sample(np.array([0.0, 1.0, 0.0]), 0.0) == 1
+    # ten 0.1s sum to 0.9999999999999999: u close to 1 still lands on the last token
+    assert sample(np.full(10, 0.1), below_one) == 9
+    # unnormalised float32 input is fine too
+    assert sample(np.array([0.0, 2.0, 0.0], dtype=np.float32), below_one) == 1
+
+
+def test_sample_rejects_bad_u():
+    with pytest.raises(ValueError):
+        sample(np.array([1.0]), 1.0)
+
+
+def test_sampler_greedy_is_argmax():
+    row = np.array([0.5, 2.0, 2.0, -1.0], dtype=np.float32)
+    assert Sampler(SamplingParams())(row) == 1
+
+
+def test_sampler_seeded_determinism():
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((50, 100)).astype(np.float32)
+    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1234)
+    sampler = Sampler(params)
+    first = [sampler(r) for r in rows]
+    again = Sampler(params)
+    assert [again(r) for r in rows] == first
+    other_seed = Sampler(SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=99))
+    assert [other_seed(r) for r in rows] != first
+    assert len(set(first)) > 1
+
+
+# --- distribution test --------------------------------------------------------------------
+
+TARGET = np.array([0.05, 0.3, 0.0, 0.25, 0.15, 0.2, 0.05])
+CHI2_CRITICAL_DF5_P001 = 20.515  # chi-square quantile, 5 degrees of freedom, p = 0.001
+
+
+def chi_square(draw, probs, n=100_000, seed=0):
+    """Pearson's statistic of `n` draws of `draw(probs, u)` against `probs` (support only)."""
+    us = np.random.default_rng(seed).random(n)
+    counts = np.bincount([draw(probs, u) for u in us], minlength=len(probs))
+    assert counts[probs == 0].sum() == 0, "drew a zero-probability token"
+    expected = n * probs[probs > 0]
+    return float((((counts[probs > 0] - expected) ** 2) / expected).sum())
+
+
+def drops_last_token(probs, u):
+    """A broken sampler: forgets the last token's mass."""
+    return sample(probs[:-1], u)
+
+
+def test_sample_follows_distribution():
+    assert chi_square(sample, TARGET) < CHI2_CRITICAL_DF5_P001
+
+
+def test_distribution_check_catches_broken_sampler():
+    assert chi_square(drops_last_token, TARGET) > CHI2_CRITICAL_DF5_P001
+
+
+def test_sampler_follows_top_p_distribution():
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    logits = np.log(TARGET + 1e-30).astype(np.float32)
+    target = probabilities(logits, params)  # drops the two 0.05 tokens: 0.3, 0.25, 0.2, 0.15
+    sampler = Sampler(params)
+    n = 40_000
+    counts = np.bincount([sampler(logits) for _ in range(n)], minlength=len(TARGET))
+    support = target > 0
+    assert support.sum() == 4 and counts[~support].sum() == 0
+    stat = (((counts[support] - n * target[support]) ** 2) / (n * target[support])).sum()
+    assert stat < 16.266  # chi-square quantile, 3 degrees of freedom, p = 0.001
