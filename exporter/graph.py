@@ -132,8 +132,9 @@ class TargetGraphBuilder:
         if in_dim % quant.INT4_BLOCK:
             raise UserError(f"int4 needs input dims divisible by {quant.INT4_BLOCK}; {name} has {in_dim}")
         q, scale, zero = quant.int4_blocks(w)
-        qt = helper.make_tensor(f"{name}.qweight", TensorProto.UINT4, q.T.shape, quant.pack_nibbles(np.ascontiguousarray(q.T)).tobytes(), raw=True)
-        zt = helper.make_tensor(f"{name}.zero", TensorProto.UINT4, zero.T.shape, quant.pack_nibbles(np.ascontiguousarray(zero.T)).tobytes(), raw=True)
+        # ONNX packs 4-bit data over the whole flattened tensor; per-row packing is wrong for an odd last dim
+        qt = helper.make_tensor(f"{name}.qweight", TensorProto.UINT4, q.T.shape, quant.pack_nibbles(q.T.reshape(-1)).tobytes(), raw=True)
+        zt = helper.make_tensor(f"{name}.zero", TensorProto.UINT4, zero.T.shape, quant.pack_nibbles(zero.T.reshape(-1)).tobytes(), raw=True)
         g.initializers += [qt, zt]
         s = g.const(f"{name}.scale", np.ascontiguousarray(scale.T))
         return g.op("DequantizeLinear", [qt.name, s, zt.name], axis=0, block_size=quant.INT4_BLOCK)

@@ -50,7 +50,7 @@ def reference_steps(model, steps: list[Step]) -> list[np.ndarray]:
         with torch.no_grad():
             logits = model(
                 input_ids=torch.from_numpy(step.ids),
-                position_ids=torch.from_numpy(np.ascontiguousarray(positions)),
+                position_ids=torch.from_numpy(positions.copy()),  # broadcast_to views are read-only
                 attention_mask=torch.from_numpy(bias),
                 cache=cache,
                 use_cache=True,
@@ -87,8 +87,8 @@ def compare(model, session, seed: int = 0) -> dict[str, dict]:
     return report
 
 
-def reference_sequences(model, tokenizer, prompts: list[str], new_tokens: int) -> list[list[int]]:
-    """Chat-formatted prompts followed by the fp32 model's own greedy continuation."""
+def reference_sequences(model, tokenizer, prompts: list[str], new_tokens: int) -> list[tuple[list[int], int]]:
+    """(ids, prompt length): chat-formatted prompts followed by the fp32 model's own greedy continuation."""
     import torch
 
     sequences = []
@@ -100,31 +100,40 @@ def reference_sequences(model, tokenizer, prompts: list[str], new_tokens: int) -
             ids = tokenizer(prompt)["input_ids"]
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
-        sequences.append(out[0].tolist())
+        sequences.append((out[0].tolist(), len(ids)))
     return sequences
 
 
-def agreement_on_prompts(model, session, prompts: list[list[int]], prefill_first_alone: bool) -> dict:
-    """Teacher-forced top-1 agreement with the fp32 model over real token sequences."""
+def agreement_on_prompts(model, session, sequences: list[tuple[list[int], int]], prefill_first_alone: bool,
+                         steps: tuple[int, ...] = (1, 8)) -> dict:
+    """Teacher-forced top-1 agreement with the fp32 model at the generated positions.
+
+    The prompt is prefilled the way the runtime does it; the continuation is then fed in steps of
+    T tokens for each T in `steps`: 1 is plain decoding, 8 a verification-sized step.
+    """
     import torch
 
-    hits = total = 0
-    for ids in prompts:
+    refs = []
+    for ids, _ in sequences:
         with torch.no_grad():
-            ref = model(input_ids=torch.tensor([ids])).logits[0].argmax(-1).numpy()
-        cache = session.new_cache(len(ids) + 1)
-        chunks = [ids[:1], ids[1:]] if prefill_first_alone else [ids]
-        got = []
-        for chunk in chunks:
-            if not chunk:
-                continue
-            arr = np.array([chunk])
-            past, t = cache.length, len(chunk)
-            bias = tree.causal_bias(past, t, session.bias_width(cache, past, t))
-            logits = session.forward(cache, arr, past + np.arange(t)[None], bias, np.arange(t))["logits"]
-            got.append(logits.argmax(-1))
-            cache.advance(t)
-        got = np.concatenate(got)
-        hits += int((got == ref).sum())
-        total += len(ids)
-    return {"top1_agreement": hits / max(total, 1), "positions": total}
+            refs.append(model(input_ids=torch.tensor([ids])).logits[0].argmax(-1).numpy())
+    result = {}
+    for step in steps:
+        hits = total = 0
+        for (ids, n), ref in zip(sequences, refs):
+            prompt = [ids[:1], ids[1:n]] if prefill_first_alone else [ids[:n]]
+            pieces = [p for p in prompt if p] + [ids[j:j + step] for j in range(n, len(ids), step)]
+            cache = session.new_cache(len(ids))
+            got = []
+            for piece in pieces:
+                past, t = cache.length, len(piece)
+                bias = tree.causal_bias(past, t, session.bias_width(cache, past, t))
+                logits = session.forward(cache, np.array([piece]), past + np.arange(t)[None], bias, np.arange(t))["logits"]
+                got.append(logits.argmax(-1))
+                cache.advance(t)
+            got = np.concatenate(got)
+            hits += int((got[n - 1:] == ref[n - 1:]).sum())
+            total += len(ids) - n + 1
+        result[f"top1_agreement_t{step}"] = hits / max(total, 1)
+    result["positions"] = total
+    return result

@@ -44,37 +44,7 @@ def isolated_env(tmp_path, monkeypatch):
 # ---- tiny models, built offline ----------------------------------------------------------------
 
 
-def byte_level_tokenizer():
-    """A byte-level BPE over two special tokens, the 256 byte symbols and one merge ("Ġt")."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    vocab = {"<|endoftext|>": 0, "<|im_end|>": 1}
-    vocab.update({symbol: i + 2 for i, symbol in enumerate(bytes_to_unicode().values())})
-    vocab["Ġt"] = len(vocab)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "t")]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|im_end|>")
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
-    return tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("models") / "tiny-llama"
-    tokenizer = byte_level_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=1,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+# byte_level_tokenizer and the tiny_folder fixture live in conftest.py (shared with the graph and CLI tests).
 
 
 def write_gguf(model, tokenizer_json: Path, path: Path) -> Path:

@@ -1,0 +1,96 @@
+"""Shared fixtures: tiny random models (and their tokenizer) built offline, in memory or as HF folders."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+# One torch (OpenMP) thread, set before torch is imported: tiny models gain nothing from two, and on a
+# busy 2-core machine every parallel region of a 64x64 matmul waits ~20 ms for a preempted thread.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# vocab comes from the tokenizer (259 tokens); the rest is "tiny": 2 layers, 4 heads / 2 kv heads.
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32, "rope_theta": 10000.0,
+}  # fmt: skip  (with head_dim 16 some frequencies are scaled, some smoothed, some kept)
+
+
+def byte_level_tokenizer():
+    """A byte-level BPE over two special tokens, the 256 byte symbols and one merge ("Ġt")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocab = {"<|endoftext|>": 0, "<|im_end|>": 1}
+    vocab.update({symbol: i + 2 for i, symbol in enumerate(bytes_to_unicode().values())})
+    vocab["Ġt"] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[("Ġ", "t")]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|endoftext|>", eos_token="<|im_end|>")
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    return tokenizer
+
+
+TOKENIZER_VOCAB = 259  # len(byte_level_tokenizer())
+
+
+def tiny_config(model_type: str = "llama", **overrides):
+    """A tiny transformers config of `model_type` (qwen3 gets head_dim 16; pass rope_parameters=LLAMA3_ROPE for scaling)."""
+    import transformers
+
+    kwargs = dict(TINY, vocab_size=TOKENIZER_VOCAB, max_position_embeddings=256, bos_token_id=0, eos_token_id=1)
+    if model_type == "qwen3":
+        kwargs["head_dim"] = 16
+    kwargs.update(overrides)
+    return transformers.AutoConfig.for_model(model_type, **kwargs)
+
+
+def randomize(model, seed: int = 1):
+    """Weights with real spread: HF's init (std 0.02, unit norms, zero biases) gives near-constant logits.
+
+    Linear weights ~ N(0, 1/in), embeddings ~ N(0, 1), norm weights ~ 1 + N(0, 0.3), biases ~ N(0, 0.3),
+    so logits have std ~1 and a wrong norm weight, bias or rotation shows up in the comparison.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.3 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / p.shape[1] ** 0.5)
+    return model
+
+
+def tiny_model(model_type: str = "llama", seed: int = 1, **overrides):
+    """A randomized tiny model in fp32 eval mode with the eager (literal additive bias) attention."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(model_type, **overrides))
+    model.config._attn_implementation = "eager"
+    return randomize(model, seed).eval()
+
+
+def save_folder(model, folder: Path) -> Path:
+    """Save `model` and the byte-level tokenizer as a Hugging Face folder."""
+    model.save_pretrained(folder)
+    byte_level_tokenizer().save_pretrained(folder)
+    return Path(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama saved as an HF folder with its tokenizer (bos 0, eos 1)."""
+    return save_folder(tiny_model("llama"), tmp_path_factory.mktemp("models") / "tiny-llama")

