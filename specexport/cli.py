@@ -167,17 +167,20 @@ def _sampling(temperature, top_k, top_p, seed):
 
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
-@click.option("--prompt", required=True, help="Prompt text (the chat template is applied when the model has one).")
+@click.option("--prompt", default=None, help="Prompt text (the chat template is applied when the model has one).")
+@click.option("--prompt-ids", default=None, help="The prompt as comma-separated token ids instead of text.")
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--stop-id", type=int, multiple=True, help="Stop token id, besides the model's end-of-sequence ids (repeatable).")
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--threads", type=int, default=None, help="ORT intra-op threads (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, raw, threads, as_json):
+def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_id, raw, threads,
+        as_json):
     """Generate from a prompt with a bundle, streaming the text, then print stats.
 
     \b
@@ -185,16 +188,25 @@ def run(bundle, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, r
       specexport run smollm2-135m-none-onnxruntime-int8 --prompt "Write a haiku about the sea."
       specexport run smol-fp32 --prompt "Tell me a story" --temperature 0.7 --top-p 0.9 --seed 1
       specexport run smol-fp32 --prompt "List three colours" --json
+      specexport run smol-fp32 --prompt-ids 1,504,3300 --max-new-tokens 16
     """
     from specexport.runtime.generate import Engine
 
+    if (prompt is None) == (prompt_ids is None):
+        raise UserError("give exactly one of --prompt and --prompt-ids")
+    if prompt_ids is not None:
+        try:
+            prompt = [int(t) for t in prompt_ids.split(",")]
+        except ValueError:
+            raise UserError(f"--prompt-ids must be comma-separated integers, got '{prompt_ids}'") from None
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     params = _sampling(temperature, top_k, top_p, seed)
     engine = Engine.load(bundle, threads=threads)
+    stop_ids = tuple(sorted(engine.tokenizer.eos_token_ids | set(stop_id)))
     stream = None if as_json else (lambda text: click.echo(text, nl=False))
     result = engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=params, stop=tuple(stop),
-                             chat=not raw, on_text=stream)
+                             stop_ids=stop_ids, chat=not raw, on_text=stream)
     s = result.stats
     if as_json:
         click.echo(json.dumps({"text": result.text, "tokens": result.tokens, "stop_reason": result.stop_reason,

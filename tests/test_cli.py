@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from conftest import save_folder, tiny_model
 from specexport.cli import main
 from specexport.exporter.sources import ALIASES
+from specexport.runtime.tokenizer import Tokenizer
 
 COMMANDS = ["export", "build", "info", "run", "bench"]
 RUN = ["--max-new-tokens", "6", "--threads", "1"]
@@ -150,6 +151,27 @@ def test_run_sampling_and_stop_options(bundle):
     stop = next(text[i:i + 2] for i in range(len(text) // 3, len(text) - 1) if "\ufffd" not in text[i:i + 2])
     cut = json.loads(cli(*args, "--stop", stop).stdout)
     assert cut["stop_reason"] == "stop_string" and cut["text"] == text[:text.index(stop)]
+
+
+def test_run_prompt_ids_and_stop_ids(bundle):
+    args = ["run", bundle, "--json", "--max-new-tokens", "8", "--threads", "1"]
+    by_text = json.loads(cli(*args, "--prompt", "hello", "--raw").stdout)
+    ids = Tokenizer.from_dir(bundle).encode("hello")
+    by_ids = json.loads(cli(*args, "--prompt-ids", ",".join(map(str, ids))).stdout)
+    assert by_ids["tokens"] == by_text["tokens"]
+    first = by_text["tokens"][0]
+    stopped = json.loads(cli(*args, "--prompt", "hello", "--raw", "--stop-id", str(first)).stdout)
+    assert (stopped["tokens"], stopped["stop_reason"]) == ([first], "eos")
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "give exactly one of --prompt and --prompt-ids"),
+    (["--prompt", "hi", "--prompt-ids", "1"], "give exactly one of --prompt and --prompt-ids"),
+    (["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
+    (["--prompt-ids", "1,99999"], "token ids must be in 0..258"),
+])
+def test_run_bad_prompt_options(bundle, args, message):
+    fails("run", bundle, *args, match=message)
 
 
 def test_bench_json(bundle, tmp_path):
