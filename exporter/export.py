@@ -10,6 +10,7 @@ from pathlib import Path
 
 from specexport.errors import UserError
 from specexport.exporter.graph import GraphOptions
+from specexport.exporter.methods import MethodOptions
 
 # Real prompts for the quantized graphs' top-1 agreement (teacher-forced on the fp32 model's
 # own greedy continuation, so the positions look like generation).
@@ -34,7 +35,7 @@ class ExportOptions:
     max_context: int | None = None  # default: the model's own limit
     optimize: bool = False  # save ORT's optimized graph (what `build` does for onnxruntime)
     validate: bool = True
-    method: str = "none"
+    method: MethodOptions = field(default_factory=MethodOptions)
 
 
 class Steps:
@@ -59,39 +60,54 @@ class Steps:
 def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwrite: bool = False,
                   quiet: bool = False) -> dict:
     """Export `model_spec` into a bundle folder at `output`; returns the manifest."""
-    from specexport.exporter import arch, sources
+    from specexport.exporter import arch, methods, sources
     from specexport.runtime.bundle import staged_output, write_manifest
 
-    step = Steps(3 + options.optimize + options.validate, quiet)  # load, build, tokenizer (+ optimize, validate)
+    options.method.check()
+    has_draft = options.method.name == "draft"
+    # load, build, tokenizer (+ draft build) (+ optimize) (+ validate)
+    step = Steps(3 + has_draft + options.optimize + options.validate, quiet)
     source = sources.resolve(model_spec)
     config = sources.load_config(source)
     spec = arch.spec_for(config.model_type)
     dims = arch.dims_from_config(config)
     options.graph.check(dims)
     max_context = _max_context(options.max_context, dims)
+    if has_draft:
+        methods.parse_self_draft(options.method.draft_model, dims.layers)  # fail early on a bad self:N
 
     with staged_output(Path(output), overwrite=overwrite) as tmp:
         step(f"loading {source.name} ({source.kind}: {source.path})")
         model, tokenizer = sources.load_model(source)
+        models = {"target": model}
         step(f"building the {options.graph.precision} target graph ({options.graph.flavour} ops, {dims.layers} layers)")
-        graph_info = _write_target(model, spec, dims, options, max_context, tmp, quiet)
+        graphs = {"target": _write_graph(model, "target", options.graph, max_context, tmp, quiet)}
+        if has_draft:
+            draft, draft_name = methods.load_draft(options.method, model, tokenizer, dims.layers)
+            models["draft"] = draft
+            step(f"building the draft graph ({draft_name}, {draft.config.num_hidden_layers} layers)")
+            draft_graph = GraphOptions(precision=options.graph.precision, flavour=options.graph.flavour)
+            graphs["draft"] = _write_graph(draft, "draft", draft_graph, max_context, tmp, quiet)
         step("saving the tokenizer")
         tokenizer_files = sources.save_tokenizer(tokenizer, tmp) + sources.save_generation_config(model, tmp)
         if options.optimize:
-            step("optimizing the graph for onnxruntime")
-            _optimize(tmp, graph_info)
+            step("optimizing the graphs for onnxruntime")
+            for info in graphs.values():
+                _optimize(tmp, info)
         numerics = {}
         if options.validate:
             step("validating against transformers")
-            numerics = _validate(model, tokenizer, tmp, graph_info, options.graph.precision)
+            numerics = _validate(model, tokenizer, tmp, graphs["target"], options.graph.precision)
+            if has_draft:
+                numerics["draft"] = _validate(models["draft"], tokenizer, tmp, graphs["draft"], "fp32")
         step.done()
         manifest = {
             "model": {"name": source.name, "source": str(source.path), "kind": source.kind, **dims.as_dict()},
-            "method": {"name": options.method},
+            "method": options.method.manifest(),
             "precision": options.graph.precision,
             "flavour": options.graph.flavour,
             "max_context": max_context,
-            "graphs": {"target": graph_info},
+            "graphs": graphs,
             "tokenizer": {"files": sorted(tokenizer_files)},
             "runtime": {"prefill_first_token_alone": options.graph.precision == "int8"},
             "numerics": numerics,
@@ -108,32 +124,33 @@ def _max_context(requested: int | None, dims) -> int:
     return requested
 
 
-def _write_target(model, spec, dims, options: ExportOptions, max_context: int, folder: Path, quiet: bool) -> dict:
+def _write_graph(model, name: str, graph: GraphOptions, max_context: int, folder: Path, quiet: bool) -> dict:
+    """Build `name`.onnx from a transformers model; returns its manifest entry."""
     import onnx
     from tqdm import tqdm
 
-    from specexport.exporter.arch import extract_weights, rope_tables
+    from specexport.exporter.arch import dims_from_config, extract_weights, rope_tables, spec_for
     from specexport.exporter.graph import TargetGraphBuilder
 
+    spec, dims = spec_for(model.config.model_type), dims_from_config(model.config)
     weights = extract_weights(spec, dims, model.state_dict())
     rotary = model.model.rotary_emb
     rope = rope_tables(rotary.inv_freq.detach().float().numpy(), float(rotary.attention_scaling), max_context)
-    builder = TargetGraphBuilder(spec, dims, weights, options.graph, rope)
-    with tqdm(total=dims.layers, desc="layers", unit="layer", disable=quiet, leave=False) as bar:
+    builder = TargetGraphBuilder(spec, dims, weights, graph, rope)
+    with tqdm(total=dims.layers, desc=name, unit="layer", disable=quiet, leave=False) as bar:
         proto = builder.build(on_layer=lambda i: bar.update(1))
     del weights
-    onnx.save(proto, folder / "target.onnx", save_as_external_data=True, location="target.onnx.data",
+    onnx.save(proto, folder / f"{name}.onnx", save_as_external_data=True, location=f"{name}.onnx.data",
               size_threshold=1024)
-    g = options.graph
     return {
-        "file": "target.onnx",
-        "flavour": g.flavour,
+        "file": f"{name}.onnx",
+        "flavour": graph.flavour,
         "layers": dims.layers,
         "kv_heads": dims.kv_heads,
         "head_dim": dims.head_dim,
-        "kv_dtype": g.precision if g.precision in ("fp16", "bf16") else "fp32",
-        "bias_width": "total" if g.flavour == "ort" else "capacity",
-        "aux_layers": list(g.aux_layers),
+        "kv_dtype": graph.precision if graph.precision in ("fp16", "bf16") else "fp32",
+        "bias_width": "total" if graph.flavour == "ort" else "capacity",
+        "aux_layers": list(graph.aux_layers),
         "inputs": _io(proto.graph.input),
         "outputs": _io(proto.graph.output),
     }
@@ -158,10 +175,11 @@ def _optimize(folder: Path, graph_info: dict) -> None:
 
     from specexport.runtime.backend import session_options
 
-    raw, optimized = folder / "target.onnx", folder / "target.opt.onnx"
+    raw = folder / graph_info["file"]
+    optimized = raw.with_suffix(".opt.onnx")
     ort.InferenceSession(str(raw), session_options(optimized_path=optimized), providers=["CPUExecutionProvider"])
     raw.unlink()
-    (folder / "target.onnx.data").unlink()
+    raw.with_suffix(".onnx.data").unlink()
     graph_info["file"] = optimized.name
     graph_info["optimized"] = f"onnxruntime {ort.__version__}, ORT_ENABLE_EXTENDED"
 

@@ -13,7 +13,8 @@ from specexport.runtime import tree
 from specexport.runtime.bundle import Bundle, load_bundle
 from specexport.runtime.backend import TargetSession
 from specexport.runtime.kvcache import KVCache
-from specexport.runtime.sampling import Sampler, SamplingParams
+from specexport.runtime.sampling import Sampler, SamplingParams, probabilities
+from specexport.runtime.verify import Acceptance, accept_greedy, accept_tree, uniforms_shape
 from specexport.runtime.tokenizer import StreamDecoder, Tokenizer, find_stop
 
 PREFILL_CHUNK = 512  # tokens per prefill call: bounds the bias ([T, past+T] floats) and activations
@@ -61,6 +62,8 @@ class Engine:
 
     def __init__(self, bundle: Bundle, threads: int | None = None, device: str = "auto"):
         self.bundle = bundle
+        self.threads, self.device = threads, device
+        self.draft = None  # the draft model's session, loaded on first use
         info = bundle.graphs["target"]
         self.target = TargetSession(bundle.file(info["file"]), info, threads=threads, device=device)
         self.tokenizer = Tokenizer.from_dir(bundle.path)
@@ -108,57 +111,111 @@ class Engine:
         cache.advance(t)
         return out["logits"]
 
+    # -- speculation ---------------------------------------------------------------------------
+    def proposer(self, method: str, sampler: Sampler):
+        """The proposer for `method` with the bundle's settings ("none" = plain decoding)."""
+        from specexport.runtime import proposers
+
+        options = self.bundle.manifest["method"]
+        if method == "none":
+            return proposers.NoProposer()
+        if method != options["name"]:
+            raise UserError(f"this bundle was built for method '{options['name']}', not '{method}'")
+        if method == "ngram":
+            return proposers.NgramLookup(options["max_ngram"], options["min_ngram"], options["draft_length"],
+                                         options["max_matches"])
+        if method == "draft":
+            if self.draft is None:
+                info = self.bundle.graphs["draft"]
+                self.draft = TargetSession(self.bundle.file(info["file"]), info, threads=self.threads, device=self.device)
+            return proposers.DraftModel(self.draft, tuple(options["draft_branching"]), sampler.params, sampler.rng)
+        raise UserError(f"this runtime cannot run method '{method}'")
+
+    def step(self, cache: KVCache, history: list[int], proposer, sampler: Sampler) -> Acceptance:
+        """One speculative step: propose, verify, accept, commit. history[-1] is the root."""
+        proposal = proposer.propose(history)
+        room = cache.capacity - cache.length - 1
+        if len(proposal) > room:
+            proposal = proposal.truncated(room)
+        tokens = [history[-1]] + proposal.tokens
+        parents = [-1] + [p + 1 for p in proposal.parents]
+        logits = self.verify(cache, tokens, parents)
+        acceptance = accept(tokens, parents, logits, proposal, sampler)
+        cache.commit(acceptance.path)
+        proposer.accepted([r - 1 for r in acceptance.path[1:]])
+        return acceptance
+
+    def verify(self, cache: KVCache, tokens: list[int], parents: list[int]) -> np.ndarray:
+        """One target call over the tree (root first); the logits of every row, [T, vocab]."""
+        t, past = len(tokens), cache.length
+        bias = tree.attention_bias(parents, past, self.target.bias_width(cache, past, t))
+        positions = past + tree.depths(parents)
+        return self.target.forward(cache, np.array([tokens]), positions[None], bias, np.arange(t))["logits"]
+
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] | None = None, chat: bool = True,
                  on_text=None, method: str | None = None) -> Generation:
         """Generate up to `max_new_tokens`; `method` defaults to the bundle's ("none" = plain decoding)."""
-        method = method or self.bundle.method
-        if method != "none":
-            raise UserError(f"this runtime cannot run method '{method}' yet")
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        sampling = sampling or SamplingParams()
-        sampler = Sampler(sampling)
+        sampler = Sampler(sampling or SamplingParams())
+        proposer = self.proposer(method or self.bundle.method, sampler)
         ids = self.encode(prompt, chat=chat)
         stop_ids = set(self.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
         budget = min(max_new_tokens, self.max_context - len(ids))
-        cache = self.target.new_cache(len(ids) + budget)
+        cache = self.target.new_cache(len(ids) + budget + proposer.max_nodes)
+        proposer.start(len(ids), cache.capacity)
         stats = Stats(prompt_tokens=len(ids))
         stream = StreamDecoder(self.tokenizer)
         hold = max((len(s) for s in stop), default=1) - 1  # chars that may still become a stop string
-        text, emitted, out, reason = "", 0, [], "length"
+        text, emitted, out, reason = "", 0, [], None
 
-        def emit(upto: int) -> None:
-            nonlocal emitted
-            if on_text and upto > emitted:
-                on_text(text[emitted:upto])
-            emitted = max(emitted, upto)
-
-        start = time.perf_counter()
-        token = sampler(self.prefill(cache, ids))
-        stats.ttft_s = time.perf_counter() - start
-        while True:
+        def emit(token: int) -> str | None:
+            """Append one token; returns why generation stops, if it does."""
+            nonlocal text, emitted
             out.append(token)
-            stats.accept_lengths.append(1)
             if token in stop_ids:
-                reason = "eos"
-                break
+                return "eos"
             text += stream.push(token)
             cut = find_stop(text, list(stop)) if stop else None
             if cut is not None:
-                text, reason = text[:cut], "stop_string"
-                break
-            emit(len(text) - hold)
+                text = text[:cut]
+                return "stop_string"
+            if on_text and len(text) - hold > emitted:
+                on_text(text[emitted:len(text) - hold])
+                emitted = len(text) - hold
             if len(out) >= budget:
-                reason = "length" if budget == max_new_tokens else "context"
+                return "length" if budget == max_new_tokens else "context"
+            return None
+
+        start = time.perf_counter()
+        pending = [sampler(self.prefill(cache, ids))]
+        stats.ttft_s = time.perf_counter() - start
+        while True:
+            reason = next((r for r in map(emit, pending) if r), None)
+            if reason:
                 break
-            token = sampler(self.forward_chain(cache, [token])[-1])
+            acceptance = self.step(cache, ids + out, proposer, sampler)
             stats.steps += 1
+            stats.accept_lengths.append(acceptance.accept_length)
+            pending = acceptance.tokens
         stats.seconds = time.perf_counter() - start
         stats.new_tokens = len(out)
-        stats.accept_lengths = stats.accept_lengths[1:]  # the first token came from prefill, not a step
         if reason != "stop_string":
             text += stream.flush()
-        emit(len(text))
+        if on_text and len(text) > emitted:
+            on_text(text[emitted:])
         return Generation(out, text, reason, stats)
+
+
+def accept(tokens: list[int], parents: list[int], logits: np.ndarray, proposal, sampler: Sampler) -> Acceptance:
+    """Greedy: the longest path matching the target's argmax. Sampling: the exact rule for how the
+    drafts were chosen (verify.accept_tree), so the output follows the target's distribution."""
+    if sampler.params.greedy:
+        return accept_greedy(tokens, parents, logits.argmax(-1))
+    p = probabilities(logits, sampler.params)
+    u = sampler.rng.random(uniforms_shape(parents))
+    if proposal.mode == "topk":
+        return accept_tree(tokens, parents, p, None, u, "topk")
+    return accept_tree(tokens, parents, p, proposal.q[:len(tokens)], u, proposal.mode)

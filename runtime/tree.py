@@ -33,6 +33,16 @@ def depths(parents) -> np.ndarray:
     return depth
 
 
+def children(parents) -> list[list[int]]:
+    """Children of each node, in index order: children([-1, 0, 0, 1]) == [[1, 2], [3], [], []]."""
+    parents = check_parents(parents)
+    kids: list[list[int]] = [[] for _ in range(parents.size)]
+    for i, p in enumerate(parents.tolist()):
+        if p >= 0:
+            kids[p].append(i)
+    return kids
+
+
 def ancestor_mask(parents) -> np.ndarray:
     """[T, T] bool: mask[i, j] is True when j is i or an ancestor of i."""
     parents = check_parents(parents)
@@ -44,12 +54,14 @@ def ancestor_mask(parents) -> np.ndarray:
     return mask
 
 
-def attention_bias(parents, past_len: int, width: int | None = None, batch: int = 1) -> np.ndarray:
-    """Additive bias [batch, 1, T, width]: every new token sees the whole past and its own ancestors.
+def attention_bias(parents, past_len: int, width: int | None = None, batch: int = 1, first: int = 0) -> np.ndarray:
+    """Additive bias [batch, 1, T - first, width]: each new node sees the whole past and its own ancestors.
 
     `width` defaults to past_len + T; a graph whose bias spans the whole cache passes its capacity.
+    With `first` > 0 only nodes first.. are new: nodes 0..first-1 of the tree are already cached right
+    after the past (a tree grown level by level, as a draft model does).
     """
-    return _bias(ancestor_mask(parents), past_len, width, batch)
+    return _bias(ancestor_mask(parents)[first:], past_len, width, batch)
 
 
 def causal_bias(past_len: int, t: int, width: int | None = None, batch: int = 1) -> np.ndarray:
@@ -58,12 +70,13 @@ def causal_bias(past_len: int, t: int, width: int | None = None, batch: int = 1)
 
 
 def _bias(visible: np.ndarray, past_len: int, width: int | None, batch: int) -> np.ndarray:
-    t = visible.shape[0]
-    width = past_len + t if width is None else width
-    if width < past_len + t:
-        raise ValueError(f"bias width {width} < past {past_len} + tree {t}")
-    bias = np.full((batch, 1, t, width), HIDDEN, dtype=np.float32)
+    """visible: [rows, tree nodes] bool; the tree's columns follow the past's."""
+    rows, nodes = visible.shape
+    width = past_len + nodes if width is None else width
+    if width < past_len + nodes:
+        raise ValueError(f"bias width {width} < past {past_len} + tree {nodes}")
+    bias = np.full((batch, 1, rows, width), HIDDEN, dtype=np.float32)
     bias[..., :past_len] = 0.0
-    bias[..., past_len:past_len + t] = np.where(visible, 0.0, HIDDEN)
+    bias[..., past_len:past_len + nodes] = np.where(visible, 0.0, HIDDEN)
     return bias
 

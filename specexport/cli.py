@@ -12,7 +12,7 @@ import click
 from specexport.errors import UserError
 
 PRECISIONS = ["fp32", "int8", "int4", "fp16", "bf16"]
-METHODS = ["none"]
+METHODS = ["none", "ngram", "draft"]
 BACKENDS = ["onnxruntime", "tensorrt"]
 DEFAULT_CPU_PRECISION = "int8"  # AMX/VNNI DynamicQuantizeMatMul: cheap decode, and cheap wide verify
 
@@ -98,21 +98,53 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
     _print_export(manifest, output)
 
 
+def _method_options(f):
+    f = click.option("--max-matches", type=int, default=4, show_default=True, help="ngram: matches merged into a tree.")(f)
+    f = click.option("--min-ngram", type=int, default=1, show_default=True, help="ngram: shortest n-gram looked up.")(f)
+    f = click.option("--max-ngram", type=int, default=3, show_default=True, help="ngram: longest n-gram looked up.")(f)
+    f = click.option("--draft-tree", default="", help="Children per node at each depth, e.g. 2,1,1 (default: a chain).")(f)
+    f = click.option("--draft-length", type=int, default=None,
+                     help="Draft tokens per step, the tree's depth (default: 4 for draft, 8 for ngram).")(f)
+    f = click.option("--draft-model", default=None,
+                     help="draft: a model with the target's vocabulary, or self:N (the target's first N layers).")(f)
+    return f
+
+
+def _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches):
+    from specexport.exporter.methods import MethodOptions
+
+    try:
+        branching = tuple(int(x) for x in draft_tree.split(",") if x.strip())
+    except ValueError:
+        raise UserError(f"--draft-tree must be comma-separated integers, got '{draft_tree}'") from None
+    if draft_model and method != "draft":
+        raise UserError("--draft-model is only used with --method draft")
+    length = draft_length if draft_length is not None else (8 if method == "ngram" else 4)
+    options = MethodOptions(name=method, draft_model=draft_model, draft_length=length, draft_branching=branching,
+                            max_ngram=max_ngram, min_ngram=min_ngram, max_matches=max_matches)
+    options.check()
+    return options
+
+
 @main.command()
 @click.option("--model", "model_spec", required=True, help="HF folder, .gguf file, HF cache id or alias.")
 @click.option("--method", type=click.Choice(METHODS), default="none", show_default=True, help="Speculation method.")
+@_method_options
 @click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True)
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
               help=f"Default: {DEFAULT_CPU_PRECISION} for onnxruntime on CPU, fp16 for tensorrt.")
 @click.option("--output", type=click.Path(path_type=Path), default=None,
               help="Bundle folder (default: ./MODEL-METHOD-BACKEND-PRECISION).")
 @_export_options
-def build(model_spec, method, backend, precision, output, max_context, flavour, aux_layers, no_validate, overwrite):
+def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches, backend,
+          precision, output, max_context, flavour, aux_layers, no_validate, overwrite):
     """Export a model and compile it for a backend into a ready-to-run bundle.
 
     \b
     Examples:
       specexport build --model smollm2-135m --method none
+      specexport build --model smollm2-135m --method ngram --draft-length 8
+      specexport build --model smollm2-135m --method draft --draft-model self:6 --draft-tree 2,1,1
       specexport build --model smollm2-135m --precision fp32 --output smol-fp32
       specexport build --model llama3-8b --method none --precision int4
     """
@@ -122,11 +154,12 @@ def build(model_spec, method, backend, precision, output, max_context, flavour, 
     if backend == "tensorrt":
         raise UserError("the tensorrt backend needs TensorRT >= 10.14 and a GPU, neither found here; "
                         "export a standard-ONNX graph with --flavour onnx --precision fp16 instead")
+    method_options = _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches)
     precision = precision or DEFAULT_CPU_PRECISION
     if output is None:
         output = Path(f"{resolve(model_spec).name}-{method}-{backend}-{precision}")
     options = ExportOptions(graph=_graph_options(precision, flavour, aux_layers), max_context=max_context,
-                            optimize=True, validate=not no_validate, method=method)
+                            optimize=True, validate=not no_validate, method=method_options)
     manifest = export_bundle(model_spec, output, options, overwrite=overwrite)
     _print_export(manifest, output)
 

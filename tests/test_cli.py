@@ -192,7 +192,7 @@ def test_build_optimizes_and_scores_int8(tiny_folder, tmp_path):
     result = cli("build", "--model", tiny_folder, "--max-context", "128")
     out = tmp_path / "tiny-llama-none-onnxruntime-int8"
     assert f"bundle written to {out.name}" in result.stdout and "generated positions" in result.stdout
-    assert "[4/5] optimizing the graph for onnxruntime" in result.stderr and "[5/5] validating" in result.stderr
+    assert "[4/5] optimizing the graphs for onnxruntime" in result.stderr and "[5/5] validating" in result.stderr
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["precision"] == "int8" and manifest["runtime"]["prefill_first_token_alone"] is True
     assert manifest["graphs"]["target"]["file"] == "target.opt.onnx" and "optimized" in manifest["graphs"]["target"]

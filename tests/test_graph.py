@@ -14,7 +14,7 @@ import torch
 from conftest import LLAMA3_ROPE, tiny_config, tiny_model
 from specexport.errors import UserError
 from specexport.exporter import arch, validate
-from specexport.exporter.export import ExportOptions, _write_target
+from specexport.exporter.export import _write_graph
 from specexport.exporter.graph import GraphOptions, TargetGraphBuilder
 from specexport.runtime import tree
 from specexport.runtime.backend import TargetSession
@@ -36,9 +36,7 @@ def model(kind: str):
 
 def session(m, tmp_path, **graph) -> TargetSession:
     """Build the graph exactly as the exporter does (same graph_info) and load it in ORT."""
-    spec, dims = arch.spec_for(m.config.model_type), arch.dims_from_config(m.config)
-    options = ExportOptions(graph=GraphOptions(**graph))
-    info = _write_target(m, spec, dims, options, MAX_CONTEXT, tmp_path, quiet=True)
+    info = _write_graph(m, "target", GraphOptions(**graph), MAX_CONTEXT, tmp_path, quiet=True)
     return TargetSession(tmp_path / info["file"], info, threads=1, device="cpu")
 
 

@@ -1,0 +1,107 @@
+"""Speculation methods at export time: their options (saved in the manifest) and their models."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from specexport.errors import UserError
+
+METHODS = ("none", "ngram", "draft")
+MAX_DRAFT = 64
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    name: str = "none"
+    # draft: a model spec (path, alias, HF id) or "self:N" (the target's first N layers + norm + LM head)
+    draft_model: str | None = None
+    draft_length: int = 4  # K: draft tokens per step (the depth of a draft tree)
+    draft_branching: tuple[int, ...] = ()  # children per node at each depth (a tree); () = a chain
+    # ngram (prompt lookup)
+    max_ngram: int = 3
+    min_ngram: int = 1
+    max_matches: int = 4
+
+    def check(self) -> None:
+        if self.name not in METHODS:
+            raise UserError(f"unknown method '{self.name}'; choose from {', '.join(METHODS)}")
+        if not 1 <= self.draft_length <= MAX_DRAFT:
+            raise UserError(f"--draft-length must be in 1..{MAX_DRAFT}, got {self.draft_length}")
+        if self.name == "draft" and not self.draft_model:
+            raise UserError("--method draft needs --draft-model (a model, or self:N for the target's first N layers)")
+        if self.draft_branching:
+            if len(self.draft_branching) > self.draft_length or any(not 1 <= b <= 8 for b in self.draft_branching):
+                raise UserError(f"--draft-tree must give 1..8 children for at most --draft-length ({self.draft_length}) "
+                                f"depths, got {','.join(map(str, self.draft_branching))}")
+            if self.tree_size() > MAX_DRAFT:
+                raise UserError(f"--draft-tree {','.join(map(str, self.draft_branching))} makes {self.tree_size()} "
+                                f"nodes; at most {MAX_DRAFT}")
+        if self.name == "ngram" and not (1 <= self.min_ngram <= self.max_ngram <= 16 and 1 <= self.max_matches <= 16):
+            raise UserError("n-gram options must satisfy 1 <= --min-ngram <= --max-ngram <= 16, 1 <= --max-matches <= 16")
+
+    def branching(self) -> tuple[int, ...]:
+        """Children per node for each of the draft_length depths (1 past the given ones: a chain)."""
+        return self.draft_branching + (1,) * (self.draft_length - len(self.draft_branching))
+
+    def tree_size(self) -> int:
+        size, width = 0, 1
+        for b in self.branching():
+            width *= b
+            size += width
+        return size
+
+    def manifest(self) -> dict:
+        data = {"name": self.name}
+        if self.name == "draft":
+            data.update(draft_model=self.draft_model, draft_length=self.draft_length,
+                        draft_branching=list(self.branching()))
+        if self.name == "ngram":
+            data.update(max_ngram=self.max_ngram, min_ngram=self.min_ngram, max_matches=self.max_matches,
+                        draft_length=self.draft_length)
+        return data
+
+
+def parse_self_draft(spec: str, target_layers: int) -> int | None:
+    """N for "self:N", None for any other draft spec."""
+    if not spec.startswith("self:"):
+        return None
+    try:
+        n = int(spec[5:])
+    except ValueError:
+        raise UserError(f"--draft-model self:N needs an integer N, got '{spec}'") from None
+    if not 1 <= n < target_layers:
+        raise UserError(f"--draft-model self:{n}: N must be in 1..{target_layers - 1} (the target has {target_layers} layers)")
+    return n
+
+
+def self_draft(model, n: int):
+    """The target's first n layers + its final norm and LM head, sharing the target's tensors."""
+    import copy
+
+    import torch
+
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = n
+    with torch.device("meta"):
+        draft = type(model)(config)
+    keep = {k: v for k, v in model.state_dict().items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
+    draft.load_state_dict(keep, assign=True, strict=True)
+    draft.model.rotary_emb = model.model.rotary_emb  # its inverse frequencies are a buffer outside the state dict
+    return draft.eval()
+
+
+def load_draft(options: MethodOptions, target, target_tokenizer, target_layers: int):
+    """(draft model, description) for --method draft; checks that the vocabularies match."""
+    from specexport.exporter import sources
+
+    n = parse_self_draft(options.draft_model, target_layers)
+    if n is not None:
+        return self_draft(target, n), f"self:{n}"
+    source = sources.resolve(options.draft_model)
+    model, tokenizer = sources.load_model(source)
+    if model.config.vocab_size != target.config.vocab_size or tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise UserError(f"draft model {source.name} has a different vocabulary than the target "
+                        f"({len(tokenizer.get_vocab())} vs {len(target_tokenizer.get_vocab())} tokens); "
+                        "a draft must share the target's tokenizer")
+    return model, source.name

@@ -1,0 +1,162 @@
+"""Accept: choose the path of a verified tree and the token the target adds after it.
+
+A verify step feeds the target T rows: row 0 is the root (the last emitted token, already
+accepted but not yet in the KV cache), rows 1..T-1 are draft tokens; `parents[0] = -1` and
+`0 <= parents[i] < i` otherwise. Row r of the target's output is its distribution for the
+children of node r. Children of a node are tested in index order.
+
+Words (see DESIGN.md): the *accepted* rows form a path from the root; the *emitted* tokens are
+the accepted draft tokens followed by one token from the target: the *bonus* token when the
+path ends at a leaf or no child of its last node survives (a *correction* drawn from the
+residual in the sampling rules). So every step emits at least one token (accept length >= 1).
+
+The sampling rules are lossless (the emitted tokens follow the target's distribution exactly)
+when the drafts were made the way the mode assumes, and take their random numbers as an
+argument, `uniforms` [T, K + 1] with K = the most children any node has (`uniforms_shape`):
+
+    uniforms[r, j]   tests the j-th child of node r (j < number of children of r)
+    uniforms[r, -1]  draws the final token at r, if the path ends at r
+
+Unused entries are ignored, so one draw of the whole array fixes the outcome.
+
+Modes (arXiv 2211.17192, 2305.09781; Sequoia; EAGLE; notes in reference/medusa_eagle.md §5):
+- "with_replacement" (SpecInfer): the children of r were drawn i.i.d. from q[r]. Accept child x
+  if u * q(x) < p(x) (probability min(1, p/q)); after a rejection p = norm(max(0, p - q)).
+- "without_replacement" (Sequoia, EAGLE-1): the children were drawn one after another from q[r]
+  with earlier ones removed. As above, and after a rejection also q[x] = 0, renormalised.
+- "topk" (EAGLE-2/3): the children are deterministic (e.g. the draft's top-k), so each is a point
+  mass: accept x if u < p(x); after a rejection p[x] = 0, renormalised. `q` is not used.
+A chain is the tree [-1, 0, 1, ...] in either of the first two modes (`accept_chain`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from specexport.runtime.sampling import sample
+from specexport.runtime.tree import chain, check_parents, children
+
+MODES = ("with_replacement", "without_replacement", "topk")
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    path: list[int]  # accepted rows, root first (always starts with 0)
+    tokens: list[int]  # emitted: the accepted draft tokens, then the bonus / correction token
+
+    @property
+    def accept_length(self) -> int:
+        """Accepted draft tokens + 1 (plain decoding has accept length 1)."""
+        return len(self.tokens)
+
+
+def accept_greedy(tokens, parents, target_argmax) -> Acceptance:
+    """Greedy target: descend into the first child whose token is the target's argmax at its parent.
+
+    tokens, parents, target_argmax: [T]. The bonus is target_argmax at the last accepted row.
+    """
+    tokens, kids = _check_tree(tokens, parents)
+    best = _check_rows(np.asarray(target_argmax), len(tokens), "target_argmax").tolist()
+    node, path = 0, [0]
+    while matches := [c for c in kids[node] if tokens[c] == best[node]]:
+        node = matches[0]  # the first matching child; a later duplicate is never reached
+        path.append(node)
+    return Acceptance(path, [tokens[r] for r in path[1:]] + [int(best[node])])
+
+
+def accept_chain(tokens, p, q, uniforms) -> Acceptance:
+    """Leviathan/Chen speculative sampling on a chain: tokens[1:] were drawn from q[0], q[1], ...
+
+    uniforms [T, 2]: u[r, 0] tests tokens[r + 1], u[r, 1] draws the final token at r.
+    """
+    return accept_tree(tokens, chain(np.size(tokens)), p, q, uniforms, "with_replacement")
+
+
+def accept_tree(tokens, parents, p, q, uniforms, mode: str = "with_replacement") -> Acceptance:
+    """Lossless acceptance on a tree of drafts (see the module docstring for the modes).
+
+    tokens [T] int, parents [T]; p [T, V]: the processed target probabilities
+    (`sampling.probabilities`); q [T, V]: the processed draft probabilities that node r's
+    children were drawn from (None for "topk"); uniforms [T, K + 1] in [0, 1).
+    The inputs are not modified.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    tokens, kids = _check_tree(tokens, parents)
+    p = _check_rows(np.asarray(p), len(tokens), "p", ndim=2)
+    if mode != "topk":
+        q = _check_rows(np.asarray(q), len(tokens), "q", ndim=2)
+        if q.shape != p.shape:
+            raise ValueError(f"q has shape {q.shape}, p has {p.shape}")
+    if not all(0 <= t < p.shape[1] for t in tokens):
+        raise ValueError(f"tokens must lie in [0, {p.shape[1]}): {tokens}")
+    uniforms = np.asarray(uniforms, dtype=np.float64)
+    if uniforms.shape != (len(tokens), max(map(len, kids)) + 1):
+        raise ValueError(f"uniforms must have shape {(len(tokens), max(map(len, kids)) + 1)} for this tree, got {uniforms.shape}")
+    if not np.all((uniforms >= 0) & (uniforms < 1)):
+        raise ValueError("uniforms must lie in [0, 1)")
+
+    node, path = 0, [0]
+    while True:
+        p_r, q_r = p[node], None if mode == "topk" else q[node]
+        for j, c in enumerate(kids[node]):
+            x = tokens[c]
+            if mode == "topk":
+                accept = uniforms[node, j] < p_r[x]  # proposal is a point mass: ratio p(x) / 1
+            elif q_r[x] == 0:
+                continue  # the draft cannot have drawn x (e.g. a repeat without replacement): no such event
+            else:
+                accept = uniforms[node, j] * q_r[x] < p_r[x]  # u < min(1, p(x) / q(x))
+            if accept:
+                break
+            p_r, q_r = _reject(p_r, q_r, x, mode)
+        else:  # no child accepted (or a leaf): the target supplies the last token and the step ends
+            emitted = [tokens[r] for r in path[1:]]
+            return Acceptance(path, emitted + [sample(p_r, uniforms[node, -1])])
+        node = c
+        path.append(node)
+
+
+def uniforms_shape(parents) -> tuple[int, int]:
+    """The shape of `uniforms` for this tree: (T, most children of any node + 1)."""
+    return len(check_parents(parents)), max(map(len, children(parents)), default=0) + 1
+
+
+def _reject(p: np.ndarray, q: np.ndarray | None, x: int, mode: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The target (and draft) distributions to test the next sibling with, after `x` was rejected.
+
+    Returns new arrays. If the residual has no mass, falls back to p. That cannot happen exactly:
+    max(0, p - q) = 0 means p <= q everywhere, so p == q and x was accepted with probability 1;
+    a topk residual is empty only if p(x) = 1, also accepted surely. Only rounding gets here, and
+    there p is the distribution the rule approximates.
+    """
+    if mode == "topk":
+        residual = p.copy()
+        residual[x] = 0.0
+    else:
+        residual = np.maximum(p - q, 0.0)
+        if mode == "without_replacement":
+            q = q.copy()
+            q[x] = 0.0
+            q = q / q.sum() if q.sum() > 0 else q  # all zero: no sibling can follow (each would be skipped)
+    total = residual.sum()
+    return (residual / total if total > 0 else p), q
+
+
+def _check_tree(tokens, parents) -> tuple[list[int], list[list[int]]]:
+    parents = check_parents(parents)
+    if parents.size == 0 or parents[0] != -1 or np.any(parents[1:] < 0):
+        raise ValueError(f"row 0 must be the only root (parents [-1, >=0, ...]), got {parents.tolist()}")
+    tokens = _check_rows(np.asarray(tokens), parents.size, "tokens")
+    return tokens.tolist(), children(parents)
+
+
+def _check_rows(a: np.ndarray, rows: int, name: str, ndim: int = 1) -> np.ndarray:
+    if a.ndim != ndim or a.shape[0] != rows:
+        want = f"[{rows}{', V' if ndim == 2 else ''}]"
+        raise ValueError(f"{name} must have shape {want} for a tree of {rows} rows, got {a.shape}")
+    if ndim == 1 and not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{name} must be integers, got {a.dtype}")
+    return a
