@@ -86,7 +86,7 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
             draft, draft_name = methods.load_draft(options.method, model, tokenizer, dims.layers)
             models["draft"] = draft
             step(f"building the draft graph ({draft_name}, {draft.config.num_hidden_layers} layers)")
-            draft_graph = GraphOptions(precision=options.graph.precision, flavour=options.graph.flavour)
+            draft_graph = GraphOptions(precision=options.graph.precision, flavour=options.graph.flavour)  # plain outputs
             graphs["draft"] = _write_graph(draft, "draft", draft_graph, max_context, tmp, quiet)
         step("saving the tokenizer")
         tokenizer_files = sources.save_tokenizer(tokenizer, tmp) + sources.save_generation_config(model, tmp)
@@ -151,6 +151,7 @@ def _write_graph(model, name: str, graph: GraphOptions, max_context: int, folder
         "kv_dtype": graph.precision if graph.precision in ("fp16", "bf16") else "fp32",
         "bias_width": "total" if graph.flavour == "ort" else "capacity",
         "aux_layers": list(graph.aux_layers),
+        "fused_accept": graph.fused_accept,
         "inputs": _io(proto.graph.input),
         "outputs": _io(proto.graph.output),
     }

@@ -37,6 +37,7 @@ class GraphOptions:
     precision: str = "fp32"
     flavour: str = "ort"
     aux_layers: tuple[int, ...] = ()  # export the input of these layers (EAGLE-3 features)
+    fused_accept: bool = False  # also output the greedy acceptance of the step's tree (exporter/fused.py)
 
     def check(self, d: Dims) -> None:
         if self.precision not in PRECISIONS:
@@ -214,6 +215,12 @@ class TargetGraphBuilder:
         if et != TensorProto.FLOAT:
             logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
         g.op("Identity", [logits], outputs=["logits"])
+        if self.opt.fused_accept:
+            from specexport.exporter.fused import add_greedy_accept
+
+            add_greedy_accept(g, "logits", seq_len)
+            outputs += [helper.make_tensor_value_info("accept_rows", TensorProto.INT64, ["accepted"]),
+                        helper.make_tensor_value_info("bonus_token", TensorProto.INT64, [1])]
 
         graph = helper.make_graph(g.nodes, "target", inputs, outputs, initializer=g.initializers)
         opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]

@@ -74,13 +74,13 @@ class TargetSession:
         b, t = input_ids.shape
         if cache.length + t > cache.capacity:
             raise ValueError(f"KV cache overflow: {cache.length} + {t} > capacity {cache.capacity}")
-        io = self._binding(cache)
+        io = self._binding(cache, want)
         io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         io.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
         io.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, dtype=np.float32))
         io.bind_cpu_input("past_len", np.full(b, cache.length, dtype=np.int32))
         io.bind_cpu_input("logits_indices", np.ascontiguousarray(logits_indices, dtype=np.int64))
-        for name in want:
+        for name in want:  # rebound each run: ORT allocates them with this run's shapes
             io.bind_output(name, "cpu")
         self.session.run_with_iobinding(io)
         values = io.get_outputs()  # the cache's presents first, then `want` in binding order
@@ -88,18 +88,20 @@ class TargetSession:
             raise RuntimeError(f"unexpected bound outputs: {len(values)}")
         return {name: values[2 * self.layers + k].numpy() for k, name in enumerate(want)}
 
-    def _binding(self, cache: KVCache):
-        """The cache's IO binding, made once: each buffer bound as both past and present (in place)."""
+    def _binding(self, cache: KVCache, want: tuple[str, ...]):
+        """An IO binding per cache and set of wanted outputs, made once: each cache buffer bound as
+        both past and present (in place). The wanted outputs come after them, in order."""
         import onnxruntime as ort
 
-        if cache.handle is None:
-            io, values = self.session.io_binding(), []
+        if cache.handle is None:  # wrap the numpy buffers once; the OrtValues share their memory
+            cache.handle = {"values": [ort.OrtValue.ortvalue_from_numpy(buf) for buf in cache.buffers]}
+        io = cache.handle.get(want)
+        if io is None:
+            io = cache.handle[want] = self.session.io_binding()
             for layer in range(self.layers):
                 for j, kind in enumerate(("key", "value")):
-                    value = ort.OrtValue.ortvalue_from_numpy(cache.buffers[2 * layer + j])  # shares memory
-                    values.append(value)
+                    value = cache.handle["values"][2 * layer + j]
                     io.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", value)
                     io.bind_ortvalue_output(f"present.{layer}.{kind}", value)
-            cache.handle = (io, values)
-        return cache.handle[0]
+        return io
 

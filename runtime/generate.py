@@ -69,6 +69,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(bundle.path)
         self.max_context = int(bundle.manifest["max_context"])
         self.first_token_alone = bool(bundle.manifest.get("runtime", {}).get("prefill_first_token_alone"))
+        self.fused_accept = "accept_rows" in self.target.outputs  # greedy acceptance inside the graph
 
     @classmethod
     def load(cls, path: str | Path, threads: int | None = None, device: str = "auto", verify: bool = True) -> "Engine":
@@ -139,18 +140,27 @@ class Engine:
             proposal = proposal.truncated(room)
         tokens = [history[-1]] + proposal.tokens
         parents = [-1] + [p + 1 for p in proposal.parents]
-        logits = self.verify(cache, tokens, parents)
-        acceptance = accept(tokens, parents, logits, proposal, sampler)
+        if self.fused_accept and sampler.params.greedy:
+            acceptance = self.verify_fused(cache, tokens, parents)
+        else:
+            acceptance = accept(tokens, parents, self.verify(cache, tokens, parents), proposal, sampler)
         cache.commit(acceptance.path)
         proposer.accepted([r - 1 for r in acceptance.path[1:]])
         return acceptance
 
-    def verify(self, cache: KVCache, tokens: list[int], parents: list[int]) -> np.ndarray:
-        """One target call over the tree (root first); the logits of every row, [T, vocab]."""
+    def verify(self, cache: KVCache, tokens: list[int], parents: list[int], want=("logits",)) -> dict:
+        """One target call over the tree (root first), every row selected; logits are [T, vocab]."""
         t, past = len(tokens), cache.length
         bias = tree.attention_bias(parents, past, self.target.bias_width(cache, past, t))
         positions = past + tree.depths(parents)
-        return self.target.forward(cache, np.array([tokens]), positions[None], bias, np.arange(t))["logits"]
+        out = self.target.forward(cache, np.array([tokens]), positions[None], bias, np.arange(t), want=want)
+        return out if len(want) > 1 else out[want[0]]
+
+    def verify_fused(self, cache: KVCache, tokens: list[int], parents: list[int]) -> Acceptance:
+        """Verify and accept greedily in one graph call: only the path and the bonus token come back."""
+        out = self.verify(cache, tokens, parents, want=("accept_rows", "bonus_token"))
+        path = out["accept_rows"].tolist()
+        return Acceptance(path, [tokens[r] for r in path[1:]] + [int(out["bonus_token"][0])])
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,

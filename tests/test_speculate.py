@@ -1,0 +1,161 @@
+"""The speculative loop end to end on tiny bundles: lossless greedy, exact sampling, fused acceptance."""
+
+import numpy as np
+import pytest
+
+from specexport.exporter.export import ExportOptions, _write_graph, export_bundle
+from specexport.exporter.graph import GraphOptions
+from specexport.exporter.methods import MethodOptions
+from specexport.runtime import tree
+from specexport.runtime.backend import TargetSession
+from specexport.runtime.generate import Engine
+from specexport.runtime.sampling import SamplingParams
+from specexport.runtime.verify import accept_greedy
+
+PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat", "x", "abcabcabcabc"]
+NEW = 24
+
+
+def build(folder, out, fused=True, **method):
+    options = ExportOptions(graph=GraphOptions(fused_accept=fused), max_context=128, validate=False,
+                            method=MethodOptions(**method))
+    export_bundle(str(folder), out, options, quiet=True)
+    return Engine.load(out, threads=1)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_folder, tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    return {
+        "ngram": build(tiny_folder, root / "ngram", name="ngram", draft_length=4, max_matches=2),
+        "ngram-logits": build(tiny_folder, root / "ngram-logits", fused=False, name="ngram", draft_length=4),
+        "self1-tree": build(tiny_folder, root / "self1", name="draft", draft_model="self:1", draft_length=3,
+                            draft_branching=(2, 2)),
+        # the target as its own draft: every draft is right, which exercises the bookkeeping fully
+        "same-chain": build(tiny_folder, root / "same", name="draft", draft_model=str(tiny_folder), draft_length=4),
+        "same-tree": build(tiny_folder, root / "same-tree", name="draft", draft_model=str(tiny_folder),
+                           draft_length=3, draft_branching=(2, 1, 2)),
+    }
+
+
+@pytest.mark.parametrize("name", ["ngram", "ngram-logits", "self1-tree", "same-chain", "same-tree"])
+def test_greedy_is_lossless(engines, name):
+    engine = engines[name]
+    for prompt in PROMPTS:
+        plain = engine.generate(prompt, max_new_tokens=NEW, stop_ids=(), method="none")
+        spec = engine.generate(prompt, max_new_tokens=NEW, stop_ids=())
+        assert spec.tokens == plain.tokens, (name, prompt)
+        assert sum(spec.stats.accept_lengths) >= NEW - 1  # every emitted token after the first came from a step
+        assert spec.stats.steps == len(spec.stats.accept_lengths)
+
+
+def test_a_perfect_draft_is_always_accepted(engines):
+    result = engines["same-chain"].generate("hello", max_new_tokens=NEW, stop_ids=())
+    assert result.stats.accept_lengths[:-1] == [5] * (len(result.stats.accept_lengths) - 1)  # K = 4 drafts + bonus
+    result = engines["same-tree"].generate("hello", max_new_tokens=NEW, stop_ids=())
+    assert max(result.stats.accept_lengths) == 4  # depth 3 + bonus, through the branches
+
+
+def test_ngram_accepts_on_repetitive_output(engines):
+    result = engines["ngram"].generate("abcabcabcabc", max_new_tokens=40, stop_ids=())
+    assert result.stats.tau > 1.0
+
+
+def test_stop_inside_an_accepted_run(engines):
+    engine = engines["same-chain"]
+    plain = engine.generate("hello", max_new_tokens=NEW, stop_ids=(), method="none")
+    stop_at = plain.tokens[6]  # the 7th token arrives in the middle of a 5-token step
+    spec = engine.generate("hello", max_new_tokens=NEW, stop_ids=(stop_at,))
+    assert spec.tokens == plain.tokens[:plain.tokens.index(stop_at) + 1] and spec.stop_reason == "eos"
+    assert engine.generate("hello", max_new_tokens=7, stop_ids=()).tokens == plain.tokens[:7]
+
+
+def _histogram(engine, method, n, seed0, params):
+    counts = {}
+    for i in range(n):
+        sampling = SamplingParams(temperature=params["temperature"], top_p=params.get("top_p", 1.0), seed=seed0 + i)
+        tokens = engine.generate("the cat", max_new_tokens=3, sampling=sampling, stop_ids=(), method=method).tokens
+        key = tuple(tokens[1:3])  # tokens 2 and 3 come from speculative steps
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _two_sample_chi2(a: dict, b: dict, min_count: int = 10) -> tuple[float, int]:
+    """Chi-square statistic (and dof) that two samples share one distribution; rare cells pooled."""
+    keys = sorted(set(a) | set(b), key=lambda k: -(a.get(k, 0) + b.get(k, 0)))
+    rows, rest = [], [0, 0]
+    for k in keys:
+        x, y = a.get(k, 0), b.get(k, 0)
+        if x + y >= min_count:
+            rows.append((x, y))
+        else:
+            rest[0] += x
+            rest[1] += y
+    rows.append(tuple(rest))
+    obs = np.array(rows, dtype=float)
+    expected = obs.sum(1, keepdims=True) * obs.sum(0, keepdims=True) / obs.sum()
+    stat = float(((obs - expected) ** 2 / np.where(expected > 0, expected, 1)).sum())
+    return stat, len(rows) - 1
+
+
+def _chi2_threshold(dof: int) -> float:
+    """Upper 1e-4 quantile of chi-square (Wilson-Hilferty)."""
+    z = 3.719
+    return dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
+
+
+@pytest.mark.parametrize("name, params", [("same-chain", {"temperature": 0.5}),  # sampled chain, q = p
+                                          ("self1-tree", {"temperature": 0.5, "top_p": 0.9}),  # top-k tree
+                                          ("ngram", {"temperature": 0.5})])
+def test_sampling_follows_plain_sampling(engines, name, params):
+    engine = engines[name]
+    spec = _histogram(engine, None, 1500, 0, params)
+    plain = _histogram(engine, "none", 1500, 100_000, params)
+    stat, dof = _two_sample_chi2(spec, plain)
+    assert dof >= 3
+    assert stat < _chi2_threshold(dof), (stat, dof)
+
+
+def test_the_sampling_test_catches_a_broken_rule(engines, monkeypatch):
+    """Keep a rejected candidate in the target's residual: the same test must now fail."""
+    from specexport.runtime import verify
+
+    plain = _histogram(engines["self1-tree"], "none", 1500, 100_000, {"temperature": 0.5})
+    monkeypatch.setattr(verify, "_reject", lambda p, q, x, mode: (p, q))
+    spec = _histogram(engines["self1-tree"], None, 1500, 0, {"temperature": 0.5})
+    stat, dof = _two_sample_chi2(spec, plain)
+    assert stat > _chi2_threshold(dof), (stat, dof)
+
+
+def test_fused_acceptance_equals_the_pure_rule(tmp_path):
+    """The in-graph greedy acceptance returns accept_greedy's path and bonus on random trees (both flavours)."""
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    rng = np.random.default_rng(0)
+    for flavour in ("ort", "onnx"):
+        info = _write_graph(model, "target", GraphOptions(flavour=flavour, fused_accept=True), 128, tmp_path, quiet=True)
+        session = TargetSession(tmp_path / info["file"], info, threads=1)
+        for _ in range(60):
+            cache = session.new_cache(128)
+            past = int(rng.integers(0, 12))
+            if past:
+                ids = rng.integers(0, 259, (1, past))
+                session.forward(cache, ids, np.arange(past)[None],
+                                tree.causal_bias(0, past, session.bias_width(cache, 0, past)), np.array([past - 1]))
+                cache.advance(past)
+            t = int(rng.integers(1, 10))
+            parents = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
+            bias = tree.attention_bias(parents, past, session.bias_width(cache, past, t))
+            positions = (past + tree.depths(parents))[None]
+            tokens = rng.integers(0, 259, (1, t))
+            best = session.forward(cache, tokens, positions, bias, np.arange(t))["logits"].argmax(-1)
+            for i in range(1, t):  # make most drafts right, and some a duplicate of an earlier sibling
+                if rng.random() < 0.6:
+                    tokens[0, i] = best[parents[i]]
+                elif siblings := [j for j in range(1, i) if parents[j] == parents[i]]:
+                    tokens[0, i] = tokens[0, siblings[0]]
+            out = session.forward(cache, tokens, positions, bias, np.arange(t),
+                                  want=("logits", "accept_rows", "bonus_token"))
+            ref = accept_greedy(tokens[0].tolist(), parents, out["logits"].argmax(-1))
+            assert (out["accept_rows"].tolist(), int(out["bonus_token"][0])) == (ref.path, ref.tokens[-1])
