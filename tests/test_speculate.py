@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from specexport import chisquare
 from specexport.exporter.export import ExportOptions, _write_graph, export_bundle
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.methods import MethodOptions
@@ -80,30 +81,6 @@ def _histogram(engine, method, n, seed0, params):
     return counts
 
 
-def _two_sample_chi2(a: dict, b: dict, min_count: int = 10) -> tuple[float, int]:
-    """Chi-square statistic (and dof) that two samples share one distribution; rare cells pooled."""
-    keys = sorted(set(a) | set(b), key=lambda k: -(a.get(k, 0) + b.get(k, 0)))
-    rows, rest = [], [0, 0]
-    for k in keys:
-        x, y = a.get(k, 0), b.get(k, 0)
-        if x + y >= min_count:
-            rows.append((x, y))
-        else:
-            rest[0] += x
-            rest[1] += y
-    rows.append(tuple(rest))
-    obs = np.array(rows, dtype=float)
-    expected = obs.sum(1, keepdims=True) * obs.sum(0, keepdims=True) / obs.sum()
-    stat = float(((obs - expected) ** 2 / np.where(expected > 0, expected, 1)).sum())
-    return stat, len(rows) - 1
-
-
-def _chi2_threshold(dof: int) -> float:
-    """Upper 1e-4 quantile of chi-square (Wilson-Hilferty)."""
-    z = 3.719
-    return dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
-
-
 @pytest.mark.parametrize("name, params", [("same-chain", {"temperature": 0.5}),  # sampled chain, q = p
                                           ("self1-tree", {"temperature": 0.5, "top_p": 0.9}),  # top-k tree
                                           ("ngram", {"temperature": 0.5})])
@@ -111,9 +88,9 @@ def test_sampling_follows_plain_sampling(engines, name, params):
     engine = engines[name]
     spec = _histogram(engine, None, 1500, 0, params)
     plain = _histogram(engine, "none", 1500, 100_000, params)
-    stat, dof = _two_sample_chi2(spec, plain)
+    stat, dof = chisquare.two_sample(spec, plain)
     assert dof >= 3
-    assert stat < _chi2_threshold(dof), (stat, dof)
+    assert stat < chisquare.threshold(dof), (stat, dof)
 
 
 def test_the_sampling_test_catches_a_broken_rule(engines, monkeypatch):
@@ -123,8 +100,8 @@ def test_the_sampling_test_catches_a_broken_rule(engines, monkeypatch):
     plain = _histogram(engines["self1-tree"], "none", 1500, 100_000, {"temperature": 0.5})
     monkeypatch.setattr(verify, "_reject", lambda p, q, x, mode: (p, q))
     spec = _histogram(engines["self1-tree"], None, 1500, 0, {"temperature": 0.5})
-    stat, dof = _two_sample_chi2(spec, plain)
-    assert stat > _chi2_threshold(dof), (stat, dof)
+    stat, dof = chisquare.two_sample(spec, plain)
+    assert stat > chisquare.threshold(dof), (stat, dof)
 
 
 def test_fused_acceptance_equals_the_pure_rule(tmp_path):

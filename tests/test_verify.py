@@ -5,6 +5,7 @@ with a deliberately broken rule to show that the same test would fail."""
 import numpy as np
 import pytest
 
+from specexport import chisquare
 from specexport.runtime import verify
 from specexport.runtime.tree import chain, children
 from specexport.runtime.verify import Acceptance, accept_chain, accept_greedy, accept_tree, uniforms_shape
@@ -307,15 +308,7 @@ def _chi2(pairs):
     seen = np.zeros((V, V))
     np.add.at(seen, (pairs[:, 0], pairs[:, 1]), 1)
 
-    def stat(observed, expected):
-        return float(((observed - expected) ** 2 / expected).sum())
-
-    return stat(seen.sum(1), n * TARGET[0]), stat(seen, n * joint)
-
-
-def _threshold(df, z=3.719):
-    """Chi-square quantile at upper tail 1e-4 (z = 3.719), by Wilson-Hilferty."""
-    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+    return chisquare.statistic(seen.sum(1), n * TARGET[0]), chisquare.statistic(seen, n * joint)
 
 
 _real_reject = verify._reject
@@ -336,8 +329,8 @@ BROKEN = {  # one plausible bug per rule, patched into verify._reject
 @pytest.mark.parametrize("rule", list(BROKEN))
 def test_first_two_tokens_follow_the_target(rule):
     first, joint = _chi2(_first_two(rule, TRIALS, seed=10))
-    assert first < _threshold(V - 1), first
-    assert joint < _threshold(V * V - 1), joint
+    assert first < chisquare.threshold(V - 1), first
+    assert joint < chisquare.threshold(V * V - 1), joint
 
 
 @pytest.mark.parametrize("rule", list(BROKEN))
@@ -345,4 +338,4 @@ def test_statistic_catches_a_broken_rule(rule, monkeypatch):
     """Each bug moves the statistic to several times the threshold, with a quarter of the trials."""
     monkeypatch.setattr(verify, "_reject", BROKEN[rule])
     _, joint = _chi2(_first_two(rule, TRIALS // 4, seed=10))
-    assert joint > _threshold(V * V - 1), joint
+    assert joint > chisquare.threshold(V * V - 1), joint
