@@ -56,6 +56,7 @@ def run_bench(bundle_path: Path, prompts: list[dict], max_new_tokens: int = 128,
             "baseline_seconds": round(base.stats.seconds, 4),
             "baseline_tokens": base.tokens,
             "accept_lengths": ours.stats.accept_lengths,
+            "drafted": ours.stats.drafted,
             "identical": ours.tokens == base.tokens,
         })
         progress(f"  {p['id']}: {ours.stats.tokens_per_s:.1f} tokens/s ({method}), "
@@ -84,6 +85,9 @@ def _totals(engine, rows: list[dict], hf: dict | None) -> dict:
         "speedup": round(ours / base, 3) if base else None,
         "hf_speedup": round(ours / hf["tokens_per_s"], 3) if hf else None,
         "tau": round(float(np.mean(lengths)), 3) if lengths else None,
+        "drafted": sum(r["drafted"] for r in rows),
+        "accepted": sum(lengths) - len(lengths),
+        "accept_histogram": {int(k): int(v) for k, v in zip(*np.unique(lengths, return_counts=True))},
         "identical": sum(r["identical"] for r in rows),
         "count": len(rows),
     }
@@ -115,7 +119,8 @@ def _hf_speed(engine, ids: list[list[int]], max_new_tokens: int, progress) -> di
 def summary_lines(result: dict) -> list[str]:
     lines = [
         f"{result['model']} {result['precision']}, method {result['method']}, {result['count']} prompts",
-        f"  {result['method']:<10} {result['tokens_per_s']:8.1f} tokens/s   tau {result['tau']}",
+        f"  {result['method']:<10} {result['tokens_per_s']:8.1f} tokens/s   tau {result['tau']}   "
+        f"accepted {result['accepted']}/{result['drafted']} drafts",
         f"  {'plain':<10} {result['baseline_tokens_per_s']:8.1f} tokens/s   speedup {result['speedup']}x",
     ]
     if result["hf_tokens_per_s"] is not None:

@@ -28,6 +28,7 @@ class Stats:
     ttft_s: float = 0.0  # prompt in -> first new token out
     seconds: float = 0.0  # whole generation, prefill included
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step (1 for plain decoding)
+    drafted: int = 0  # draft tokens verified
 
     @property
     def tokens_per_s(self) -> float:
@@ -36,6 +37,16 @@ class Stats:
     @property
     def tau(self) -> float:
         return float(np.mean(self.accept_lengths)) if self.accept_lengths else 0.0
+
+    @property
+    def accepted(self) -> int:
+        """Draft tokens accepted (each step's accept length minus its bonus token)."""
+        return sum(self.accept_lengths) - len(self.accept_lengths)
+
+    def histogram(self) -> dict[int, int]:
+        """Accept length -> number of steps."""
+        lengths, counts = np.unique(self.accept_lengths, return_counts=True)
+        return {int(k): int(v) for k, v in zip(lengths, counts)}
 
     def as_dict(self) -> dict:
         return {
@@ -46,6 +57,9 @@ class Stats:
             "seconds": round(self.seconds, 4),
             "tokens_per_s": round(self.tokens_per_s, 2),
             "tau": round(self.tau, 3),
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "accept_histogram": self.histogram(),
         }
 
 
@@ -132,8 +146,10 @@ class Engine:
             return proposers.DraftModel(self.draft, tuple(options["draft_branching"]), sampler.params, sampler.rng)
         raise UserError(f"this runtime cannot run method '{method}'")
 
-    def step(self, cache: KVCache, history: list[int], proposer, sampler: Sampler) -> Acceptance:
-        """One speculative step: propose, verify, accept, commit. history[-1] is the root."""
+    def step(self, cache: KVCache, history: list[int], proposer, sampler: Sampler) -> tuple[Acceptance, int]:
+        """One speculative step: propose, verify, accept, commit. history[-1] is the root.
+
+        Returns the acceptance and the number of draft tokens verified."""
         proposal = proposer.propose(history)
         room = cache.capacity - cache.length - 1
         if len(proposal) > room:
@@ -146,7 +162,7 @@ class Engine:
             acceptance = accept(tokens, parents, self.verify(cache, tokens, parents), proposal, sampler)
         cache.commit(acceptance.path)
         proposer.accepted([r - 1 for r in acceptance.path[1:]])
-        return acceptance
+        return acceptance, len(proposal)
 
     def verify(self, cache: KVCache, tokens: list[int], parents: list[int], want=("logits",)) -> dict:
         """One target call over the tree (root first), every row selected; logits are [T, vocab]."""
@@ -206,8 +222,9 @@ class Engine:
             reason = next((r for r in map(emit, pending) if r), None)
             if reason:
                 break
-            acceptance = self.step(cache, ids + out, proposer, sampler)
+            acceptance, drafted = self.step(cache, ids + out, proposer, sampler)
             stats.steps += 1
+            stats.drafted += drafted
             stats.accept_lengths.append(acceptance.accept_length)
             pending = acceptance.tokens
         stats.seconds = time.perf_counter() - start

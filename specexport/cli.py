@@ -250,7 +250,8 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
     click.echo()
     click.echo(f"[{s.new_tokens} tokens in {s.seconds:.2f} s: {s.tokens_per_s:.1f} tokens/s, "
                f"time to first token {s.ttft_s * 1000:.0f} ms, {s.steps} steps, "
-               f"method {engine.bundle.method}, stop: {result.stop_reason}]", err=True)
+               f"method {engine.bundle.method}, tau {s.tau:.2f}, accepted {s.accepted}/{s.drafted} drafts, "
+               f"stop: {result.stop_reason}]", err=True)
 
 
 @main.command()

@@ -81,7 +81,8 @@ def test_stats(engine):
     assert s.prompt_tokens == len(engine.encode("hello"))
     assert (s.new_tokens, s.steps, s.accept_lengths, s.tau) == (10, 9, [1] * 9, 1.0)
     assert 0 < s.ttft_s <= s.seconds and s.tokens_per_s > 0
-    assert set(s.as_dict()) == {"prompt_tokens", "new_tokens", "steps", "ttft_s", "seconds", "tokens_per_s", "tau"}
+    assert set(s.as_dict()) == {"prompt_tokens", "new_tokens", "steps", "ttft_s", "seconds", "tokens_per_s", "tau",
+                               "drafted", "accepted", "accept_histogram"}
 
 
 # ---- stopping -----------------------------------------------------------------------------------
