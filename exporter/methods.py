@@ -19,8 +19,8 @@ class MethodOptions:
     draft_branching: tuple[int, ...] = ()  # children per node at each depth (a tree); () = a chain
     # ngram (prompt lookup)
     max_ngram: int = 3
-    min_ngram: int = 1
-    max_matches: int = 4
+    min_ngram: int = 2
+    max_matches: int = 1
 
     def check(self) -> None:
         if self.name not in METHODS:

