@@ -267,6 +267,46 @@ def test_output_exists(tiny_folder, tmp_path):
     assert (tmp_path / "b" / "keep.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("args, match", [
+    (["--method", "draft"], "--method draft needs --draft-model"),
+    (["--method", "draft", "--draft-model", "self:2"], "self:2: N must be in 1..1 (the target has 2 layers)"),
+    (["--method", "draft", "--draft-model", "self:0"], "self:0: N must be in 1..1"),
+    (["--method", "draft", "--draft-model", "self:x"], "self:N needs an integer N"),
+    (["--method", "draft", "--draft-model", "self:1", "--draft-length", "0"], "--draft-length must be in 1..64"),
+    (["--method", "draft", "--draft-model", "self:1", "--draft-length", "65"], "--draft-length must be in 1..64"),
+    (["--method", "draft", "--draft-model", "self:1", "--draft-tree", "2,x"], "--draft-tree must be comma-separated"),
+    (["--method", "draft", "--draft-model", "self:1", "--draft-tree", "2,0"], "--draft-tree must give 1..8 children"),
+    (["--method", "draft", "--draft-model", "self:1", "--draft-length", "2", "--draft-tree", "2,2,2"],
+     "--draft-tree must give 1..8 children for at most --draft-length (2) depths"),
+    (["--method", "draft", "--draft-model", "self:1", "--draft-length", "8", "--draft-tree", "4,4"],
+     "makes 116 nodes; at most 64"),
+    (["--method", "ngram", "--draft-model", "self:1"], "--draft-model is only used with --method draft"),
+    (["--method", "ngram", "--min-ngram", "3", "--max-ngram", "2"], "n-gram options must satisfy"),
+])
+def test_bad_method_options(tiny_folder, tmp_path, args, match):
+    fails("build", "--model", tiny_folder, "--output", tmp_path / "b", *args, match=match, alone=False)
+    assert not (tmp_path / "b").exists()
+
+
+def test_draft_with_another_vocabulary(tiny_folder, tmp_path):
+    other = save_folder(tiny_model("llama", vocab_size=300), tmp_path / "other-vocab")
+    fails("build", "--model", tiny_folder, "--method", "draft", "--draft-model", other, "--output", tmp_path / "b",
+          match="has a different vocabulary than the target", alone=False)
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))
+
+
+def test_draft_bundle_runs(tiny_folder, tmp_path):
+    out = tmp_path / "draft"
+    cli("build", "--model", tiny_folder, "--method", "draft", "--draft-model", "self:1", "--draft-tree", "2",
+        "--precision", "fp32", "--output", out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["method"] == {"name": "draft", "draft_model": "self:1", "draft_length": 4,
+                                  "draft_branching": [2, 1, 1, 1]}
+    assert set(manifest["graphs"]) == {"target", "draft"} and manifest["numerics"]["draft"]["max_abs_diff"] < 1e-4
+    data = json.loads(cli("run", out, "--prompt", "hello", "--json", "--max-new-tokens", "8").stdout)
+    assert data["method"] == "draft" and data["steps"] >= 1 and data["drafted"] > 0
+
+
 def test_aux_layers(tiny_folder, tmp_path):
     fails("export", "--model", tiny_folder, "--output", tmp_path / "out" / "b", "--aux-layers", "0,7",
           match="aux layer indices [7] out of range: the model has 2 layers")
