@@ -218,7 +218,7 @@ def numerics_lines(manifest: dict) -> list[str]:
     lines = []
     for name, case in (n.get("cases") or {}).items():
         lines.append(f"  {name:<20} max |logit diff| {case['max_abs_diff']:.2e}   top-1 agreement {case['top1_agreement']:.1%}")
-    if "agreement" in n:
+    if "top1_agreement_t1" in n.get("agreement", {}):
         a = n["agreement"]
         lines.append(f"  generated positions  top-1 agreement with fp32: {a['top1_agreement_t1']:.1%} decoding one token per step, "
                      f"{a['top1_agreement_t8']:.1%} in steps of 8 ({a['positions']} positions, teacher-forced)")
