@@ -15,13 +15,15 @@ from specexport import chisquare
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import SamplingParams
 
-PROMPT = "Write one sentence about the ocean."
+# text to copy, so that prompt lookup and drafts are often right and the speculative path is exercised
+PROMPT = ("Repeat this sentence three times: The quick brown fox jumps over the lazy dog while the cat "
+          "sleeps in the warm afternoon sun.")
 
 
-def histogram(engine: Engine, method: str | None, n: int, tokens: int, temperature: float, seed0: int):
+def histogram(engine: Engine, prompt: str, method: str | None, n: int, tokens: int, temperature: float, seed0: int):
     counts, tau = {}, []
     for i in range(n):
-        result = engine.generate(PROMPT, max_new_tokens=tokens, stop_ids=(), method=method,
+        result = engine.generate(prompt, max_new_tokens=tokens, stop_ids=(), method=method,
                                  sampling=SamplingParams(temperature=temperature, seed=seed0 + i))
         key = tuple(result.tokens[1:])
         counts[key] = counts.get(key, 0) + 1
@@ -35,14 +37,15 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=600)
     ap.add_argument("--tokens", type=int, default=3)
     ap.add_argument("--temperatures", default="0.7,1.0")
+    ap.add_argument("--prompt", default=PROMPT)
     args = ap.parse_args()
     engine = Engine.load(args.bundle, verify=False)
     print(f"{engine.bundle.manifest['model']['name']} {engine.bundle.precision}, method {engine.bundle.method}, "
           f"{args.n} samples each, tokens 2..{args.tokens}")
     failed = False
     for temperature in (float(t) for t in args.temperatures.split(",")):
-        spec, tau = histogram(engine, None, args.n, args.tokens, temperature, 0)
-        plain, _ = histogram(engine, "none", args.n, args.tokens, temperature, 10**6)
+        spec, tau = histogram(engine, args.prompt, None, args.n, args.tokens, temperature, 0)
+        plain, _ = histogram(engine, args.prompt, "none", args.n, args.tokens, temperature, 10**6)
         stat, dof = chisquare.two_sample(spec, plain)
         limit = chisquare.threshold(dof) if dof > 0 else float("inf")
         ok = stat < limit
