@@ -117,12 +117,11 @@ class Engine:
             logits = self.forward_chain(cache, chunk)
         return logits[-1]
 
-    def forward_chain(self, cache: KVCache, ids: list[int], all_rows: bool = False) -> np.ndarray:
-        """Append a chain of tokens; returns the logits of the last row (or of every row)."""
+    def forward_chain(self, cache: KVCache, ids: list[int]) -> np.ndarray:
+        """Append a chain of tokens; returns the logits of the last row, [1, vocab]."""
         t, past = len(ids), cache.length
         bias = tree.causal_bias(past, t, self.target.bias_width(cache, past, t))
-        rows = np.arange(t) if all_rows else np.array([t - 1])
-        out = self.target.forward(cache, np.array([ids]), past + np.arange(t)[None], bias, rows)
+        out = self.target.forward(cache, np.array([ids]), past + np.arange(t)[None], bias, np.array([t - 1]))
         cache.advance(t)
         return out["logits"]
 
