@@ -5,7 +5,7 @@ from __future__ import annotations
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specexport.errors import UserError
@@ -65,8 +65,9 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
 
     options.method.check()
     has_draft = options.method.name == "draft"
-    # load, build, tokenizer (+ draft build) (+ optimize) (+ validate)
-    step = Steps(3 + has_draft + options.optimize + options.validate, quiet)
+    has_medusa = options.method.name == "medusa"
+    # load, build, tokenizer (+ draft or heads build) (+ optimize) (+ validate)
+    step = Steps(3 + has_draft + has_medusa + options.optimize + options.validate, quiet)
     source = sources.resolve(model_spec)
     config = sources.load_config(source)
     spec = arch.spec_for(config.model_type)
@@ -75,13 +76,25 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
     max_context = _max_context(options.max_context, dims)
     if has_draft:
         methods.parse_self_draft(options.method.draft_model, dims.layers)  # fail early on a bad self:N
+    method_manifest = options.method.manifest()
+    graph_options, heads = options.graph, None
+    if has_medusa:  # fail early on bad heads or a bad tree
+        heads, where, medusa_tree = methods.load_medusa(options.method, source.name, dims.hidden, dims.vocab)
+        graph_options = replace(graph_options, fused_accept=True, medusa_top_k=methods.MEDUSA_TOP_K)
+        method_manifest.update(heads=str(Path(where).resolve()), heads_count=heads.count, heads_layers=heads.layers,
+                               head_style=heads.style, top_k=methods.MEDUSA_TOP_K, tree=medusa_tree.as_lists(),
+                               accuracy=heads.meta.get("accuracy"))
 
     with staged_output(Path(output), overwrite=overwrite) as tmp:
         step(f"loading {source.name} ({source.kind}: {source.path})")
         model, tokenizer = sources.load_model(source)
         models = {"target": model}
         step(f"building the {options.graph.precision} target graph ({options.graph.flavour} ops, {dims.layers} layers)")
-        graphs = {"target": _write_graph(model, "target", options.graph, max_context, tmp, quiet)}
+        graphs = {"target": _write_graph(model, "target", graph_options, max_context, tmp, quiet, heads)}
+        if has_medusa:
+            step(f"building the Medusa heads graph ({heads.count} {heads.style}-LM-head heads, for sampling)")
+            graphs["medusa_heads"] = _write_graph(model, "medusa_heads", graph_options, max_context, tmp, quiet, heads,
+                                                  heads_only=True)
         if has_draft:
             draft, draft_name = methods.load_draft(options.method, model, tokenizer, dims.layers)
             models["draft"] = draft
@@ -99,13 +112,15 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
             step("validating against transformers")
             precision = options.graph.precision
             numerics = _validate(model, tokenizer, tmp, graphs["target"], precision, agreement=precision != "fp32")
+            if has_medusa:
+                numerics["medusa"] = _validate_medusa(model, tmp, graphs, heads)
             if has_draft:
                 # the draft's quality shows in the accept length; its numerics are checked case by case
                 numerics["draft"] = _validate(models["draft"], tokenizer, tmp, graphs["draft"], precision, agreement=False)
         step.done()
         manifest = {
             "model": {"name": source.name, "source": str(source.path), "kind": source.kind, **dims.as_dict()},
-            "method": options.method.manifest(),
+            "method": method_manifest,
             "precision": options.graph.precision,
             "flavour": options.graph.flavour,
             "max_context": max_context,
@@ -126,8 +141,10 @@ def _max_context(requested: int | None, dims) -> int:
     return requested
 
 
-def _write_graph(model, name: str, graph: GraphOptions, max_context: int, folder: Path, quiet: bool) -> dict:
-    """Build `name`.onnx from a transformers model; returns its manifest entry."""
+def _write_graph(model, name: str, graph: GraphOptions, max_context: int, folder: Path, quiet: bool, medusa=None,
+                 heads_only: bool = False) -> dict:
+    """Build `name`.onnx from a transformers model (with Medusa heads; or the heads alone); returns its
+    manifest entry."""
     import onnx
     from tqdm import tqdm
 
@@ -138,9 +155,14 @@ def _write_graph(model, name: str, graph: GraphOptions, max_context: int, folder
     weights = extract_weights(spec, dims, model.state_dict())
     rotary = model.model.rotary_emb
     rope = rope_tables(rotary.inv_freq.detach().float().numpy(), float(rotary.attention_scaling), max_context)
-    builder = TargetGraphBuilder(spec, dims, weights, graph, rope)
-    with tqdm(total=dims.layers, desc=name, unit="layer", disable=quiet, leave=False) as bar:
-        proto = builder.build(on_layer=lambda i: bar.update(1))
+    builder = TargetGraphBuilder(spec, dims, weights, graph, rope, medusa)
+    if heads_only:
+        from specexport.exporter.medusa_graph import build_heads_graph
+
+        proto = build_heads_graph(builder)
+    else:
+        with tqdm(total=dims.layers, desc=name, unit="layer", disable=quiet, leave=False) as bar:
+            proto = builder.build(on_layer=lambda i: bar.update(1))
     del weights
     onnx.save(proto, folder / f"{name}.onnx", save_as_external_data=True, location=f"{name}.onnx.data",
               size_threshold=1024)
@@ -154,6 +176,7 @@ def _write_graph(model, name: str, graph: GraphOptions, max_context: int, folder
         "bias_width": "total" if graph.flavour == "ort" else "capacity",
         "aux_layers": list(graph.aux_layers),
         "fused_accept": graph.fused_accept,
+        "medusa_top_k": graph.medusa_top_k,
         "inputs": _io(proto.graph.input),
         "outputs": _io(proto.graph.output),
     }
@@ -203,6 +226,21 @@ def _validate(model, tokenizer, folder: Path, graph_info: dict, precision: str, 
     return report
 
 
+def _validate_medusa(model, folder: Path, graphs: dict, heads) -> dict:
+    """The fused step (accept + heads) and the heads graph against the PyTorch reference, on three trees."""
+    import onnxruntime as ort
+
+    from specexport.exporter import validate
+    from specexport.runtime.backend import TargetSession, session_options
+
+    session = TargetSession(folder / graphs["target"]["file"], graphs["target"])
+    alone = ort.InferenceSession(str(folder / graphs["medusa_heads"]["file"]), session_options(),
+                                 providers=["CPUExecutionProvider"])
+    runs = [validate.medusa_step(model, session, alone, heads, seed) for seed in range(3)]
+    return {"runs": runs, "path_match": all(r["path_match"] for r in runs),
+            "bonus_match": all(r["bonus_match"] for r in runs)}
+
+
 def _tool_versions() -> dict:
     import importlib.metadata as md
 
@@ -221,6 +259,11 @@ def numerics_lines(manifest: dict) -> list[str]:
     lines = []
     for name, case in (n.get("cases") or {}).items():
         lines.append(f"  {name:<20} max |logit diff| {case['max_abs_diff']:.2e}   top-1 agreement {case['top1_agreement']:.1%}")
+    for run in (n.get("medusa") or {}).get("runs", []):
+        k = next(key for key in run if key.startswith("fused_top"))
+        lines.append(f"  medusa step          accepted {run['accepted']}: path {'=' if run['path_match'] else '!='} "
+                     f"reference, bonus {'=' if run['bonus_match'] else '!='}, candidates {run[k]:.0%} equal "
+                     f"(worst gap {run['fused_max_gap']:.1e}; heads graph {run[k.replace('fused', 'heads_graph')]:.0%})")
     if "top1_agreement_t1" in n.get("agreement", {}):
         a = n["agreement"]
         lines.append(f"  generated positions  top-1 agreement with fp32: {a['top1_agreement_t1']:.1%} decoding one token per step, "

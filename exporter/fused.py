@@ -15,8 +15,9 @@ import numpy as np
 from onnx import TensorProto
 
 
-def add_greedy_accept(g, logits: str, seq_len: str) -> tuple[str, str]:
-    """Append the acceptance to graph `g`; returns (accept_rows [n] int64, bonus_token [1] int64)."""
+def add_greedy_accept(g, logits: str, seq_len: str) -> tuple[str, str, str]:
+    """Append the acceptance to graph `g`; returns (accept_rows [n] int64, bonus_token [1] int64, and the
+    step row of the last accepted node [1] int64: the row whose hidden state comes next)."""
     f = TensorProto.FLOAT
 
     def c(name, value, dtype=np.float32):
@@ -56,4 +57,4 @@ def add_greedy_accept(g, logits: str, seq_len: str) -> tuple[str, str]:
     path = g.op("Gather", [anc, best], axis=0)  # [1, T]: the best row's ancestors, itself included
     rows = g.op("Gather", [g.op("NonZero", [path]), c("dim1", 1, np.int64)], axis=0, outputs=["accept_rows"])
     bonus = g.op("Gather", [target, best], axis=0, outputs=["bonus_token"])
-    return rows, bonus
+    return rows, bonus, g.op("Add", [first, best])

@@ -38,6 +38,7 @@ class GraphOptions:
     flavour: str = "ort"
     aux_layers: tuple[int, ...] = ()  # export the input of these layers (EAGLE-3 features)
     fused_accept: bool = False  # also output the greedy acceptance of the step's tree (exporter/fused.py)
+    medusa_top_k: int = 0  # with Medusa heads: candidates per head at the accepted row (needs fused_accept)
 
     def check(self, d: Dims) -> None:
         if self.precision not in PRECISIONS:
@@ -76,13 +77,25 @@ class _Graph:
         self.elem_type = elem_type
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
+        self._names: dict[str, tuple] = {}  # initializer name -> shape
         self._count = 0
 
+    def has(self, name: str) -> bool:
+        return name in self._names
+
     def const(self, name: str, array: np.ndarray, compute: bool = False) -> str:
+        if name in self._names:  # a weight used twice (the LM head by the target and Medusa heads)
+            if self._names[name] != tuple(array.shape):
+                raise ValueError(f"initializer {name} defined twice with different shapes")
+            return name
         tensor = _to_compute(array, self.elem_type) if compute else numpy_helper.from_array(array)
         tensor.name = name
+        return self.add(tensor)
+
+    def add(self, tensor: onnx.TensorProto) -> str:
+        self._names[tensor.name] = tuple(tensor.dims)
         self.initializers.append(tensor)
-        return name
+        return tensor.name
 
     def op(self, op_type: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", **attrs):
         self._count += 1
@@ -94,9 +107,12 @@ class _Graph:
 
 class TargetGraphBuilder:
     def __init__(self, spec: ArchSpec, dims: Dims, weights: dict[str, np.ndarray], options: GraphOptions,
-                 rope: tuple[np.ndarray, np.ndarray]):
+                 rope: tuple[np.ndarray, np.ndarray], medusa=None):
         options.check(dims)
+        if (medusa is None) != (options.medusa_top_k == 0) or (medusa is not None and not options.fused_accept):
+            raise ValueError("Medusa heads need medusa_top_k > 0 and fused_accept, and the other way round")
         self.spec, self.d, self.w, self.opt = spec, dims, weights, options
+        self.medusa = medusa
         self.g = _Graph(options.compute_type)
         self.rope = rope
         self.ort = options.flavour == "ort"
@@ -132,11 +148,15 @@ class TargetGraphBuilder:
         in_dim = w.shape[1]
         if in_dim % quant.INT4_BLOCK:
             raise UserError(f"int4 needs input dims divisible by {quant.INT4_BLOCK}; {name} has {in_dim}")
+        if g.has(f"{name}.qweight"):  # already built (a shared LM head)
+            return g.op("DequantizeLinear", [f"{name}.qweight", f"{name}.scale", f"{name}.zero"], axis=0,
+                        block_size=quant.INT4_BLOCK)
         q, scale, zero = quant.int4_blocks(w)
         # ONNX packs 4-bit data over the whole flattened tensor; per-row packing is wrong for an odd last dim
         qt = helper.make_tensor(f"{name}.qweight", TensorProto.UINT4, q.T.shape, quant.pack_nibbles(q.T.reshape(-1)).tobytes(), raw=True)
         zt = helper.make_tensor(f"{name}.zero", TensorProto.UINT4, zero.T.shape, quant.pack_nibbles(zero.T.reshape(-1)).tobytes(), raw=True)
-        g.initializers += [qt, zt]
+        g.add(qt)
+        g.add(zt)
         s = g.const(f"{name}.scale", np.ascontiguousarray(scale.T))
         return g.op("DequantizeLinear", [qt.name, s, zt.name], axis=0, block_size=quant.INT4_BLOCK)
 
@@ -207,26 +227,37 @@ class TargetGraphBuilder:
         final, _ = self.norm(x, residual, w["norm"], "norm")
         g.op("Identity", [final], outputs=["hidden_states"])
 
-        rows = g.op("Gather", [g.op("Reshape", [final, g.const("flat_hidden", np.array([-1, d.hidden], np.int64))]), "logits_indices"], axis=0)
-        if self.opt.precision in _FLOAT_TYPES and d.tie_embeddings:
-            logits = g.op("Gemm", [rows, embed], transB=1)  # share the embedding table, no transposed copy
-        else:
-            logits = self.linear(rows, "lm_head", w["lm_head"])
+        flat = g.op("Reshape", [final, g.const("flat_hidden", np.array([-1, d.hidden], np.int64))])
+        logits = self.lm_head(g.op("Gather", [flat, "logits_indices"], axis=0))
         if et != TensorProto.FLOAT:
             logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
         g.op("Identity", [logits], outputs=["logits"])
         if self.opt.fused_accept:
             from specexport.exporter.fused import add_greedy_accept
 
-            add_greedy_accept(g, "logits", seq_len)
+            _, _, row = add_greedy_accept(g, "logits", seq_len)
             outputs += [helper.make_tensor_value_info("accept_rows", TensorProto.INT64, ["accepted"]),
                         helper.make_tensor_value_info("bonus_token", TensorProto.INT64, [1])]
+            if self.medusa is not None:
+                from specexport.exporter.medusa_graph import add_medusa_heads
+
+                add_medusa_heads(self, g.op("Gather", [flat, row], axis=0), "medusa_tokens")
+                outputs.append(helper.make_tensor_value_info("medusa_tokens", TensorProto.INT64,
+                                                             [1, self.medusa.count, self.opt.medusa_top_k]))
 
         graph = helper.make_graph(g.nodes, "target", inputs, outputs, initializer=g.initializers)
         opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
         model = helper.make_model(graph, opset_imports=opsets, producer_name="specexport")
         model.ir_version = 11
         return model
+
+    def lm_head(self, rows: str) -> str:
+        """Logits of hidden rows [n, hidden] (compute type); the weights are created once and shared."""
+        g, d = self.g, self.d
+        if self.opt.precision in _FLOAT_TYPES and d.tie_embeddings:
+            embed = "embed" if g.has("embed") else g.const("embed", self.w["embed"], compute=True)
+            return g.op("Gemm", [rows, embed], transB=1)  # share the embedding table, no transposed copy
+        return self.linear(rows, "lm_head", self.w["lm_head"])
 
     def _seq_len(self) -> str:
         g = self.g

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from pathlib import Path
 
 from specexport.errors import UserError
 
-METHODS = ("none", "ngram", "draft")
+METHODS = ("none", "ngram", "draft", "medusa")
+MEDUSA_TOP_K = 10  # candidates per head in the graph: any tree with ranks < 10 runs on the bundle
+ASSETS = Path(__file__).parent / "assets"
 MAX_DRAFT = 64
 
 
@@ -21,6 +24,9 @@ class MethodOptions:
     max_ngram: int = 3
     min_ngram: int = 2
     max_matches: int = 1
+    # medusa: heads (folder or file; default: the heads shipped for the target) and the tree
+    heads: str | None = None
+    tree: str = "auto:15"
 
     def check(self) -> None:
         if self.name not in METHODS:
@@ -36,6 +42,8 @@ class MethodOptions:
             if self.tree_size() > MAX_DRAFT:
                 raise UserError(f"--draft-tree {','.join(map(str, self.draft_branching))} makes {self.tree_size()} "
                                 f"nodes; at most {MAX_DRAFT}")
+        if self.heads and self.name != "medusa":
+            raise UserError("--heads is only used with --method medusa")
         if self.name == "ngram" and not (1 <= self.min_ngram <= self.max_ngram <= 16 and 1 <= self.max_matches <= 16):
             raise UserError("n-gram options must satisfy 1 <= --min-ngram <= --max-ngram <= 16, 1 <= --max-matches <= 16")
 
@@ -58,7 +66,31 @@ class MethodOptions:
         if self.name == "ngram":
             data.update(max_ngram=self.max_ngram, min_ngram=self.min_ngram, max_matches=self.max_matches,
                         draft_length=self.draft_length)
+        if self.name == "medusa":
+            data.update(tree_spec=self.tree)  # the heads, their source and the resolved tree: added by the export
         return data
+
+
+def default_heads(model_name: str) -> Path | None:
+    """Medusa heads shipped with specexport for a model (by its short name), if any."""
+    folder = ASSETS / f"medusa-{model_name}"
+    return folder if folder.is_dir() else None
+
+
+def load_medusa(options: MethodOptions, model_name: str, hidden: int, vocab: int):
+    """(heads, where, tree) for --method medusa: the heads checked against the target, the tree against them."""
+    from specexport.exporter.medusa import load_heads
+    from specexport.runtime.medusa_tree import resolve_tree
+
+    where = Path(options.heads) if options.heads else default_heads(model_name)
+    if where is None:
+        raise UserError(f"no Medusa heads ship for {model_name}: pass --heads PATH (published heads, or train them "
+                        f"with specexport train --method medusa --model ...)")
+    heads = load_heads(where)
+    heads.check(hidden, vocab, str(where))
+    ranks = [row.get("ranks") for row in heads.meta.get("accuracy", [])]
+    tree = resolve_tree(options.tree, heads.count, MEDUSA_TOP_K, ranks if ranks and all(ranks) else None)
+    return heads, where, tree
 
 
 def parse_self_draft(spec: str, target_layers: int) -> int | None:

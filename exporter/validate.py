@@ -137,3 +137,72 @@ def agreement_on_prompts(model, session, sequences: list[tuple[list[int], int]],
         result[f"top1_agreement_t{step}"] = hits / max(total, 1)
     result["positions"] = total
     return result
+
+
+def medusa_step(model, session, heads_session, heads, seed: int = 0, prefix: int = 20) -> dict:
+    """The fused Medusa step against a PyTorch reference on a branching tree after a prefix.
+
+    The tree's tokens are drawn so that a random part of it is what the reference would accept (each node,
+    with probability 0.6, carries the reference's argmax at its parent). The reference: transformers logits
+    and final hidden states over the same tree, greedy acceptance, then the heads in numpy at the last
+    accepted row. Reports whether the accepted path and bonus token match, and the heads' candidates: the
+    share that match, and the largest reference-logit gap between a mismatched candidate and the reference's
+    one of the same rank (a near-tie when small). The stand-alone heads graph is scored the same way on the
+    reference hidden row.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    from specexport.runtime.verify import accept_greedy
+
+    rng = np.random.default_rng(seed)
+    vocab = model.config.vocab_size
+    prompt = rng.integers(3, vocab, size=prefix)
+    tokens = rng.integers(3, vocab, size=len(TREE))
+    lm_head = model.get_output_embeddings().weight.detach().float().numpy()
+
+    def reference(tokens):
+        cache = DynamicCache(config=model.config)
+        hidden = []
+        for ids, parents, past in ((prompt, tree.chain(prefix).tolist(), 0), (tokens, TREE, prefix)):
+            bias = tree.attention_bias(parents, past)
+            with torch.no_grad():
+                out = model.model(input_ids=torch.from_numpy(np.array([ids])),
+                                  position_ids=torch.from_numpy((past + tree.depths(parents))[None].copy()),
+                                  attention_mask=torch.from_numpy(bias), cache=cache, use_cache=True)
+            hidden.append(out.last_hidden_state[0].float().numpy())
+        return hidden[1]
+
+    for node in range(1, len(TREE)):  # a random part of the tree is what the reference accepts
+        if rng.random() < 0.6:
+            tokens[node] = int((reference(tokens)[TREE[node]] @ lm_head.T).argmax())
+    hidden = reference(tokens)
+    logits = hidden @ lm_head.T
+    ref = accept_greedy(tokens.tolist(), TREE, logits.argmax(-1))
+    ref_heads = heads.numpy_forward(hidden[ref.path[-1]][None], lm_head)[:, 0]  # [heads, vocab]
+
+    cache = session.new_cache(prefix + len(TREE) + 8)
+    for ids, parents in ((prompt, tree.chain(prefix).tolist()), (tokens, TREE)):
+        past, t = cache.length, len(ids)
+        bias = tree.attention_bias(parents, past, session.bias_width(cache, past, t))
+        out = session.forward(cache, np.array([ids]), (past + tree.depths(parents))[None], bias, np.arange(t),
+                              want=("accept_rows", "bonus_token", "medusa_tokens"))
+        cache.advance(t)
+    alone = heads_session.run(None, {"hidden": hidden[ref.path[-1]][None].astype(heads_session_dtype(heads_session))})[0]
+    return {"accepted": len(ref.path) - 1,
+            "path_match": out["accept_rows"].tolist() == ref.path,
+            "bonus_match": int(out["bonus_token"][0]) == ref.tokens[-1],
+            **_candidates("fused", out["medusa_tokens"][0], ref_heads),
+            **_candidates("heads_graph", alone[0], ref_heads)}
+
+
+def heads_session_dtype(session):
+    return np.float16 if session.get_inputs()[0].type == "tensor(float16)" else np.float32
+
+
+def _candidates(name: str, got: np.ndarray, ref_logits: np.ndarray) -> dict:
+    """Share of candidates [heads, k] equal to the reference top-k, and the worst logit gap where not."""
+    k = got.shape[-1]
+    want = np.argsort(-ref_logits, axis=-1, kind="stable")[:, :k]
+    gap = np.abs(np.take_along_axis(ref_logits, got, -1) - np.take_along_axis(ref_logits, want, -1))
+    return {f"{name}_top{k}_match": float((got == want).mean()), f"{name}_max_gap": float(gap.max())}

@@ -14,7 +14,7 @@ from specexport.runtime.bundle import Bundle, load_bundle
 from specexport.runtime.backend import TargetSession
 from specexport.runtime.kvcache import KVCache
 from specexport.runtime.sampling import Sampler, SamplingParams, probabilities
-from specexport.runtime.verify import Acceptance, accept_greedy, accept_tree, uniforms_shape
+from specexport.runtime.verify import Acceptance, accept_greedy, accept_tree, accept_typical, uniforms_shape
 from specexport.runtime.tokenizer import StreamDecoder, Tokenizer, find_stop
 
 PREFILL_CHUNK = 512  # tokens per prefill call: bounds the bias ([T, past+T] floats) and activations
@@ -84,6 +84,33 @@ class Engine:
         self.max_context = int(bundle.manifest["max_context"])
         self.first_token_alone = bool(bundle.manifest.get("runtime", {}).get("prefill_first_token_alone"))
         self.fused_accept = "accept_rows" in self.target.outputs  # greedy acceptance inside the graph
+        self.typical = None  # (threshold, alpha): Medusa's lossy typical acceptance when sampling
+        self.medusa_tree = None
+        self.heads = None  # the stand-alone Medusa heads graph, loaded when sampling needs it
+        if bundle.method == "medusa":
+            self.set_tree(None)
+
+    def set_tree(self, spec: str | None) -> None:
+        """The Medusa tree to run: the bundle's (None), a preset, a JSON file or auto:N."""
+        from specexport.runtime.medusa_tree import make_tree, resolve_tree
+
+        m = self.bundle.manifest["method"]
+        if spec is None:
+            self.medusa_tree = make_tree(m["tree"], m["heads_count"], m["top_k"], "the bundle's tree")
+            return
+        ranks = [row.get("ranks") for row in m.get("accuracy") or []]
+        self.medusa_tree = resolve_tree(spec, m["heads_count"], m["top_k"], ranks if ranks and all(ranks) else None)
+
+    def _heads_session(self):
+        if self.heads is None:
+            import onnxruntime as ort
+
+            from specexport.runtime.backend import providers, session_options
+
+            info = self.bundle.graphs["medusa_heads"]
+            self.heads = ort.InferenceSession(str(self.bundle.file(info["file"])), session_options(self.threads),
+                                              providers=providers(self.device))
+        return self.heads
 
     @classmethod
     def load(cls, path: str | Path, threads: int | None = None, device: str = "auto", verify: bool = True) -> "Engine":
@@ -109,21 +136,25 @@ class Engine:
         return ids
 
     # -- target calls ------------------------------------------------------------------------
-    def prefill(self, cache: KVCache, ids: list[int]) -> np.ndarray:
-        """Run the prompt through the target; returns the logits of its last token."""
+    def prefill(self, cache: KVCache, ids: list[int], proposer=None) -> np.ndarray:
+        """Run the prompt through the target; returns the logits of its last token. The last call also
+        brings what `proposer` wants from the target (Medusa's candidates at the last prompt token)."""
         chunks = [ids[:1], ids[1:]] if self.first_token_alone and len(ids) > 1 else [ids]
         chunks = [c[i:i + PREFILL_CHUNK] for c in chunks for i in range(0, len(c), PREFILL_CHUNK)]
-        for chunk in chunks:
-            logits = self.forward_chain(cache, chunk)
-        return logits[-1]
+        for n, chunk in enumerate(chunks):
+            extra = proposer.wants(self.fused_accept) if proposer is not None and n == len(chunks) - 1 else ()
+            out = self.forward_chain(cache, chunk, ("logits",) + extra)
+        if extra:
+            proposer.observe(out, len(chunks[-1]) - 1)
+        return out["logits"][-1]
 
-    def forward_chain(self, cache: KVCache, ids: list[int]) -> np.ndarray:
-        """Append a chain of tokens; returns the logits of the last row, [1, vocab]."""
+    def forward_chain(self, cache: KVCache, ids: list[int], want=("logits",)) -> dict:
+        """Append a chain of tokens; returns the `want`ed outputs, the logits of the last row, [1, vocab]."""
         t, past = len(ids), cache.length
         bias = tree.causal_bias(past, t, self.target.bias_width(cache, past, t))
-        out = self.target.forward(cache, np.array([ids]), past + np.arange(t)[None], bias, np.array([t - 1]))
+        out = self.target.forward(cache, np.array([ids]), past + np.arange(t)[None], bias, np.array([t - 1]), want=want)
         cache.advance(t)
-        return out["logits"]
+        return out
 
     # -- speculation ---------------------------------------------------------------------------
     def proposer(self, method: str, sampler: Sampler):
@@ -143,6 +174,11 @@ class Engine:
                 info = self.bundle.graphs["draft"]
                 self.draft = TargetSession(self.bundle.file(info["file"]), info, threads=self.threads, device=self.device)
             return proposers.DraftModel(self.draft, tuple(options["draft_branching"]), sampler.params, sampler.rng)
+        if method == "medusa":
+            heads = None
+            if not (self.fused_accept and sampler.params.greedy):
+                heads = self._heads_session()
+            return proposers.MedusaHeads(self.medusa_tree, heads)
         raise UserError(f"this runtime cannot run method '{method}'")
 
     def step(self, cache: KVCache, history: list[int], proposer, sampler: Sampler) -> tuple[Acceptance, int]:
@@ -155,12 +191,19 @@ class Engine:
             proposal = proposal.truncated(room)
         tokens = [history[-1]] + proposal.tokens
         parents = [-1] + [p + 1 for p in proposal.parents]
-        if self.fused_accept and sampler.params.greedy:
-            acceptance = self.verify_fused(cache, tokens, parents)
+        fused = self.fused_accept and sampler.params.greedy
+        extra = proposer.wants(fused)
+        if fused:  # verify and accept in one graph call: only the path and the bonus token come back
+            out = self.verify(cache, tokens, parents, want=("accept_rows", "bonus_token") + extra)
+            path = out["accept_rows"].tolist()
+            acceptance = Acceptance(path, [tokens[r] for r in path[1:]] + [int(out["bonus_token"][0])])
         else:
-            acceptance = accept(tokens, parents, self.verify(cache, tokens, parents), proposal, sampler)
+            out = self.verify(cache, tokens, parents, want=("logits",) + extra)
+            acceptance = accept(tokens, parents, out["logits"], proposal, sampler, self.typical)
         cache.commit(acceptance.path)
         proposer.accepted([r - 1 for r in acceptance.path[1:]])
+        if extra:
+            proposer.observe(out, acceptance.path[-1])
         return acceptance, len(proposal)
 
     def verify(self, cache: KVCache, tokens: list[int], parents: list[int], want=("logits",)) -> dict:
@@ -168,14 +211,7 @@ class Engine:
         t, past = len(tokens), cache.length
         bias = tree.attention_bias(parents, past, self.target.bias_width(cache, past, t))
         positions = past + tree.depths(parents)
-        out = self.target.forward(cache, np.array([tokens]), positions[None], bias, np.arange(t), want=want)
-        return out if len(want) > 1 else out[want[0]]
-
-    def verify_fused(self, cache: KVCache, tokens: list[int], parents: list[int]) -> Acceptance:
-        """Verify and accept greedily in one graph call: only the path and the bonus token come back."""
-        out = self.verify(cache, tokens, parents, want=("accept_rows", "bonus_token"))
-        path = out["accept_rows"].tolist()
-        return Acceptance(path, [tokens[r] for r in path[1:]] + [int(out["bonus_token"][0])])
+        return self.target.forward(cache, np.array([tokens]), positions[None], bias, np.arange(t), want=want)
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
@@ -215,7 +251,7 @@ class Engine:
             return None
 
         start = time.perf_counter()
-        pending = [sampler(self.prefill(cache, ids))]
+        pending = [sampler(self.prefill(cache, ids, proposer))]
         stats.ttft_s = time.perf_counter() - start
         while True:
             reason = next((r for r in map(emit, pending) if r), None)
@@ -235,13 +271,17 @@ class Engine:
         return Generation(out, text, reason, stats)
 
 
-def accept(tokens: list[int], parents: list[int], logits: np.ndarray, proposal, sampler: Sampler) -> Acceptance:
+def accept(tokens: list[int], parents: list[int], logits: np.ndarray, proposal, sampler: Sampler,
+           typical: tuple[float, float] | None = None) -> Acceptance:
     """Greedy: the longest path matching the target's argmax. Sampling: the exact rule for how the
-    drafts were chosen (verify.accept_tree), so the output follows the target's distribution."""
+    drafts were chosen (verify.accept_tree), so the output follows the target's distribution; or, when
+    `typical` (threshold, alpha) is given, Medusa's lossy typical acceptance."""
     if sampler.params.greedy:
         return accept_greedy(tokens, parents, logits.argmax(-1))
     p = probabilities(logits, sampler.params)
     u = sampler.rng.random(uniforms_shape(parents))
+    if typical is not None:
+        return accept_typical(tokens, parents, p, u, *typical)
     if proposal.mode == "topk":
         return accept_tree(tokens, parents, p, None, u, "topk")
     return accept_tree(tokens, parents, p, proposal.q[:len(tokens)], u, proposal.mode)

@@ -34,9 +34,19 @@ class Proposal:
 
 
 class NoProposer:
-    """Plain decoding: nothing to propose, every step verifies the root alone."""
+    """Plain decoding: nothing to propose, every step verifies the root alone.
+
+    A proposer that reads the target's own outputs (Medusa) names them in `wants(fused)`; the engine then
+    asks the target for them on the prompt's last call and every verify call, and hands them to
+    `observe(outputs, row)`, `row` being the step row of the last accepted node."""
 
     max_nodes = 0
+
+    def wants(self, fused: bool) -> tuple[str, ...]:
+        return ()
+
+    def observe(self, outputs: dict, row: int) -> None:
+        pass
 
     def start(self, prompt_len: int, capacity: int) -> None:
         pass
@@ -130,3 +140,34 @@ class DraftModel(NoProposer):
         out = self.session.forward(cache, np.array([ids]), positions[None], bias, np.asarray(list(rows)))
         cache.advance(t)
         return out["logits"]
+
+
+class MedusaHeads(NoProposer):
+    """Medusa: a fixed tree whose node at depth d holds head d-1's candidate of the node's rank, taken at the
+    last accepted row. In a fused graph the target call itself returns the candidates (one call per step);
+    otherwise (sampling) the stand-alone heads graph runs on that row's hidden state."""
+
+    def __init__(self, medusa_tree, heads_session=None):
+        self.tree = medusa_tree
+        self.parents = [p - 1 for p in medusa_tree.parents[1:]]  # relative to the drafts: the root is -1
+        self.max_nodes = medusa_tree.size - 1
+        self.heads_session = heads_session
+        self.candidates = None
+
+    def wants(self, fused: bool) -> tuple[str, ...]:
+        return ("medusa_tokens",) if fused else ("hidden_states",)
+
+    def start(self, prompt_len: int, capacity: int) -> None:
+        self.candidates = None
+
+    def observe(self, outputs: dict, row: int) -> None:
+        if "medusa_tokens" in outputs:
+            self.candidates = outputs["medusa_tokens"][0]
+            return
+        hidden = outputs["hidden_states"][0, row][None]
+        self.candidates = self.heads_session.run(None, {"hidden": hidden})[0][0]
+
+    def propose(self, history: list[int]) -> Proposal:
+        if self.candidates is None:
+            return Proposal([], [])
+        return Proposal(self.tree.tokens(history[-1], self.candidates)[1:], self.parents)

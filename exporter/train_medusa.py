@@ -1,0 +1,490 @@
+"""Train Medusa heads on a frozen target (the Medusa-1 recipe), on a CPU.
+
+Two phases, both resumable:
+
+1. Features. The target runs once over the data and its final hidden states (after the final norm) are
+   cached with each position's labels: head k (0-based) at position t learns token t + k + 2. Data is either
+   `self` (self-distillation, the default: the target's own greedy continuations of ShareGPT prompts, so the
+   labels are exactly what greedy verification will accept) or `sharegpt` (the conversations themselves,
+   teacher-forced, as in Medusa-1). Chunks land in OUTPUT/features/ one by one.
+2. Heads. ResBlocks start at the identity (zero weight, zero bias); the loss is sum_k 0.8^k * CE(head k). Each
+   step draws `batch` cached positions (seeded by step, so a resumed run repeats an uninterrupted one) and
+   scores them over a vocabulary subset: the `vocab_subset` most frequent labels plus every label in the
+   batch, which keeps the step cheap on a CPU. Held-out accuracy is always measured over the full vocabulary.
+
+Styles: `shared` heads project through the target's LM head (a few MB per head); `own` heads get their own
+LM head, initialised from the target's and trained too (Medusa v0.1 / Medusa-2 layout).
+
+OUTPUT/ gets our format (medusa_lm_head.safetensors + config.json with the per-head top-1/top-5 table) and
+training.json; OUTPUT/checkpoint/ holds the trained weights and AdamW moments (safetensors) and the state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from specexport.errors import UserError
+from specexport.exporter.training import (CLIP_NORM, HELDOUT, SAVE_EVERY_S, WARMUP_STEPS, TokenStream, checkpoint_dir,
+                                          learning_rate, load_checkpoint, prepare_output, read_sharegpt,
+                                          save_checkpoint, sharegpt_file, write_json)
+
+DECAY = 0.8  # loss weight of head k: DECAY ** k
+DATA_KINDS = ("self", "sharegpt")
+STYLES = ("shared", "own")
+EVAL_SAMPLES = 64
+RESUME_KEYS = ("model", "heads", "style", "data", "samples", "new_tokens", "prompt_tokens", "batch", "lr", "seed",
+               "vocab_subset")
+
+
+# ------------------------------------------------------------------------------------------------ features
+
+
+def first_prompts(tokenizer, conversations: list[dict], max_tokens: int, seed: int) -> list[list[int]]:
+    """Each conversation's first user turn as a chat prompt (with the assistant's generation prompt), in a
+    seeded order, keeping those of at most `max_tokens` tokens; lazily, as a generator."""
+    from jinja2 import TemplateError
+
+    order = np.random.default_rng(seed).permutation(len(conversations))
+    for index in order:
+        turns = conversations[int(index)].get("conversations", [])
+        text = next((t.get("value") for t in turns if t.get("from") in ("human", "user")), None)
+        if not isinstance(text, str) or not text.strip() or len(text) > max_tokens * 16:
+            continue
+        messages = [{"role": "user", "content": text}]
+        try:
+            if getattr(tokenizer, "chat_template", None):
+                rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            else:
+                rendered = text
+        except (TemplateError, ValueError, TypeError):
+            continue
+        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
+        if 0 < len(ids) <= max_tokens:
+            yield ids
+
+
+def greedy_continuations(model, prompts: list[list[int]], new_tokens: int, eos: set[int], pad: int):
+    """Greedy continuations of a batch of prompts (left-padded, one KV cache) and the final hidden states
+    that produced them: per prompt (tokens [n], hidden [n, h]) where hidden[i] predicted tokens[i]."""
+    import torch
+
+    longest = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    body, head = model.model, model.get_output_embeddings()
+    tokens, hidden = [], []
+    done = torch.zeros(len(prompts), dtype=torch.bool)
+    cache = None
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            out = body(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+            cache = out.cache if hasattr(out, "cache") else out.past_key_values
+            h = out.last_hidden_state[:, -1]
+            nxt = head(h).argmax(-1)
+            tokens.append(torch.where(done, pad, nxt))
+            hidden.append(h.to(torch.float16))
+            done = done | torch.tensor([int(t) in eos for t in nxt])
+            if bool(done.all()):
+                break
+            ids, positions = nxt[:, None], positions[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
+    tokens, hidden = torch.stack(tokens, 1), torch.stack(hidden, 1)
+    out = []
+    for b in range(len(prompts)):
+        row = tokens[b].tolist()
+        n = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        out.append((np.array(row[:n], np.int64), hidden[b, :n].numpy()))
+    return out
+
+
+def teacher_forced(model, windows: list[list[int]]):
+    """(tokens [n], hidden [n, h]) per window, hidden[i] being the state that predicts tokens[i] (i >= 1)."""
+    import torch
+
+    with torch.no_grad():
+        h = model.model(input_ids=torch.tensor(windows)).last_hidden_state.to(torch.float16)
+    return [(np.array(w[1:], np.int64), h[b, :-1].numpy()) for b, w in enumerate(windows)]
+
+
+def label_rows(tokens: np.ndarray, hidden: np.ndarray, heads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Training rows from one sequence: hidden[i] with labels[i, k] = tokens[i + k + 1] (-1 past the end) and
+    the token it predicts itself, tokens[i]; rows with no label at all are dropped."""
+    n = len(tokens)
+    rows = max(n - 1, 0)
+    labels = np.full((rows, heads), -1, np.int64)
+    for k in range(heads):
+        span = max(n - (k + 1), 0)
+        labels[:span, k] = tokens[k + 1 : k + 1 + span]
+    return hidden[:rows], labels, tokens[:rows]
+
+
+class FeatureCache:
+    """OUTPUT/features/: chunk_NNNNN.safetensors (hidden fp16, labels, tokens) and heldout.safetensors."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def chunks(self) -> list[Path]:
+        return sorted(self.folder.glob("chunk_*.safetensors"))
+
+    def write(self, name: str, sequences: list[tuple[np.ndarray, np.ndarray]], heads: int) -> int:
+        from safetensors.numpy import save_file
+
+        parts = [label_rows(t, h, heads) for t, h in sequences]
+        hidden = np.concatenate([p[0] for p in parts]) if parts else np.zeros((0, 0), np.float16)
+        labels = np.concatenate([p[1] for p in parts]) if parts else np.zeros((0, heads), np.int64)
+        nxt = np.concatenate([p[2] for p in parts]) if parts else np.zeros((0,), np.int64)
+        temp = self.folder / f"{name}.tmp"
+        save_file({"hidden": np.ascontiguousarray(hidden), "labels": labels, "next": nxt}, str(temp))
+        os.replace(temp, self.folder / f"{name}.safetensors")
+        return len(labels)
+
+    @staticmethod
+    def read(files: list[Path]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(hidden, labels, next) of the files, concatenated (empty files skipped)."""
+        from safetensors.numpy import load_file
+
+        loaded = [x for x in (load_file(str(f)) for f in files) if len(x["labels"])]
+        if not loaded:
+            return np.zeros((0, 1), np.float16), np.zeros((0, 1), np.int64), np.zeros((0,), np.int64)
+        return tuple(np.concatenate([x[key] for x in loaded]) for key in ("hidden", "labels", "next"))
+
+
+def build_features(model, tokenizer, train_set, heldout, cache: FeatureCache, settings: dict, log, quiet: bool) -> None:
+    """Fill the feature cache up to `samples` training sequences and the held-out set (resuming after the
+    chunks already there)."""
+    from tqdm import tqdm
+
+    heads, batch = settings["heads"], settings["feature_batch"]
+    samples, new_tokens = settings["samples"], settings["new_tokens"]
+    eos = set(_eos_ids(model, tokenizer))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+
+    def groups(source, count, seed):  # the inputs of each chunk: cheap, so a resume can skip them
+        if settings["data"] == "self":
+            items = first_prompts(tokenizer, source, settings["prompt_tokens"], seed)
+        else:
+            stream = TokenStream(tokenizer, source, settings["prompt_tokens"] + new_tokens, seed)
+            items = iter(stream.window, None)
+        while count > 0:
+            group = [x for _, x in zip(range(min(batch, count)), items)]
+            if not group:
+                return
+            count -= len(group)
+            yield group
+
+    def run(group):
+        if settings["data"] == "self":
+            return greedy_continuations(model, group, new_tokens, eos, pad)
+        return teacher_forced(model, group)
+
+    if not (cache.folder / "heldout.safetensors").is_file():
+        log(f"held-out features ({EVAL_SAMPLES} sequences) ...")
+        cache.write("heldout", [s for group in groups(heldout, EVAL_SAMPLES, settings["seed"] + 1) for s in run(group)],
+                    heads)
+    done = len(cache.chunks())
+    bar = tqdm(total=samples, unit="seq", desc="features", disable=quiet, file=sys.stderr, dynamic_ncols=True)
+    with bar:
+        for index, group in enumerate(groups(train_set, samples, settings["seed"])):
+            if index >= done:
+                rows = cache.write(f"chunk_{index:05d}", run(group), heads)
+                bar.set_postfix(rows=rows)
+            bar.update(len(group))
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise UserError("the target declares no end-of-sequence token")
+    return sorted(set(ids))
+# --------------------------------------------------------------------------------------------------- heads
+
+
+def make_heads(heads: int, hidden: int, lm_head, style: str) -> dict:
+    """Trainable parameters: per head a ResBlock at the identity, and (own style) an LM head copy."""
+    import torch
+
+    params = {}
+    for k in range(heads):
+        params[f"{k}.0.linear.weight"] = torch.zeros(hidden, hidden, requires_grad=True)
+        params[f"{k}.0.linear.bias"] = torch.zeros(hidden, requires_grad=True)
+        if style == "own":
+            params[f"{k}.1.weight"] = lm_head.detach().clone().requires_grad_(True)
+    return params
+
+
+def resblocks(params: dict, k: int, x):
+    import torch.nn.functional as F
+
+    return x + F.silu(F.linear(x, params[f"{k}.0.linear.weight"], params[f"{k}.0.linear.bias"]))
+
+
+def head_lm(params: dict, k: int, lm_head):
+    return params.get(f"{k}.1.weight", lm_head)
+
+
+def medusa_loss(params: dict, lm_head, hidden, labels, vocab_rows):
+    """sum_k DECAY^k * mean CE of head k over the rows where it has a label, scored over `vocab_rows`
+    (sorted token ids that include every label); also the per-head CE values."""
+    import torch
+    import torch.nn.functional as F
+
+    total, parts = 0.0, []
+    for k in range(labels.shape[1]):
+        valid = labels[:, k] >= 0
+        if not bool(valid.any()):
+            parts.append(float("nan"))
+            continue
+        x = resblocks(params, k, hidden[valid])
+        logits = x @ head_lm(params, k, lm_head)[vocab_rows].T
+        target = torch.searchsorted(vocab_rows, labels[valid, k])
+        ce = F.cross_entropy(logits, target)
+        total = total + DECAY**k * ce
+        parts.append(ce.item())
+    return total, parts
+
+
+RANKS = 10  # per-rank accuracy kept for tree construction (Medusa trees use ranks 0..9)
+
+
+def accuracy(params: dict, lm_head, hidden, labels, chunk: int = 512) -> list[dict]:
+    """Per head, full vocabulary: top-1 and top-5 accuracy over the rows where it has a label, and how often
+    the rank-r candidate is the label (r < RANKS), which is what a tree is built from."""
+    import torch
+
+    heads = labels.shape[1]
+    hits = np.zeros((heads, RANKS))
+    counts = np.zeros(heads)
+    with torch.no_grad():
+        for start in range(0, len(labels), chunk):
+            h, y = hidden[start : start + chunk].float(), labels[start : start + chunk]
+            for k in range(heads):
+                valid = y[:, k] >= 0
+                if not bool(valid.any()):
+                    continue
+                top = (resblocks(params, k, h[valid]) @ head_lm(params, k, lm_head).T).topk(RANKS, dim=-1).indices
+                hits[k] += (top == y[valid, k, None]).sum(0).numpy()
+                counts[k] += int(valid.sum())
+    rate = hits / np.maximum(counts, 1)[:, None]
+    return [{"head": k, "predicts": f"t+{k + 2}", "top1": round(float(rate[k, 0]), 4),
+             "top5": round(float(rate[k, :5].sum()), 4), "ranks": [round(float(x), 4) for x in rate[k]],
+             "rows": int(counts[k])} for k in range(heads)]
+
+
+def base_accuracy(lm_head, hidden, tokens_next) -> float:
+    """How often the target's own LM head picks the cached next token (1.0 for self-distilled data)."""
+    import torch
+
+    with torch.no_grad():
+        return round(float((hidden.float() @ lm_head.T).argmax(-1).eq(tokens_next).float().mean()), 4)
+
+
+def vocab_subset(labels: np.ndarray, size: int, vocab: int):
+    """The `size` most frequent labels (ties by id), as a sorted int64 tensor."""
+    import torch
+
+    counts = np.bincount(labels[labels >= 0].ravel(), minlength=vocab)
+    top = np.argsort(-counts, kind="stable")[: min(size, vocab)]
+    return torch.from_numpy(np.sort(top).astype(np.int64))
+
+
+# ------------------------------------------------------------------------------------------------------ main
+
+
+def _check_args(heads, style, data, samples, new_tokens, prompt_tokens, minutes, steps, batch, lr, subset,
+                save_every, feature_batch):
+    checks = [
+        (1 <= heads <= 16, f"--heads must be 1..16, got {heads}"),
+        (style in STYLES, f"--head-style must be one of {', '.join(STYLES)}, got {style!r}"),
+        (data in DATA_KINDS, f"--data must be one of {', '.join(DATA_KINDS)}, got {data!r}"),
+        (samples >= 1, f"--samples must be >= 1, got {samples}"),
+        (new_tokens >= 2, f"--new-tokens must be >= 2, got {new_tokens}"),
+        (prompt_tokens >= 1, f"--prompt-tokens must be >= 1, got {prompt_tokens}"),
+        (minutes > 0, f"--minutes must be > 0, got {minutes}"),
+        (steps is None or steps >= 0, f"--steps must be >= 0, got {steps}"),
+        (batch >= 1, f"--batch must be >= 1, got {batch}"),
+        (lr > 0 and math.isfinite(lr), f"--lr must be > 0, got {lr}"),
+        (subset >= 1, f"--vocab-subset must be >= 1, got {subset}"),
+        (save_every is None or save_every >= 1, f"--save-every must be >= 1, got {save_every}"),
+        (feature_batch >= 1, f"--feature-batch must be >= 1, got {feature_batch}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+
+
+def _same_settings(made: dict, settings: dict, where: Path) -> None:
+    changed = [k for k in RESUME_KEYS if made.get(k) != settings[k]]
+    if changed:
+        k = changed[0]
+        raise UserError(f"{where} was made with {k}={made.get(k)!r}, not {settings[k]!r}; "
+                        "pass the same settings, or --overwrite to start again")
+
+
+def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = "shared", data: str = "self",
+                 samples: int = 1536, new_tokens: int = 128, prompt_tokens: int = 128, minutes: float = 20.0,
+                 steps: int | None = None, batch: int = 2048, lr: float = 1e-3, seed: int = 0,
+                 vocab_subset_size: int = 8192, save_every: int | None = None, feature_batch: int = 32,
+                 resume: bool = False, overwrite: bool = False, data_path: Path | None = None,
+                 threads: int | None = None, quiet: bool = False) -> dict:
+    """Medusa heads for `model_spec` into `output`; returns what it writes to training.json.
+
+    `samples` sequences of features (each a prompt's greedy continuation of up to `new_tokens` tokens for
+    data="self", or a window of prompt_tokens + new_tokens tokens for data="sharegpt"), then `minutes` of head
+    training (and at most `steps` steps when given; the schedule follows `steps` when given, else the clock).
+    """
+    import torch
+
+    from specexport.exporter.medusa import MedusaHeads, save_heads
+    from specexport.exporter.sources import load_config, load_model, resolve
+
+    output = Path(output)
+    _check_args(heads, style, data, samples, new_tokens, prompt_tokens, minutes, steps, batch, lr, vocab_subset_size,
+                save_every, feature_batch)
+    source = resolve(model_spec)
+    load_config(source)  # a clear error for a folder that is not a model, before reading the data
+    with sharegpt_file(data_path) as path:
+        conversations, data_name = read_sharegpt(path), path.name
+    if len(conversations) <= HELDOUT:
+        raise UserError(f"{data_name} has {len(conversations)} complete conversations; "
+                        f"training needs more than the {HELDOUT} held out at its end")
+    train_set, heldout = conversations[:-HELDOUT], conversations[-HELDOUT:]
+    settings = {"model": model_spec, "heads": heads, "style": style, "data": data, "samples": samples,
+                "new_tokens": new_tokens, "prompt_tokens": prompt_tokens, "batch": batch, "lr": lr, "seed": seed,
+                "vocab_subset": vocab_subset_size, "feature_batch": feature_batch, "data_file": data_name,
+                "conversations": len(train_set), "heldout": HELDOUT}
+    features = output / "features"
+    if resume and (features / "settings.json").is_file():
+        _same_settings(json.loads((features / "settings.json").read_text()), settings, features)
+    else:
+        prepare_output(output, resume, overwrite)
+        features.mkdir(parents=True, exist_ok=True)
+        write_json(features / "settings.json", settings)
+
+    def log(text):
+        if not quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        log(f"{data_name}: {len(conversations)} conversations, training on the first {len(train_set)}, "
+            f"the last {HELDOUT} held out")
+        log(f"loading the target {source.name} ...")
+        target, tokenizer = load_model(source)
+        target.requires_grad_(False).eval()
+        lm_head = target.get_output_embeddings().weight.detach().float()
+        vocab, hidden_size = lm_head.shape
+        params = make_heads(heads, hidden_size, lm_head, style)
+        optimizer = torch.optim.AdamW(params.values(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        state = None
+        if resume and checkpoint_dir(output) is not None:
+            folder = checkpoint_dir(output)
+            state = load_checkpoint(folder, params, optimizer)
+            _same_settings(state["settings"], settings, folder)
+            log(f"resuming at step {state['step']} ({state['seconds'] / 60:.1f} min of head training)")
+        cache = FeatureCache(features)
+        started = time.monotonic()
+        build_features(target, tokenizer, train_set, heldout, cache, settings, log, quiet)
+        feature_seconds = time.monotonic() - started
+        hidden, labels, _ = (torch.from_numpy(a) for a in FeatureCache.read(cache.chunks()))
+        held_hidden, held_labels, held_next = (torch.from_numpy(a)
+                                               for a in FeatureCache.read([cache.folder / "heldout.safetensors"]))
+        del target
+        log(f"{len(labels)} training rows, {len(held_labels)} held-out rows")
+        if not len(labels):
+            raise UserError("the data gave no training rows (all prompts too long or empty?)")
+        if state is None:
+            state = {"settings": settings, "step": 0, "rows": 0, "seconds": 0.0, "losses": []}
+        state["settings"] = settings
+        subset = vocab_subset(labels.numpy(), vocab_subset_size, vocab)
+        _train_loop(params, lm_head, optimizer, hidden, labels, subset, state, output, minutes=minutes, steps=steps,
+                    batch=batch, lr=lr, seed=seed, save_every=save_every, quiet=quiet)
+
+        table = accuracy(params, lm_head, held_hidden, held_labels)
+        base = base_accuracy(lm_head, held_hidden, held_next)
+        result = MedusaHeads(
+            [[(params[f"{k}.0.linear.weight"].detach().numpy(), params[f"{k}.0.linear.bias"].detach().numpy())]
+             for k in range(heads)],
+            [params[f"{k}.1.weight"].detach().numpy() for k in range(heads)] if style == "own" else None)
+        losses = state["losses"]
+        summary = {
+            "method": "medusa",
+            "target": {"model": model_spec, "name": source.name, "vocab_size": vocab, "hidden_size": hidden_size},
+            "settings": {**settings, "minutes": minutes, "steps": steps, "threads": torch.get_num_threads(),
+                         "save_every": save_every},
+            "rows": {"train": len(labels), "heldout": len(held_labels)},
+            "feature_seconds": round(feature_seconds, 1),
+            "steps": state["step"],
+            "seconds": round(state["seconds"], 1),
+            "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4) if losses else None,
+            "losses": losses,
+            "accuracy": table,
+        }
+        summary["base_lm_head_top1_on_heldout"] = base  # 1.0 (up to near-ties) for self-distilled data
+        save_heads(result, output, {"vocab_size": vocab, "base_model": model_spec, "accuracy": table,
+                                    "training": {k: summary["settings"][k] for k in ("data", "samples", "style", "heads")}})
+        write_json(output / "training.json", summary)
+        log("held-out accuracy (full vocabulary):")
+        for row in table:
+            log(f"  head {row['head']} ({row['predicts']}): top-1 {row['top1']:.1%}  top-5 {row['top5']:.1%}  "
+                f"({row['rows']} rows)")
+        return summary
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _train_loop(params, lm_head, optimizer, hidden, labels, subset, state, output, *, minutes, steps, batch, lr,
+                seed, save_every, quiet) -> None:
+    """Steps until `steps` or `minutes` of training time (counted across resumes), checkpointing as it goes."""
+    import torch
+    from tqdm import tqdm
+
+    budget = minutes * 60
+    warmup = max(1, min(WARMUP_STEPS, steps // 10)) if steps else WARMUP_STEPS
+    by_steps = steps is not None
+    bar = tqdm(total=steps if by_steps else round(budget), initial=state["step"] if by_steps else round(state["seconds"]),
+               unit="step" if by_steps else "s", desc="heads", disable=quiet, file=sys.stderr, dynamic_ncols=True)
+    saved_at, last_save = state["step"], time.monotonic()
+    trainable = list(params.values())
+    with bar:
+        while (not by_steps or state["step"] < steps) and state["seconds"] < budget:
+            start = time.monotonic()
+            rng = np.random.default_rng([seed, state["step"]])
+            pick = torch.from_numpy(rng.integers(0, len(labels), min(batch, len(labels))))
+            h, y = hidden[pick].float(), labels[pick]
+            rows = torch.unique(torch.cat([subset, y[y >= 0]]))
+            progress = state["step"] / steps if by_steps else state["seconds"] / budget
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(lr, state["step"], progress, warmup)
+            loss, parts = medusa_loss(params, lm_head, h, y, rows)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, CLIP_NORM)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = loss.item()
+            if not math.isfinite(value):
+                raise UserError(f"training diverged (loss {value} at step {state['step']}); try a lower --lr")
+            state.update(step=state["step"] + 1, rows=state["rows"] + len(pick),
+                         seconds=state["seconds"] + time.monotonic() - start)
+            state["losses"].append(round(value, 5))
+            bar.update(1 if by_steps else round(state["seconds"]) - bar.n)
+            bar.set_postfix(step=state["step"], loss=f"{value:.3f}", ce=" ".join(f"{c:.2f}" for c in parts))
+            due = state["step"] % save_every == 0 if save_every else time.monotonic() - last_save >= SAVE_EVERY_S
+            if due:
+                save_checkpoint(output, params, optimizer, state)
+                saved_at, last_save = state["step"], time.monotonic()
+    if saved_at != state["step"] or checkpoint_dir(output) is None:
+        save_checkpoint(output, params, optimizer, state)

@@ -1,0 +1,358 @@
+"""Medusa: every head layout loads (and nothing else does), trees as data, the fused step against the reference,
+and the loop end to end on a tiny model: lossless greedy, exact sampling, one-line errors from the CLI."""
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.numpy import save_file
+
+from specexport import chisquare
+from specexport.cli import main
+from specexport.errors import UserError
+from specexport.exporter import validate
+from specexport.exporter.export import ExportOptions, _write_graph, export_bundle
+from specexport.exporter.graph import GraphOptions
+from specexport.exporter.medusa import MedusaHeads, load_heads, save_heads
+from specexport.exporter.methods import MethodOptions
+from specexport.runtime.backend import TargetSession
+from specexport.runtime.generate import Engine
+from specexport.runtime.medusa_tree import (PRESETS, expected_accept_length, make_tree, resolve_tree,
+                                            tree_from_accuracy)
+from specexport.runtime.sampling import SamplingParams
+
+from conftest import TINY, TOKENIZER_VOCAB, tiny_model
+
+H, V = TINY["hidden_size"], TOKENIZER_VOCAB
+RANKS = [[0.5, 0.2, 0.1], [0.3, 0.1], [0.2]]
+
+
+def random_heads(count=3, layers=1, own=False, scale=0.3, seed=0):
+    rng = np.random.default_rng(seed)
+    blocks = [[(rng.normal(0, scale / H**0.5, (H, H)).astype(np.float32), rng.normal(0, 0.1, H).astype(np.float32))
+               for _ in range(layers)] for _ in range(count)]
+    lm = [rng.normal(0, 1, (V, H)).astype(np.float32) for _ in range(count)] if own else None
+    return MedusaHeads(blocks, lm)
+
+
+def write_heads(folder, heads, ranks=RANKS):
+    folder.mkdir(parents=True, exist_ok=True)
+    save_heads(heads, folder, {"vocab_size": V, "accuracy": [{"ranks": r} for r in ranks]})
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------ formats
+
+
+def outputs(heads, hidden, lm_head):
+    return heads.numpy_forward(hidden, lm_head)
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_every_published_layout_round_trips(tmp_path, own):
+    heads = random_heads(own=own)
+    state = {k: torch.from_numpy(v.copy()) for k, v in heads.state_dict().items()}
+    hidden, base = np.random.default_rng(1).normal(size=(5, H)).astype(np.float32), np.eye(V, H, dtype=np.float32)
+    want = outputs(heads, hidden, base)
+
+    (tmp_path / "v01").mkdir()  # Medusa v0.1: medusa_lm_head.pt, a config.json that miscounts the heads
+    torch.save(state, tmp_path / "v01" / "medusa_lm_head.pt")
+    (tmp_path / "v01" / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 1}))
+    (tmp_path / "m2").mkdir()  # Medusa-2: a full model's safetensors with medusa_head.* among the base keys
+    save_file({"model.embed_tokens.weight": base, **{f"medusa_head.{k}": v for k, v in heads.state_dict().items()}},
+              str(tmp_path / "m2" / "model.safetensors"))
+    tgi = {}  # TGI: medusa_heads.{i}.medusa_layers.{j}.linear.*, medusa_heads.{i}.lm_head.weight
+    for i, blocks in enumerate(heads.blocks):
+        for j, (w, b) in enumerate(blocks):
+            tgi[f"medusa_heads.{i}.medusa_layers.{j}.linear.weight"] = w
+            tgi[f"medusa_heads.{i}.medusa_layers.{j}.linear.bias"] = b
+        if own:
+            tgi[f"medusa_heads.{i}.lm_head.weight"] = heads.lm_heads[i]
+    save_file(tgi, str(tmp_path / "tgi.safetensors"))
+    ours = write_heads(tmp_path / "ours", heads)
+
+    for where in (tmp_path / "v01", tmp_path / "m2", tmp_path / "tgi.safetensors", ours):
+        loaded = load_heads(where)
+        assert (loaded.count, loaded.layers, loaded.style) == (3, 1, "own" if own else "shared"), where
+        np.testing.assert_array_equal(outputs(loaded, hidden, base), want)
+    assert load_heads(ours).meta["accuracy"][0]["ranks"] == RANKS[0]
+
+
+def test_a_pickle_that_runs_code_is_refused(tmp_path):
+    class Boom:
+        def __reduce__(self):
+            return (print, ("this would have run",))
+
+    path = tmp_path / "medusa_lm_head.pt"
+    path.write_bytes(pickle.dumps({"0.0.linear.weight": Boom()}))
+    with pytest.raises(UserError, match="refusing to load"):
+        load_heads(path)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda s: s.pop("1.0.linear.bias"), "lacks its bias"),
+    (lambda s: s.update({"1.0.linear.weight": np.zeros((H, H + 1), np.float32)}), "square"),
+    (lambda s: [s.__setitem__(k.replace("2.", "3.", 1), s.pop(k)) for k in list(s) if k.startswith("2.")], "not 0..2"),
+    (lambda s: s.clear() or s.update({"unrelated": np.zeros(3, np.float32)}), "no Medusa head tensors"),
+])  # fmt: skip
+def test_malformed_heads(tmp_path, mutate, match):
+    state = random_heads().state_dict()
+    mutate(state)
+    save_file(state, str(tmp_path / "h.safetensors"))
+    with pytest.raises(UserError, match=match):
+        load_heads(tmp_path / "h.safetensors")
+
+
+def test_heads_for_another_model_are_refused(tmp_path):
+    with pytest.raises(UserError, match="hidden size 64 do not fit a target of hidden size 32"):
+        random_heads().check(32, V, "x")
+    with pytest.raises(UserError, match="259-token vocabulary"):
+        random_heads(own=True).check(H, 300, "x")
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    with pytest.raises(UserError, match="not a readable safetensors"):
+        load_heads(tmp_path / "bad.safetensors")
+
+
+# -------------------------------------------------------------------------------------------------- trees
+
+
+def test_a_hand_drawn_tree():
+    t = make_tree([[1, 0], [0], [0, 1], [1], [0, 0]])
+    assert t.choices == ((0,), (1,), (0, 0), (0, 1), (1, 0))  # by depth, then path
+    assert t.parents == [-1, 0, 0, 1, 1, 2]
+    assert (t.size, t.depth, t.top_k) == (6, 2, 2)
+    candidates = np.array([[10, 11], [20, 21]])
+    assert t.tokens(5, candidates) == [5, 10, 11, 20, 21, 20]  # depth-2 nodes use head 1 whatever the parent
+
+
+@pytest.mark.parametrize("choices, match", [
+    ([], "at least one choice"),
+    ([[0], [0, 0, 0]], "has no parent"),
+    ([[0], [0]], "appears twice"),
+    ([[0], [-1]], ">= 0"),
+    ([[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], "only 3 heads"),
+    ([[10]], "rank 10"),
+    ([["a"]], "non-empty list of ranks"),
+])  # fmt: skip
+def test_bad_trees(choices, match):
+    with pytest.raises(UserError, match=match):
+        make_tree(choices, heads=3, top_k=10)
+
+
+def test_tree_from_accuracies_is_hand_checked():
+    t = tree_from_accuracy(RANKS, 4)
+    # values: (0) .5, (1) .2, (0,0) .15, (2) .1, (0,1) .05, (1,0) .06, (0,0,0) .03
+    assert t.choices == ((0,), (1,), (2,), (0, 0))
+    assert expected_accept_length(t, RANKS) == pytest.approx(1 + 0.5 + 0.2 + 0.1 + 0.15)
+    assert tree_from_accuracy(RANKS, 6).choices == ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0))
+
+
+def test_presets_and_files(tmp_path):
+    for name, choices in PRESETS.items():
+        assert make_tree(choices, 4, 10).size == len(choices) + 1, name
+    assert make_tree(PRESETS["mc_sim_7b_63"]).size == 64
+    (tmp_path / "t.json").write_text(json.dumps({"medusa_choices": [[0], [0, 0]]}))
+    assert resolve_tree(str(tmp_path / "t.json"), 3, 10, None).choices == ((0,), (0, 0))
+    assert resolve_tree("auto:2", 3, 10, RANKS).choices == ((0,), (1,))
+    with pytest.raises(UserError, match="needs per-rank head accuracies"):
+        resolve_tree("auto:5", 3, 10, None)
+    with pytest.raises(UserError, match="unknown tree"):
+        resolve_tree("bushy", 3, 10, None)
+
+
+# ---------------------------------------------------------------------------------------- graph and loop
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_fused_step_equals_the_pytorch_reference(tmp_path, own):
+    import onnxruntime as ort
+
+    model = tiny_model("llama")
+    heads = random_heads(own=own, scale=1.0)
+    options = GraphOptions(fused_accept=True, medusa_top_k=10)
+    info = _write_graph(model, "target", options, 128, tmp_path, True, heads)
+    alone = _write_graph(model, "medusa_heads", options, 128, tmp_path, True, heads, heads_only=True)
+    session = TargetSession(tmp_path / info["file"], info, threads=1)
+    heads_session = ort.InferenceSession(str(tmp_path / alone["file"]), providers=["CPUExecutionProvider"])
+    accepted = []
+    for seed in range(6):
+        run = validate.medusa_step(model, session, heads_session, heads, seed)
+        assert run["path_match"] and run["bonus_match"], run
+        assert run["fused_top10_match"] == 1.0 and run["heads_graph_top10_match"] == 1.0, run
+        accepted.append(run["accepted"])
+    assert max(accepted) >= 2  # the check reaches deep paths, not just the root
+
+
+TRAIN = dict(heads=3, samples=60, new_tokens=32, prompt_tokens=64, batch=512, lr=1e-2, threads=1, quiet=True,
+             feature_batch=16)
+
+
+@pytest.fixture(scope="module")
+def sharegpt(tmp_path_factory):
+    from test_train_draft import write_sharegpt
+
+    return write_sharegpt(tmp_path_factory.mktemp("data") / "sharegpt.json", train=60)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_folder, sharegpt, tmp_path_factory):
+    """Heads trained on the tiny model's own greedy continuations (seconds): (training.json, folder)."""
+    from specexport.exporter.train_medusa import train_medusa
+
+    out = tmp_path_factory.mktemp("trained") / "heads"
+    return train_medusa(str(tiny_folder), out, steps=150, data_path=sharegpt, **TRAIN), out
+
+
+@pytest.fixture(scope="module")
+def medusa_engine(tiny_folder, trained, tmp_path_factory):
+    root = tmp_path_factory.mktemp("medusa")
+    options = ExportOptions(graph=GraphOptions(), max_context=128, optimize=True,
+                            method=MethodOptions(name="medusa", heads=str(trained[1]), tree="auto:6"))
+    manifest = export_bundle(str(tiny_folder), root / "bundle", options, quiet=True)
+    assert manifest["numerics"]["medusa"]["path_match"] and manifest["numerics"]["medusa"]["bonus_match"]
+    return Engine.load(root / "bundle", threads=1)
+
+
+def test_training_learns_and_writes_loadable_heads(trained):
+    summary, folder = trained
+    losses = summary["losses"]
+    assert len(losses) == summary["steps"] == 150
+    assert np.mean(losses[-10:]) < 0.8 * np.mean(losses[:10]), losses[::15]
+    # self-distilled: the cached rows are the target's own (up to near-ties of the fp16-cached hidden states)
+    assert summary["base_lm_head_top1_on_heldout"] >= 0.99
+    head0 = summary["accuracy"][0]
+    assert head0["top1"] > 0.1 and head0["top5"] >= head0["top1"] and len(head0["ranks"]) == 10  # chance: 1/259
+    heads = load_heads(folder)
+    assert (heads.count, heads.style, heads.meta["accuracy"]) == (3, "shared", summary["accuracy"])
+    assert json.loads((folder / "training.json").read_text()) == summary
+
+
+def test_training_resumes_exactly(tiny_folder, sharegpt, tmp_path):
+    from specexport.exporter.train_medusa import train_medusa
+
+    whole = train_medusa(str(tiny_folder), tmp_path / "whole", steps=12, save_every=4, data_path=sharegpt, **TRAIN)
+    first = train_medusa(str(tiny_folder), tmp_path / "part", steps=12, save_every=4, minutes=1e-9,
+                         data_path=sharegpt, **TRAIN)  # stops after its first step
+    assert first["steps"] == 1
+    again = train_medusa(str(tiny_folder), tmp_path / "part", steps=12, save_every=4, resume=True, data_path=sharegpt,
+                         **TRAIN)
+    assert again["steps"] == 12 and again["losses"] == whole["losses"]
+    a, b = load_heads(tmp_path / "whole"), load_heads(tmp_path / "part")
+    np.testing.assert_array_equal(a.blocks[2][0][0], b.blocks[2][0][0])
+
+
+def test_training_bad_input(tiny_folder, sharegpt, tmp_path):
+    from specexport.exporter.train_medusa import train_medusa
+
+    with pytest.raises(UserError, match="--heads must be 1..16"):
+        train_medusa(str(tiny_folder), tmp_path / "x", **{**TRAIN, "heads": 0}, data_path=sharegpt)
+    with pytest.raises(UserError, match="nothing to resume"):
+        train_medusa(str(tiny_folder), tmp_path / "y", resume=True, data_path=sharegpt, **TRAIN)
+    fails(["train", "--method", "medusa", "--model", tiny_folder, "--output", tmp_path / "z", "--layers", "2"],
+          "--layers does not apply to --method medusa")
+    fails(["train", "--method", "draft", "--model", tiny_folder, "--output", tmp_path / "z", "--heads", "2"],
+          "--heads does not apply to --method draft")
+
+
+def test_greedy_medusa_is_lossless(medusa_engine):
+    taus = []
+    for prompt in ["The sea wind over blue waves.", "A ship and calm night stars.", "x", "Far away quiet water."]:
+        plain = medusa_engine.generate(prompt, max_new_tokens=40, stop_ids=(), method="none")
+        spec = medusa_engine.generate(prompt, max_new_tokens=40, stop_ids=())
+        assert spec.tokens == plain.tokens, prompt
+        taus.append(spec.stats.tau)
+    assert max(taus) > 1.0  # the heads' candidates were accepted somewhere
+    medusa_engine.set_tree("chain_3")
+    try:
+        plain = medusa_engine.generate("x", max_new_tokens=20, stop_ids=(), method="none")
+        assert medusa_engine.generate("x", max_new_tokens=20, stop_ids=()).tokens == plain.tokens
+    finally:
+        medusa_engine.set_tree(None)
+
+
+def _first_tokens(engine, method, n, seed0, temperature=0.4):
+    """Histogram of generated tokens 2-3 (they come from speculative steps) and the drafts accepted."""
+    counts, accepted = {}, 0
+    for i in range(n):
+        out = engine.generate("the cat", max_new_tokens=3, stop_ids=(), method=method,
+                              sampling=SamplingParams(temperature=temperature, seed=seed0 + i))
+        counts[tuple(out.tokens[1:3])] = counts.get(tuple(out.tokens[1:3]), 0) + 1
+        accepted += out.stats.accepted
+    return counts, accepted
+
+
+def test_medusa_sampling_follows_plain_sampling(medusa_engine):
+    spec, accepted = _first_tokens(medusa_engine, None, 1500, 0)
+    plain, _ = _first_tokens(medusa_engine, "none", 1500, 100_000)
+    stat, dof = chisquare.two_sample(spec, plain)
+    assert accepted > 50  # the speculative path was exercised, not plain sampling in disguise
+    assert dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)
+
+
+def test_typical_acceptance_is_opt_in_and_runs(medusa_engine):
+    medusa_engine.typical = (0.09, 0.3)
+    try:
+        out = medusa_engine.generate("the cat", max_new_tokens=12, sampling=SamplingParams(temperature=0.7, seed=0),
+                                     stop_ids=())
+        assert len(out.tokens) == 12
+    finally:
+        medusa_engine.typical = None
+
+
+# -------------------------------------------------------------------------------------------------- CLI
+
+
+def fails(args, match):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "Traceback" not in result.output
+    assert match in result.stderr.strip().splitlines()[-1], result.output
+
+
+@pytest.mark.parametrize("heads, tree, match", [
+    ("wide", "cpu_7", "hidden size 96 do not fit"),
+    ("pickle", "cpu_7", "refusing to load"),
+    ("good", "empty.json", "at least one choice"),
+    ("good", "deep.json", "only 3 heads"),
+    ("good", "[[0], [12]]", "unknown tree"),
+    ("good", "rank.json", "rank 10"),
+    ("corrupt", "cpu_7", "not a readable safetensors"),
+])  # fmt: skip
+def test_bad_medusa_builds_fail_in_one_line(tiny_folder, tmp_path, heads, tree, match):
+    good = write_heads(tmp_path / "good", random_heads())
+    wide = tmp_path / "wide"
+    wide.mkdir()
+    save_file({"0.0.linear.weight": np.zeros((96, 96), np.float32), "0.0.linear.bias": np.zeros(96, np.float32)},
+              str(wide / "medusa_lm_head.safetensors"))
+    (tmp_path / "pickle").mkdir()
+    (tmp_path / "pickle" / "medusa_lm_head.pt").write_bytes(pickle.dumps({"0.0.linear.weight": print}))
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "medusa_lm_head.safetensors").write_bytes(good.joinpath("medusa_lm_head.safetensors").read_bytes()[:100])
+    (tmp_path / "empty.json").write_text("[]")
+    (tmp_path / "deep.json").write_text("[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]")
+    (tmp_path / "rank.json").write_text("[[0], [10]]")
+    tree_arg = str(tmp_path / tree) if tree.endswith(".json") else tree
+    out = tmp_path / "bundle"
+    fails(["build", "--model", tiny_folder, "--method", "medusa", "--heads", tmp_path / heads, "--tree", tree_arg,
+           "--output", out, "--no-validate"], match)
+    assert not out.exists() and not any(p.name.startswith(".bundle") for p in tmp_path.iterdir())
+
+
+def test_medusa_cli_end_to_end(tiny_folder, tmp_path):
+    heads = write_heads(tmp_path / "heads", random_heads())
+    out = tmp_path / "bundle"
+    result = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--method", "medusa", "--heads",
+                                       str(heads), "--tree", "chain_3", "--precision", "fp32", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "medusa step" in result.output
+    info = CliRunner().invoke(main, ["info", str(out)])
+    assert "tree 'chain_3': 4 tokens per step, depth 3" in info.output, info.output
+    run = CliRunner().invoke(main, ["run", str(out), "--prompt", "hello", "--max-new-tokens", "8", "--json",
+                                    "--tree", "auto:4"])
+    assert run.exit_code == 0 and json.loads(run.output)["method"] == "medusa", run.output
+    fails(["run", out, "--prompt", "hello", "--typical"], "--typical needs --temperature > 0")
+    fails(["run", out, "--prompt", "hello", "--tree", "[[0]]"], "unknown tree")
+    fails(["run", out, "--prompt", "hello", "--tree", "cpu_7"], "needs head 3, but there are only 3 heads")
