@@ -36,6 +36,7 @@ class ExportOptions:
     optimize: bool = False  # save ORT's optimized graph (what `build` does for onnxruntime)
     validate: bool = True
     method: MethodOptions = field(default_factory=MethodOptions)
+    profile: dict | None = None  # the resolved hardware profile, saved in the manifest
 
 
 class Steps:
@@ -70,10 +71,12 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
     step = Steps(3 + has_draft + has_medusa + options.optimize + options.validate, quiet)
     source = sources.resolve(model_spec)
     config = sources.load_config(source)
-    spec = arch.spec_for(config.model_type)
+    arch.spec_for(config.model_type)  # an unsupported architecture fails here, before any loading
     dims = arch.dims_from_config(config)
     options.graph.check(dims)
     max_context = _max_context(options.max_context, dims)
+    if options.profile is not None and options.max_context is None:
+        max_context = min(max_context, options.profile["limits"]["max_context"])
     if has_draft:
         methods.parse_self_draft(options.method.draft_model, dims.layers)  # fail early on a bad self:N
     method_manifest = options.method.manifest()
@@ -128,6 +131,7 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
             "tokenizer": {"files": sorted(tokenizer_files)},
             "runtime": {"prefill_first_token_alone": options.graph.precision == "int8"},
             "numerics": numerics,
+            "profile": options.profile,
             "tools": _tool_versions(),
         }
         return write_manifest(tmp, manifest)

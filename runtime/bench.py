@@ -79,6 +79,7 @@ def _totals(engine, rows: list[dict], hf: dict | None) -> dict:
     m = engine.bundle.manifest
     medusa = engine.medusa_tree
     return {
+        "profile": (m.get("profile") or {}).get("name"),
         "tree": None if medusa is None else {"tokens_per_step": medusa.size, "depth": medusa.depth,
                                              "choices": medusa.as_lists()},
         "bundle": str(engine.bundle.path),
@@ -127,7 +128,8 @@ def summary_lines(result: dict) -> list[str]:
     tree = result.get("tree")
     lines = [
         f"{result['model']} {result['precision']}, method {result['method']}, {result['count']} prompts"
-        + (f", tree of {tree['tokens_per_step']} tokens (depth {tree['depth']})" if tree else ""),
+        + (f", tree of {tree['tokens_per_step']} tokens (depth {tree['depth']})" if tree else "")
+        + f", profile {result.get('profile') or 'none'}",
         f"  {result['method']:<10} {result['tokens_per_s']:8.1f} tokens/s   tau {result['tau']}   "
         f"accepted {result['accepted']}/{result['drafted']} drafts",
         f"  {'plain':<10} {result['baseline_tokens_per_s']:8.1f} tokens/s   speedup {result['speedup']}x",

@@ -34,14 +34,14 @@ PUBLISHED = {
         (0, 1, 3), (0, 0, 0, 3), (1, 0, 2), (0, 5, 0), (3, 1), (0, 0, 2, 0), (7, 0), (1, 4),
     ],
 }
-# Small trees for CPUs, where every verified token costs: a chain, and two shallow bushes.
-CPU = {
+# Small trees for CPUs and small GPUs, where every verified token costs: a chain and two shallow bushes.
+SMALL = {
     "chain_3": [(0,), (0, 0), (0, 0, 0)],
-    "cpu_7": [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0)],
-    "cpu_15": [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1),
+    "small_7": [(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0), (0, 0, 0, 0)],
+    "small_15": [(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (0, 0, 0), (0, 0, 1),
                (0, 1, 0), (1, 0, 0), (0, 0, 0, 0)],
 }
-PRESETS = {**PUBLISHED, **CPU}
+PRESETS = {**PUBLISHED, **SMALL}
 MAX_NODES = 256
 
 

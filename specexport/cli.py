@@ -36,8 +36,8 @@ class Group(click.Group):
 
 def _export_options(f):
     f = click.option("--max-context", type=int, default=None, help="Context limit (default: the model's).")(f)
-    f = click.option("--flavour", type=click.Choice(["ort", "onnx"]), default="ort", show_default=True,
-                     help="ort: ONNX Runtime fused ops. onnx: standard ONNX ops only (for TensorRT).")(f)
+    f = click.option("--flavour", type=click.Choice(["ort", "onnx"]), default=None,
+                     help="ort: ONNX Runtime fused ops (default). onnx: standard ONNX ops only (for TensorRT).")(f)
     f = click.option("--aux-layers", default="", help="Also output the inputs of these layers, e.g. 2,15,27.")(f)
     f = click.option("--no-validate", is_flag=True, help="Skip the numerics check against transformers.")(f)
     f = click.option("--fused-accept/--no-fused-accept", default=True, show_default=True,
@@ -46,14 +46,14 @@ def _export_options(f):
     return f
 
 
-def _graph_options(precision: str, flavour: str, aux_layers: str, fused_accept: bool):
+def _graph_options(precision: str, flavour: str | None, aux_layers: str, fused_accept: bool):
     from specexport.exporter.graph import GraphOptions
 
     try:
         aux = tuple(int(x) for x in aux_layers.split(",") if x.strip())
     except ValueError:
         raise UserError(f"--aux-layers must be comma-separated integers, got '{aux_layers}'") from None
-    return GraphOptions(precision=precision, flavour=flavour, aux_layers=aux, fused_accept=fused_accept)
+    return GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux, fused_accept=fused_accept)
 
 
 def _print_export(manifest: dict, output: Path) -> None:
@@ -101,13 +101,14 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
 
 
 def _method_options(f):
-    f = click.option("--tree", default="auto:15", show_default=True,
-                     help="medusa: a preset (cpu_7, cpu_15, chain_3, mc_sim_7b_63, vicuna_7b_stage2), a JSON file "
-                          "of rank paths, or auto:N (N nodes from the heads' measured accuracies).")(f)
+    f = click.option("--tree", default=None,
+                     help="medusa: a preset (small_7, small_15, chain_3, mc_sim_7b_63, vicuna_7b_stage2), a JSON file "
+                          "of rank paths, or auto:N (N nodes from the heads' measured accuracies). [default: the "
+                          "profile's, else auto:15]")(f)
     f = click.option("--heads", default=None,
                      help="medusa: heads folder or file, any published layout (default: the heads shipped for "
                           "the model).")(f)
-    f = click.option("--max-matches", type=int, default=1, show_default=True, help="ngram: matches merged into a tree.")(f)
+    f = click.option("--max-matches", type=int, default=None, help="ngram: matches merged into a tree. [default: 1]")(f)
     f = click.option("--min-ngram", type=int, default=2, show_default=True, help="ngram: shortest n-gram looked up.")(f)
     f = click.option("--max-ngram", type=int, default=3, show_default=True, help="ngram: longest n-gram looked up.")(f)
     f = click.option("--draft-tree", default="", help="Children per node at each depth, e.g. 2,1,1 (default: a chain).")(f)
@@ -129,7 +130,8 @@ def _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_
         raise UserError("--draft-model is only used with --method draft")
     length = draft_length if draft_length is not None else (8 if method == "ngram" else 4)
     options = MethodOptions(name=method, draft_model=draft_model, draft_length=length, draft_branching=branching,
-                            max_ngram=max_ngram, min_ngram=min_ngram, max_matches=max_matches, heads=heads, tree=tree)
+                            max_ngram=max_ngram, min_ngram=min_ngram, max_matches=1 if max_matches is None else max_matches,
+                            heads=heads, tree=tree or "auto:15")
     options.check()
     return options
 
@@ -138,14 +140,18 @@ def _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_
 @click.option("--model", "model_spec", required=True, help="HF folder, .gguf file, HF cache id or alias.")
 @click.option("--method", type=click.Choice(METHODS), default="none", show_default=True, help="Speculation method.")
 @_method_options
-@click.option("--backend", type=click.Choice(BACKENDS), default="onnxruntime", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default=None, help="[default: the profile's, else onnxruntime]")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
-              help=f"Default: {DEFAULT_CPU_PRECISION} for onnxruntime on CPU, fp16 for tensorrt.")
+              help=f"[default: the profile's, else {DEFAULT_CPU_PRECISION} (onnxruntime on CPU)]")
+@click.option("--profile", "profile_spec", default=None,
+              help="Hardware profile: auto (detect this machine), a bundled name (h100-sxm, cpu-2core, ...) or a "
+                   "file. It sets precision, backend, flavour, context limit and the method's tree unless given.")
 @click.option("--output", type=click.Path(path_type=Path), default=None,
               help="Bundle folder (default: ./MODEL-METHOD-BACKEND-PRECISION).")
 @_export_options
 def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches, heads, tree,
-          backend, precision, output, max_context, flavour, aux_layers, no_validate, fused_accept, overwrite):
+          backend, precision, profile_spec, output, max_context, flavour, aux_layers, no_validate, fused_accept,
+          overwrite):
     """Export a model and compile it for a backend into a ready-to-run bundle.
 
     \b
@@ -153,14 +159,33 @@ def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, 
       specexport build --model smollm2-135m --method none
       specexport build --model smollm2-135m --method ngram --draft-length 8
       specexport build --model smollm2-135m --method draft --draft-model self:6 --draft-tree 2,1,1
-      specexport build --model smollm2-135m --method medusa --tree cpu_15
+      specexport build --model smollm2-135m --method medusa --tree small_15
       specexport build --model llama3-8b --method medusa --heads ./medusa-heads --tree mc_sim_7b_63
       specexport build --model smollm2-135m --precision fp32 --output smol-fp32
       specexport build --model llama3-8b --method none --precision int4
+      specexport build --model smollm2-135m --method medusa --profile auto
     """
     from specexport.exporter.export import ExportOptions, export_bundle
     from specexport.exporter.sources import resolve
 
+    profile = None
+    if profile_spec is not None:
+        from specexport.profiles.detect import resolve_profile
+
+        profile, chosen = resolve_profile(profile_spec)
+        backend, precision = backend or profile.engine.backend, precision or profile.engine.precision
+        flavour = flavour or profile.engine.flavour
+        settings = {"ngram": profile.ngram, "draft": profile.draft}.get(method)
+        if draft_length is None and settings is not None:
+            draft_length = settings.draft_length
+        if method == "ngram" and max_matches is None:
+            max_matches = profile.ngram.max_matches
+        if method == "draft" and not draft_tree and profile.draft.branching:
+            draft_tree = ",".join(map(str, profile.draft.branching))
+        tree = tree or (profile.medusa.tree if method == "medusa" else None)
+        click.echo(f"profile {profile.name} ({profile.description}; "
+                   f"{'measured' if profile.measured else 'not measured on this hardware'})", err=True)
+    backend = backend or "onnxruntime"
     if backend == "tensorrt":
         raise UserError("the tensorrt backend needs TensorRT >= 10.14 and a GPU, neither found here; "
                         "export a standard-ONNX graph with --flavour onnx --precision fp16 instead")
@@ -170,7 +195,8 @@ def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, 
     if output is None:
         output = Path(f"{resolve(model_spec).name}-{method}-{backend}-{precision}")
     options = ExportOptions(graph=_graph_options(precision, flavour, aux_layers, fused_accept), max_context=max_context,
-                            optimize=True, validate=not no_validate, method=method_options)
+                            optimize=True, validate=not no_validate, method=method_options,
+                            profile=None if profile is None else {**profile.as_dict(), **chosen})
     manifest = export_bundle(model_spec, output, options, overwrite=overwrite)
     _print_export(manifest, output)
 
@@ -194,6 +220,10 @@ def info(bundle):
     click.echo(f"model        {model['name']} ({model['model_type']}, {model['layers']} layers, hidden {model['hidden']}, "
                f"heads {model['heads']}/{model['kv_heads']}, vocab {model['vocab']})")
     click.echo(f"method       {m['method']['name']}")
+    if m.get("profile"):
+        p = m["profile"]
+        click.echo(f"profile      {p['name']} ({p['description']}; {'measured' if p['measured'] else 'not measured'}; "
+                   f"chosen by {p.get('chosen')})")
     if m["method"]["name"] == "medusa":
         meth = m["method"]
         click.echo(f"heads        {meth['heads_count']} ({meth['head_style']} LM head) from {meth['heads']}; tree "
@@ -203,7 +233,7 @@ def info(bundle):
         click.echo(f"graph        {name}: {g['file']} ({len(g['inputs'])} inputs, {len(g['outputs'])} outputs)")
     size = sum(f["bytes"] for f in m["files"].values())
     click.echo(f"files        {len(m['files'])} ({size / 1e6:.1f} MB), checksums ok")
-    click.echo(f"tools        " + ", ".join(f"{k} {v}" for k, v in m.get("tools", {}).items()))
+    click.echo("tools        " + ", ".join(f"{k} {v}" for k, v in m.get("tools", {}).items()))
     lines = numerics_lines(m)
     if lines:
         click.echo("numerics")
@@ -273,8 +303,14 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
     click.echo()
     click.echo(f"[{s.new_tokens} tokens in {s.seconds:.2f} s: {s.tokens_per_s:.1f} tokens/s, "
                f"time to first token {s.ttft_s * 1000:.0f} ms, {s.steps} steps, "
-               f"method {engine.bundle.method}, tau {s.tau:.2f}, accepted {s.accepted}/{s.drafted} drafts, "
+               f"method {engine.bundle.method}{_tree_note(engine)}, tau {s.tau:.2f}, accepted {s.accepted}/{s.drafted} "
+               f"drafts, profile {(engine.bundle.manifest.get('profile') or {}).get('name', 'none')}, "
                f"stop: {result.stop_reason}]", err=True)
+
+
+def _tree_note(engine) -> str:
+    tree = engine.medusa_tree
+    return "" if tree is None else f" (tree of {tree.size} tokens, depth {tree.depth})"
 
 
 def _medusa_settings(engine, tree, typical, params) -> None:

@@ -313,13 +313,13 @@ def fails(args, match):
 
 
 @pytest.mark.parametrize("heads, tree, match", [
-    ("wide", "cpu_7", "hidden size 96 do not fit"),
-    ("pickle", "cpu_7", "refusing to load"),
+    ("wide", "small_7", "hidden size 96 do not fit"),
+    ("pickle", "small_7", "refusing to load"),
     ("good", "empty.json", "at least one choice"),
     ("good", "deep.json", "only 3 heads"),
     ("good", "[[0], [12]]", "unknown tree"),
     ("good", "rank.json", "rank 10"),
-    ("corrupt", "cpu_7", "not a readable safetensors"),
+    ("corrupt", "small_7", "not a readable safetensors"),
 ])  # fmt: skip
 def test_bad_medusa_builds_fail_in_one_line(tiny_folder, tmp_path, heads, tree, match):
     good = write_heads(tmp_path / "good", random_heads())
@@ -355,4 +355,4 @@ def test_medusa_cli_end_to_end(tiny_folder, tmp_path):
     assert run.exit_code == 0 and json.loads(run.output)["method"] == "medusa", run.output
     fails(["run", out, "--prompt", "hello", "--typical"], "--typical needs --temperature > 0")
     fails(["run", out, "--prompt", "hello", "--tree", "[[0]]"], "unknown tree")
-    fails(["run", out, "--prompt", "hello", "--tree", "cpu_7"], "needs head 3, but there are only 3 heads")
+    fails(["run", out, "--prompt", "hello", "--tree", "small_7"], "needs head 3, but there are only 3 heads")

@@ -1,0 +1,99 @@
+"""Hardware profiles: every bundled file loads strictly and round-trips, bad files fail with file and line,
+detection picks the most specific fit, and build --profile uses and records it."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from specexport.cli import main
+from specexport.errors import UserError
+from specexport.profiles import bundled, dump, load_profile, names, parse
+from specexport.profiles import detect as detection
+from specexport.profiles.detect import Found, auto_profile
+
+GOOD = (bundled()[0]).read_text()
+
+
+def test_every_bundled_profile_loads_and_round_trips():
+    assert len(names()) >= 12
+    for path in bundled():
+        profile = load_profile(path)
+        assert profile.name == path.stem
+        assert profile.measured or profile.source.startswith("Unmeasured")  # says so, and where numbers come from
+        assert parse(dump(profile), str(path)) == profile
+
+
+def edited(old, new):
+    assert old in GOOD
+    return GOOD.replace(old, new, 1)
+
+
+def line_of(text, needle):
+    return next(n for n, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+@pytest.mark.parametrize("text, needle, message", [
+    (lambda: edited("[limits]\n", "[limits]\nmax_speed = 3\n"), "max_speed", "unknown key 'max_speed'"),
+    (lambda: edited("max_batch = ", "max_batch = -"), "max_batch", "max_batch must be >= 1"),
+    (lambda: edited("max_context = ", "max_context = \"a lot\" #"), "max_context", "'max_context' must be an int"),
+    (lambda: edited("measured = false", "measured = \"no\""), "measured", "'measured' must be a bool"),
+    (lambda: edited("max_tree_tokens = ", "max_tree_tokens = 8 #"), "tree = ", "over this profile's max_tree_tokens = 8"),
+    (lambda: edited("[eagle]", "[eagle]\n[turbo]"), "[turbo]", "unknown section 'turbo'"),
+])  # fmt: skip
+def test_bad_profiles_fail_with_file_and_line(text, needle, message):
+    text = text()
+    with pytest.raises(UserError) as e:
+        parse(text, "bad.toml")
+    assert str(e.value).startswith(f"bad.toml:{line_of(text, needle)}: ") and message in str(e.value), str(e.value)
+
+
+def test_missing_parts_and_unknown_names():
+    with pytest.raises(UserError, match="missing section \\[ngram\\]"):
+        parse(GOOD[:GOOD.index("[ngram]")], "x.toml")
+    with pytest.raises(UserError, match="not valid TOML"):
+        parse("name = ", "x.toml")
+    with pytest.raises(UserError, match="unknown profile 'tpu-v9'"):
+        load_profile("tpu-v9")
+
+
+@pytest.mark.parametrize("found, name", [
+    (Found("gpu", "NVIDIA H100 80GB HBM3", 79.6, 32), "h100-sxm"),
+    (Found("gpu", "NVIDIA H100 PCIe", 79.6, 32), "h100-pcie"),
+    (Found("gpu", "NVIDIA H200", 139.8, 16), "h200"),
+    (Found("gpu", "NVIDIA A100-SXM4-40GB", 39.4, 8), "a100-40gb"),
+    (Found("gpu", "NVIDIA A100-SXM4-80GB", 79.2, 8), "a100-80gb"),
+    (Found("gpu", "NVIDIA L4", 22.5, 8), "l4"),
+    (Found("gpu", "NVIDIA L40S", 44.5, 8), "l40s"),
+    (Found("cpu", "AMD EPYC", 0, 2), "cpu-2core"),
+    (Found("cpu", "Intel(R) Core(TM) i7", 0, 8), "cpu-8core"),
+    (Found("cpu", "AMD EPYC 9654", 0, 192), "cpu-server"),
+])  # fmt: skip
+def test_auto_picks_the_most_specific_fit(found, name):
+    assert auto_profile(found)[0].name == name
+
+
+def test_no_fit_is_one_clear_error():
+    with pytest.raises(UserError, match="no bundled profile fits this gpu"):
+        auto_profile(Found("gpu", "Some Future Accelerator", 512, 8))
+
+
+def test_detect_a_cpu_without_any_gpu_library(monkeypatch):
+    monkeypatch.setattr(detection.shutil, "which", lambda name: None)
+    found = detection.detect()
+    assert found.kind == "cpu" and found.cores >= 1 and found.name
+
+
+def test_build_with_a_profile_records_it(tiny_folder, tmp_path):
+    out = tmp_path / "b"
+    result = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--method", "ngram", "--profile",
+                                       "cpu-8core", "--output", str(out), "--no-validate"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["profile"]["name"] == "cpu-8core" and manifest["profile"]["chosen"] == "cpu-8core"
+    assert manifest["precision"] == "int8" and manifest["method"]["draft_length"] == 8
+    assert manifest["method"]["max_matches"] == 2  # the profile's, as no --max-matches was given
+    assert "profile      cpu-8core" in CliRunner().invoke(main, ["info", str(out)]).output
+    bad = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--profile", "tpu-v9", "--output",
+                                    str(tmp_path / "c")])
+    assert bad.exit_code == 1 and "unknown profile 'tpu-v9'" in bad.output and not (tmp_path / "c").exists()
