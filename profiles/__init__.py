@@ -50,7 +50,15 @@ class Limits:
 
 @dataclass(frozen=True)
 class Medusa:
-    tree: str  # a preset, a JSON file next to the profile, or auto:N
+    tree: str  # a preset or auto:N (or, with `choices`, the measured tree's label)
+    choices: tuple[tuple[int, ...], ...] = ()  # an explicit tree (rank paths), as `specexport profile` writes
+
+    @property
+    def spec(self) -> str:
+        """What --tree takes: the explicit choices as JSON, else the preset or auto:N."""
+        import json
+
+        return json.dumps([list(c) for c in self.choices]) if self.choices else self.tree
 
 
 @dataclass(frozen=True)
@@ -181,7 +189,7 @@ def _section(cls, table: dict, fail):
 
 
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool, "tuple[str, ...]": (str,), "tuple[int, ...]": (int,),
-          "tuple[float, ...]": (float,)}
+          "tuple[float, ...]": (float,), "tuple[tuple[int, ...], ...]": ((int,),)}
 
 
 def _typed(value, kind, fail, name):
@@ -227,7 +235,14 @@ def _check(p: Profile, fail) -> None:
     budget = p.limits.max_tree_tokens
     tree = p.medusa.tree
     m = re.fullmatch(r"auto:(\d+)", tree)
-    if m:
+    if p.medusa.choices:
+        from specexport.runtime.medusa_tree import make_tree
+
+        try:
+            size = make_tree([list(c) for c in p.medusa.choices]).size
+        except UserError as e:
+            fail("medusa", "choices", str(e))
+    elif m:
         size = int(m.group(1)) + 1
     elif tree in PRESETS:
         size = len(PRESETS[tree]) + 1

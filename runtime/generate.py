@@ -216,12 +216,13 @@ class Engine:
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] | None = None, chat: bool = True,
-                 on_text=None, method: str | None = None) -> Generation:
-        """Generate up to `max_new_tokens`; `method` defaults to the bundle's ("none" = plain decoding)."""
+                 on_text=None, method: str | None = None, proposer=None) -> Generation:
+        """Generate up to `max_new_tokens`; `method` defaults to the bundle's ("none" = plain decoding).
+        `proposer`: a ready proposer instead (e.g. one that records what it proposes)."""
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         sampler = Sampler(sampling or SamplingParams())
-        proposer = self.proposer(method or self.bundle.method, sampler)
+        proposer = proposer or self.proposer(method or self.bundle.method, sampler)
         ids = self.encode(prompt, chat=chat)
         stop_ids = set(self.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
         budget = min(max_new_tokens, self.max_context - len(ids))

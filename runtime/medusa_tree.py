@@ -135,9 +135,14 @@ def expected_accept_length(tree: MedusaTree, rank_accuracy: list[list[float]]) -
 
 
 def resolve_tree(spec: str, heads: int, top_k_limit: int, rank_accuracy: list[list[float]] | None) -> MedusaTree:
-    """A tree from a preset name, a JSON file (a list of rank paths), or `auto:N` (N nodes from the heads'
-    measured per-rank accuracies)."""
+    """A tree from a preset name, a JSON file or inline JSON (a list of rank paths), or `auto:N` (N nodes from
+    the heads' measured per-rank accuracies)."""
     spec = spec.strip()
+    if spec.startswith("["):
+        try:
+            return make_tree(json.loads(spec), heads, top_k_limit, "inline tree")
+        except ValueError as e:
+            raise UserError(f"inline tree: not valid JSON ({e})") from None
     if spec.startswith("auto"):
         count = spec.partition(":")[2] or "15"
         if not count.isdigit() or not 1 <= int(count) <= MAX_NODES:
@@ -160,5 +165,5 @@ def resolve_tree(spec: str, heads: int, top_k_limit: int, rank_accuracy: list[li
         if isinstance(data, dict):
             data = data.get("choices", data.get("medusa_choices"))
         return make_tree(data, heads, top_k_limit, str(path))
-    raise UserError(f"unknown tree '{spec}': use a preset ({', '.join(PRESETS)}), a .json file of rank paths, "
-                    "or auto:N")
+    raise UserError(f"unknown tree '{spec}': use a preset ({', '.join(PRESETS)}), a .json file or inline JSON of "
+                    "rank paths, or auto:N")

@@ -182,7 +182,7 @@ def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, 
             max_matches = profile.ngram.max_matches
         if method == "draft" and not draft_tree and profile.draft.branching:
             draft_tree = ",".join(map(str, profile.draft.branching))
-        tree = tree or (profile.medusa.tree if method == "medusa" else None)
+        tree = tree or (profile.medusa.spec if method == "medusa" else None)
         click.echo(f"profile {profile.name} ({profile.description}; "
                    f"{'measured' if profile.measured else 'not measured on this hardware'})", err=True)
     backend = backend or "onnxruntime"
@@ -432,6 +432,51 @@ def train(method, model_spec, output, minutes, steps, batch, lr, seed, save_ever
                f"{result['seconds'] / 60:.1f} min)")
     click.echo(f"held-out top-1 agreement with the target: {before['agreement']:.1%} -> {after['agreement']:.1%}; "
                f"KL {before['kl']:.3f} -> {after['kl']:.3f} ({after['tokens']} tokens)")
+
+
+@main.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), default=None,
+              help="Calibration prompts, JSON lines with a 'prompt' field (default: 10 built-in chat prompts).")
+@click.option("--output", type=click.Path(path_type=Path), default=None,
+              help="Profile file to write (default: ./profile-BUNDLE.toml); the report goes to OUTPUT-report/.")
+@click.option("--base", default="auto", show_default=True,
+              help="The profile whose unmeasured settings carry over: auto, a bundled name or a file.")
+@click.option("--new-tokens", type=int, default=64, show_default=True, help="Tokens per calibration prompt.")
+@click.option("--max-tokens", type=int, default=64, show_default=True, help="Largest tree measured and considered.")
+@click.option("--contexts", default="256,1024", show_default=True, help="Context lengths for the latency curves.")
+@click.option("--reps", type=int, default=10, show_default=True, help="Timed calls per latency point (median).")
+@click.option("--rounds", type=int, default=1, show_default=True, help="Side-by-side passes over the prompts.")
+@click.option("--threads", type=int, default=None)
+def profile(bundle, prompts_file, output, base, new_tokens, max_tokens, contexts, reps, rounds, threads):
+    """Measure a bundle on this hardware and write a profile that picks its tree, with a report.
+
+    \b
+    Measures verification latency against tree tokens (1..64) and context, the proposer's cost, and the
+    method's acceptance on calibration prompts (Medusa: per head and candidate rank); builds the tree for
+    every node budget and picks the one with the highest predicted tokens/s (expected accept length over
+    verify + overhead); then runs it side by side with the presets that fit. Writes the profile (use it with
+    build --profile FILE) and OUTPUT-report/report.md with plots.
+
+    \b
+    Examples:
+      specexport profile smollm2-135m-medusa-onnxruntime-int8 --output profiles-local/this-cpu.toml
+      specexport profile BUNDLE --prompts bench/sharegpt40.jsonl --rounds 2
+    """
+    from specexport.profiles.command import profile_bundle, summary
+    from specexport.runtime.bench import read_prompts
+
+    try:
+        context_list = tuple(int(c) for c in contexts.split(",") if c.strip())
+    except ValueError:
+        raise UserError(f"--contexts must be comma-separated integers, got '{contexts}'") from None
+    prompts = [p["prompt"] for p in read_prompts(prompts_file)] if prompts_file else None
+    output = output or Path(f"profile-{bundle.name}.toml")
+    report = output.with_name(output.stem + "-report")
+    result = profile_bundle(bundle, prompts, output, report, base, new_tokens, max_tokens, context_list, reps, rounds,
+                            threads)
+    click.echo(f"profile written to {output} (based on {base})")
+    click.echo("\n".join(summary(result)))
 
 
 def _default(value, default):

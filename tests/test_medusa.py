@@ -317,7 +317,8 @@ def fails(args, match):
     ("pickle", "small_7", "refusing to load"),
     ("good", "empty.json", "at least one choice"),
     ("good", "deep.json", "only 3 heads"),
-    ("good", "[[0], [12]]", "unknown tree"),
+    ("good", "[[0], [12]]", "rank 12"),
+    ("good", "[[0], [0, 0]", "inline tree: not valid JSON"),
     ("good", "rank.json", "rank 10"),
     ("corrupt", "small_7", "not a readable safetensors"),
 ])  # fmt: skip
@@ -354,5 +355,5 @@ def test_medusa_cli_end_to_end(tiny_folder, tmp_path):
                                     "--tree", "auto:4"])
     assert run.exit_code == 0 and json.loads(run.output)["method"] == "medusa", run.output
     fails(["run", out, "--prompt", "hello", "--typical"], "--typical needs --temperature > 0")
-    fails(["run", out, "--prompt", "hello", "--tree", "[[0]]"], "unknown tree")
+    fails(["run", out, "--prompt", "hello", "--tree", "bushy"], "unknown tree")
     fails(["run", out, "--prompt", "hello", "--tree", "small_7"], "needs head 3, but there are only 3 heads")

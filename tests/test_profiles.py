@@ -97,3 +97,38 @@ def test_build_with_a_profile_records_it(tiny_folder, tmp_path):
     bad = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--profile", "tpu-v9", "--output",
                                     str(tmp_path / "c")])
     assert bad.exit_code == 1 and "unknown profile 'tpu-v9'" in bad.output and not (tmp_path / "c").exists()
+
+
+def test_profile_command_measures_chooses_and_reports(tiny_folder, tmp_path):
+    from test_medusa import random_heads, write_heads
+
+    from specexport.exporter.export import ExportOptions, export_bundle
+    from specexport.exporter.graph import GraphOptions
+    from specexport.exporter.methods import MethodOptions
+
+    heads = write_heads(tmp_path / "heads", random_heads())
+    export_bundle(str(tiny_folder), tmp_path / "b", ExportOptions(
+        graph=GraphOptions(), max_context=160, validate=False,
+        method=MethodOptions(name="medusa", heads=str(heads), tree="chain_3")), quiet=True)
+    out = tmp_path / "measured.toml"
+    result = CliRunner().invoke(main, ["profile", str(tmp_path / "b"), "--output", str(out), "--base", "cpu-2core",
+                                       "--new-tokens", "12", "--max-tokens", "8", "--contexts", "16,64", "--reps", "2",
+                                       "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "chosen auto:" in result.output and "prediction error" in result.output
+    profile = load_profile(out)
+    assert profile.measured and profile.name == "measured" and profile.medusa.choices
+    assert profile.measurements.tree_tokens == (1, 2, 3, 4, 6, 8) and len(profile.measurements.verify_ms) == 6
+    assert profile.engine.precision == "fp32" and "measured by specexport profile" in profile.source
+    report = (tmp_path / "measured-report" / "report.md").read_text()
+    assert "## Verification latency (ms)" in report and "## Trees side by side" in report
+    for png in ("latency.png", "accept_lengths.png", "predicted_vs_measured.png"):
+        assert (tmp_path / "measured-report" / png).read_bytes()[:4] == b"\x89PNG"
+    # the measured profile builds: its explicit tree becomes the bundle's
+    built = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--method", "medusa", "--heads", str(heads),
+                                      "--profile", str(out), "--output", str(tmp_path / "c"), "--no-validate"])
+    assert built.exit_code == 0, built.output
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert manifest["method"]["tree"] == [list(c) for c in profile.medusa.choices]
+    again = CliRunner().invoke(main, ["profile", str(tmp_path / "b"), "--output", str(out)])
+    assert again.exit_code == 1 and "already exists" in again.output

@@ -1,0 +1,115 @@
+"""`specexport profile BUNDLE`: measure, choose, and write a measured profile plus its report."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from specexport.errors import UserError
+
+
+def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report: Path, base: str, new_tokens: int,
+                   max_tokens: int, contexts: tuple[int, ...], reps: int, rounds: int, threads: int | None,
+                   quiet: bool = False) -> dict:
+    from tqdm import tqdm
+
+    from specexport.exporter.export import AGREEMENT_PROMPTS
+    from specexport.profiles import Measurements, Medusa, dump
+    from specexport.profiles import measure as m
+    from specexport.profiles.detect import detect, resolve_profile
+    from specexport.profiles.report import markdown, plots
+    from specexport.runtime.generate import Engine
+    from specexport.runtime.sampling import Sampler, SamplingParams
+
+    if not 1 <= max_tokens <= 64 or new_tokens < 1 or reps < 1 or rounds < 1 or not contexts or min(contexts) < 1:
+        raise UserError("--max-tokens must be 1..64; --new-tokens, --reps, --rounds and --contexts must be >= 1")
+    if output.exists() or report.exists():
+        raise UserError(f"{output if output.exists() else report} already exists")
+    engine = Engine.load(bundle, threads=threads)
+    base_profile, chosen_by = resolve_profile(base)
+    manifest = engine.bundle.manifest
+    if max(contexts) + 64 >= engine.max_context:
+        raise UserError(f"--contexts must stay below the bundle's context limit {engine.max_context} minus 64")
+    ids = [engine.encode(p) for p in (prompts or AGREEMENT_PROMPTS)]
+    medusa = engine.bundle.method == "medusa"
+    proposer = engine.proposer(engine.bundle.method, Sampler(SamplingParams()))
+    tokens = [t for t in m.TREE_TOKENS if t <= max_tokens]
+    total = len(contexts) * len(tokens) + len(ids) * (2 + (rounds if medusa else 0))
+    bar = tqdm(total=total, desc="profiling", unit="step", disable=quiet, file=sys.stderr, dynamic_ncols=True)
+    with bar:
+        measured = m.Measured(list(contexts), tokens, {c: m.verify_latency(engine, proposer, tokens, c, reps, bar.update)
+                                                       for c in contexts})
+        if medusa:  # the heads' share: the same step with and without the candidates requested
+            plain_proposer = engine.proposer("none", Sampler(SamplingParams()))
+            without = m.verify_latency(engine, plain_proposer, [16], contexts[0], reps, lambda n: None)[0]
+            measured.heads_ms = round(max(0.0, measured.verify_at(16) - without), 3)
+        cal = m.calibrate(engine, ids, new_tokens, bar.update)
+        used = engine.medusa_tree.size if medusa else 1 + getattr(proposer, "max_nodes", 0)
+        measured.overhead_ms = round(max(0.0, cal["step_ms"] - measured.verify_at(used)), 3)
+        measured.rank_rates = cal["rank_rates"]
+        measured.calibration = {**cal, "plain_tokens_per_s": m.plain_speed(engine, ids, new_tokens)}
+        bar.update(len(ids))
+        if medusa:
+            ranked = m.choose_tree(measured, max_tokens, contexts[0])
+            rows = [{**ranked[0]}] + [r for r in m.preset_rows(measured, max_tokens, len(measured.rank_rates),
+                                                                contexts[0]) if r["choices"] != ranked[0]["choices"]]
+            m.side_by_side(engine, ids, new_tokens, rows, rounds, bar.update)
+            measured.candidates, measured.chosen = rows, rows[0]
+    found = detect()
+    hardware = f"{found.name} ({found.cores} cores{f', {found.memory_gb} GB' if found.kind == 'gpu' else ''})"
+    chosen = measured.chosen
+    new = dataclasses.replace(
+        base_profile, name=output.stem, measured=True,
+        description=f"{base_profile.description}, measured",
+        engine=dataclasses.replace(base_profile.engine, backend="onnxruntime", precision=manifest["precision"],
+                                   flavour=manifest["flavour"],
+                                   execution_provider=engine.target.session.get_providers()[0]),
+        source=f"measured by specexport profile on {datetime.date.today()} on {hardware}: bundle "
+               f"{manifest['model']['name']} {manifest['precision']} {engine.bundle.method}",
+        medusa=Medusa(tree=chosen["tree"], choices=tuple(tuple(c) for c in chosen["choices"])) if chosen
+        else base_profile.medusa,
+        limits=dataclasses.replace(base_profile.limits,
+                                   max_tree_tokens=max(base_profile.limits.max_tree_tokens, chosen["tokens"] if chosen else 1)),
+        measurements=Measurements(
+            tree_tokens=tuple(tokens), verify_ms=tuple(measured.verify_ms[contexts[0]]), context=contexts[0],
+            propose_ms=round(measured.overhead_ms + measured.heads_ms, 3),
+            predicted_tokens_per_s=chosen["predicted_tokens_per_s"] if chosen else 0.0,
+            measured_tokens_per_s=chosen["measured_tokens_per_s"] if chosen else 0.0))
+    report.mkdir(parents=True)
+    images = plots(measured, report)
+    meta = {"bundle": str(bundle), "hardware": hardware, "model": manifest["model"]["name"],
+            "precision": manifest["precision"], "method": engine.bundle.method, "prompts": len(ids),
+            "new_tokens": new_tokens}
+    (report / "report.md").write_text(markdown(measured, meta, images))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    temp = output.with_name(output.name + ".tmp")
+    temp.write_text(dump(new, header=f"{new.description}\n{new.source}\nWritten by `specexport profile`; "
+                                       f"report: {report}"))
+    os.replace(temp, output)
+    return {"profile": new, "measured": measured, "report": report / "report.md", "images": images,
+            "chosen_by": chosen_by}
+
+
+def summary(result: dict) -> list[str]:
+    measured = result["measured"]
+    lines = []
+    first = measured.context[0]
+    curve = measured.verify_ms[first]
+    lines.append(f"verify ms at context {first}: " + ", ".join(f"T={t} {ms:.1f}" for t, ms in zip(measured.tree_tokens, curve)))
+    cal = measured.calibration
+    lines.append(f"calibration: tau {np.mean(cal['accept_lengths']):.2f}, {cal['step_ms']:.1f} ms per step, "
+                 f"overhead {measured.overhead_ms:.2f} ms, plain decoding {cal['plain_tokens_per_s']:.1f} tokens/s")
+    for r in sorted(measured.candidates, key=lambda r: -r.get("measured_tokens_per_s", 0)):
+        lines.append(f"  {r['tree']:<18} {r['tokens']:>3} tokens  E[tau] {r['expected_tau']:.2f}  tau {r['measured_tau']:.2f}  "
+                     f"predicted {r['predicted_tokens_per_s']:6.1f}  measured {r['measured_tokens_per_s']:6.1f} tokens/s")
+    if measured.chosen:
+        c = measured.chosen
+        err = (c["predicted_tokens_per_s"] / c["measured_tokens_per_s"] - 1) * 100 if c["measured_tokens_per_s"] else 0
+        lines.append(f"chosen {c['tree']} ({c['tokens']} tokens): prediction error {err:+.1f}%")
+    lines.append(f"report: {result['report']}")
+    return lines

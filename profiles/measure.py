@@ -1,0 +1,179 @@
+"""`specexport profile`: measure a bundle on this hardware and choose the tree that maximises tokens/s.
+
+1. Verification latency as a function of tree tokens (chains of 1..max tokens, the step's real outputs) at
+   one or more context lengths.
+2. The method's acceptance on calibration prompts (greedy): the accept-length histogram, the proposer's cost
+   per step, and for Medusa how often head d's rank-r candidate is the token the target emits d + 1 places
+   after the step's root.
+3. For Medusa, the tree for every node budget from those rates (greedy expected-acceptance construction), its
+   expected accept length E[tau], and the predicted tokens/s E[tau] / (verify(T) + per-step overhead); the best
+   budget wins. Then every candidate tree (the chosen one and the presets that fit) runs side by side on the
+   prompts, so the report shows predicted against measured.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specexport.runtime.medusa_tree import PRESETS, MedusaTree, expected_accept_length, make_tree, tree_from_accuracy
+
+TREE_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+RANKS = 10
+
+
+@dataclass
+class Measured:
+    context: list[int]
+    tree_tokens: list[int]
+    verify_ms: dict[int, list[float]]  # context -> ms per entry of tree_tokens
+    heads_ms: float = 0.0  # Medusa: the heads' share of a step (in the fused graph)
+    overhead_ms: float = 0.0  # per step outside the graph call (python: propose, accept, commit, emit)
+    rank_rates: list[list[float]] = field(default_factory=list)  # [head][rank]
+    calibration: dict = field(default_factory=dict)
+    candidates: list[dict] = field(default_factory=list)  # per tree: size, expected tau, predicted / measured tok/s
+    chosen: dict | None = None
+
+    def verify_at(self, tokens: int, context: int | None = None) -> float:
+        """Verification ms for `tokens` tree tokens, interpolated on the measured curve."""
+        curve = self.verify_ms[context if context is not None else self.context[0]]
+        return float(np.interp(tokens, self.tree_tokens, curve))
+
+
+def step_outputs(engine, proposer) -> tuple[str, ...]:
+    fused = engine.fused_accept
+    return (("accept_rows", "bonus_token") if fused else ("logits",)) + proposer.wants(fused)
+
+
+def verify_latency(engine, proposer, tree_tokens, context: int, reps: int, progress) -> list[float]:
+    """Median ms of one verification call of T chained tokens after `context` tokens, per T."""
+    rng = np.random.default_rng(0)
+    vocab = engine.bundle.manifest["model"]["vocab"]
+    cache = engine.target.new_cache(context + max(tree_tokens) + 1)
+    engine.prefill(cache, rng.integers(3, vocab, context).tolist())
+    want = step_outputs(engine, proposer)
+    out = []
+    for t in tree_tokens:
+        tokens, parents = rng.integers(3, vocab, t).tolist(), [-1] + list(range(t - 1))
+        engine.verify(cache, tokens, parents, want=want)  # warm-up: this shape's first run
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            engine.verify(cache, tokens, parents, want=want)
+            times.append(time.perf_counter() - start)
+        out.append(round(float(np.median(times)) * 1000, 3))
+        progress(1)
+    return out
+
+
+class Recorder:
+    """Wraps a Medusa proposer: keeps each step's candidates with the position of the step's root."""
+
+    def __init__(self, inner):
+        self.inner, self.records = inner, []
+        self.max_nodes = inner.max_nodes
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, history):
+        if self.inner.candidates is not None:
+            self.records.append((len(history) - 1, np.array(self.inner.candidates)))
+        return self.inner.propose(history)
+
+
+def rank_hits(records, tokens: list[int], heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """hits[d, r]: steps where head d's rank-r candidate is the emitted token d + 1 after the root; counts[d]."""
+    hits, counts = np.zeros((heads, RANKS)), np.zeros(heads)
+    for root, candidates in records:
+        for d in range(heads):
+            at = root + d + 1  # the root came from the row the heads read; head d predicts d + 2 past that row
+            if at >= len(tokens):
+                break
+            counts[d] += 1
+            where = np.flatnonzero(candidates[d][:RANKS] == tokens[at])
+            if where.size:
+                hits[d, where[0]] += 1
+    return hits, counts
+
+
+def calibrate(engine, prompts: list[list[int]], new_tokens: int, progress) -> dict:
+    """Greedy runs with the bundle's method: accept lengths, per-step overhead, Medusa rank rates."""
+    from specexport.runtime.sampling import Sampler, SamplingParams
+
+    lengths, seconds, steps = [], 0.0, 0
+    heads = engine.bundle.manifest["method"].get("heads_count", 0)
+    hits, counts = np.zeros((heads, RANKS)), np.zeros(heads)
+    for ids in prompts:
+        proposer = engine.proposer(engine.bundle.method, Sampler(SamplingParams()))
+        recorder = Recorder(proposer) if heads else None
+        result = engine.generate(ids, max_new_tokens=new_tokens, proposer=recorder or proposer)
+        lengths += result.stats.accept_lengths
+        seconds += result.stats.seconds - result.stats.ttft_s
+        steps += result.stats.steps
+        if recorder is not None:
+            # the root of the step that proposed at history length n is token n - 1 of prompt + output
+            h, c = rank_hits(recorder.records, ids + result.tokens, heads)
+            hits, counts = hits + h, counts + c
+        progress(1)
+    return {"accept_lengths": lengths, "step_ms": 1000 * seconds / max(steps, 1), "steps": steps,
+            "rank_rates": (hits / np.maximum(counts, 1)[:, None]).round(4).tolist() if heads else []}
+
+
+def choose_tree(measured: Measured, max_tokens: int, context: int) -> list[dict]:
+    """Predicted tokens/s of the greedy-accuracy tree for every budget up to max_tokens, best first."""
+    rows = []
+    for nodes in range(1, max_tokens):
+        tree = tree_from_accuracy(measured.rank_rates, nodes)
+        tau = expected_accept_length(tree, measured.rank_rates)
+        ms = measured.verify_at(tree.size, context) + measured.overhead_ms
+        rows.append({"tree": f"auto:{nodes}", "choices": tree.as_lists(), "tokens": tree.size, "depth": tree.depth,
+                     "expected_tau": round(tau, 3), "predicted_ms": round(ms, 3),
+                     "predicted_tokens_per_s": round(1000 * tau / ms, 2)})
+    return sorted(rows, key=lambda r: -r["predicted_tokens_per_s"])
+
+
+def preset_rows(measured: Measured, max_tokens: int, heads: int, context: int) -> list[dict]:
+    rows = []
+    for name, choices in PRESETS.items():
+        tree = make_tree(choices)
+        if tree.size > max_tokens or tree.depth > heads or tree.top_k > RANKS:
+            continue
+        tau = expected_accept_length(tree, measured.rank_rates)
+        ms = measured.verify_at(tree.size, context) + measured.overhead_ms
+        rows.append({"tree": name, "choices": tree.as_lists(), "tokens": tree.size, "depth": tree.depth,
+                     "expected_tau": round(tau, 3), "predicted_ms": round(ms, 3),
+                     "predicted_tokens_per_s": round(1000 * tau / ms, 2)})
+    return rows
+
+
+def side_by_side(engine, prompts: list[list[int]], new_tokens: int, rows: list[dict], rounds: int, progress) -> None:
+    """Measured tokens/s and tau of each tree (in place), alternating trees within each prompt, `rounds` times."""
+    totals = {r["tree"]: [0, 0.0, []] for r in rows}
+    trees: dict[str, MedusaTree] = {r["tree"]: make_tree(r["choices"]) for r in rows}
+    for _ in range(rounds):
+        for ids in prompts:
+            for r in rows:
+                engine.medusa_tree = trees[r["tree"]]
+                result = engine.generate(ids, max_new_tokens=new_tokens)
+                t = totals[r["tree"]]
+                t[0] += result.stats.new_tokens
+                t[1] += result.stats.seconds
+                t[2] += result.stats.accept_lengths
+            progress(1)
+    for r in rows:
+        tokens, seconds, lengths = totals[r["tree"]]
+        r["measured_tokens_per_s"] = round(tokens / seconds, 2) if seconds else 0.0
+        r["measured_tau"] = round(float(np.mean(lengths)), 3) if lengths else 0.0
+        r["accept_lengths"] = lengths
+
+
+def plain_speed(engine, prompts: list[list[int]], new_tokens: int) -> float:
+    tokens = seconds = 0.0
+    for ids in prompts:
+        result = engine.generate(ids, max_new_tokens=new_tokens, method="none")
+        tokens += result.stats.new_tokens
+        seconds += result.stats.seconds
+    return round(tokens / seconds, 2) if seconds else 0.0

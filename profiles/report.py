@@ -1,0 +1,107 @@
+"""The profile report: Markdown with the measured tables, and PNG plots (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def plots(measured, folder: Path) -> list[str]:
+    """latency.png, accept_lengths.png and predicted_vs_measured.png in `folder`; returns their names."""
+    try:
+        import matplotlib
+    except ImportError:
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for context, curve in measured.verify_ms.items():
+        ax.plot(measured.tree_tokens, curve, marker="o", label=f"context {context} tokens")
+    ax.set_xlabel("tokens verified per step (tree size, root included)")
+    ax.set_ylabel("verification step latency (ms)")
+    ax.set_title("Target verification latency vs tree tokens")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    names.append(_save(fig, folder / "latency.png"))
+
+    chosen = measured.chosen or {}
+    lengths = chosen.get("accept_lengths") or measured.calibration.get("accept_lengths", [])
+    if lengths:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        values, counts = np.unique(lengths, return_counts=True)
+        ax.bar(values, counts / counts.sum() * 100, color="tab:blue",
+               label=f"{chosen.get('tree', 'calibration')} (tau {np.mean(lengths):.2f})")
+        ax.set_xlabel("accept length (tokens emitted per step, bonus included)")
+        ax.set_ylabel("share of steps (%)")
+        ax.set_title("Accept-length histogram")
+        ax.set_xticks(values)
+        ax.legend()
+        names.append(_save(fig, folder / "accept_lengths.png"))
+
+    rows = [r for r in measured.candidates if "measured_tokens_per_s" in r]
+    if rows:
+        rows = sorted(rows, key=lambda r: r["tokens"])
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        x = np.arange(len(rows))
+        ax.bar(x - 0.2, [r["predicted_tokens_per_s"] for r in rows], 0.4, label="predicted", color="tab:gray")
+        ax.bar(x + 0.2, [r["measured_tokens_per_s"] for r in rows], 0.4, label="measured", color="tab:green")
+        if measured.calibration.get("plain_tokens_per_s"):
+            ax.axhline(measured.calibration["plain_tokens_per_s"], color="tab:red", linestyle="--",
+                       label="plain decoding")
+        ax.set_xticks(x, [f"{r['tree']}\n({r['tokens']} tok)" for r in rows], fontsize=8)
+        ax.set_xlabel("tree")
+        ax.set_ylabel("tokens/s")
+        ax.set_title("Predicted vs measured tokens/s")
+        ax.legend(loc="lower center", ncol=3, fontsize=8)
+        names.append(_save(fig, folder / "predicted_vs_measured.png"))
+    return names
+
+
+def _save(fig, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path.name
+
+
+def markdown(measured, meta: dict, images: list[str]) -> str:
+    out = [f"# Profile of {meta['bundle']} on {meta['hardware']}", "",
+           f"- model {meta['model']}, {meta['precision']}, method {meta['method']}; {meta['prompts']} calibration "
+           f"prompts, {meta['new_tokens']} new tokens each, greedy",
+           f"- per-step overhead outside the graph call: {measured.overhead_ms:.2f} ms"]
+    if measured.heads_ms:
+        out.append(f"- Medusa heads inside the fused step: {measured.heads_ms:.2f} ms")
+    if measured.calibration.get("plain_tokens_per_s"):
+        out.append(f"- plain decoding: {measured.calibration['plain_tokens_per_s']:.1f} tokens/s")
+    out += ["", "## Verification latency (ms)", "",
+            "| tree tokens | " + " | ".join(f"context {c}" for c in measured.context) + " |",
+            "|---|" + "---|" * len(measured.context)]
+    for i, t in enumerate(measured.tree_tokens):
+        out.append(f"| {t} | " + " | ".join(f"{measured.verify_ms[c][i]:.2f}" for c in measured.context) + " |")
+    if measured.rank_rates:
+        out += ["", "## Medusa candidate accuracy on the calibration prompts", "",
+                "| head | " + " | ".join(f"rank {r}" for r in range(len(measured.rank_rates[0]))) + " |",
+                "|---|" + "---|" * len(measured.rank_rates[0])]
+        for d, row in enumerate(measured.rank_rates):
+            out.append(f"| {d} | " + " | ".join(f"{x:.3f}" for x in row) + " |")
+    rows = [r for r in measured.candidates if "measured_tokens_per_s" in r]
+    if rows:
+        out += ["", "## Trees side by side", "",
+                "| tree | tokens | depth | expected tau | measured tau | predicted tok/s | measured tok/s | error |",
+                "|---|---|---|---|---|---|---|---|"]
+        for r in sorted(rows, key=lambda r: -r["measured_tokens_per_s"]):
+            err = (r["predicted_tokens_per_s"] / r["measured_tokens_per_s"] - 1) * 100 if r["measured_tokens_per_s"] else 0
+            out.append(f"| {r['tree']} | {r['tokens']} | {r['depth']} | {r['expected_tau']:.2f} | {r['measured_tau']:.2f} "
+                       f"| {r['predicted_tokens_per_s']:.1f} | {r['measured_tokens_per_s']:.1f} | {err:+.1f}% |")
+    if measured.chosen:
+        c = measured.chosen
+        out += ["", f"Chosen: **{c['tree']}** ({c['tokens']} tokens, depth {c['depth']}): predicted "
+                    f"{c['predicted_tokens_per_s']:.1f} tokens/s, measured {c.get('measured_tokens_per_s', 0):.1f}.",
+                "", "```json", str(c["choices"]), "```"]
+    out += [""] + [f"![{Path(name).stem}]({name})" for name in images]
+    return "\n".join(out) + "\n"
