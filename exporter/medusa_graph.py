@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 def add_medusa_heads(builder, hidden: str, output: str) -> str:
     """Append the heads to `builder`'s graph: hidden [n, h] (compute type) -> `output` [n, heads, top_k]."""
     g, heads, top_k = builder.g, builder.medusa, builder.opt.medusa_top_k
+    subset = heads.vocab_subset
     outs = []
     for k, blocks in enumerate(heads.blocks):
         x = hidden
@@ -25,17 +26,23 @@ def add_medusa_heads(builder, hidden: str, output: str) -> str:
                              g.const(f"{name}.bias", b, compute=True)])
             x = g.op("Add", [x, g.op("Mul", [z, g.op("Sigmoid", [z])])])
         if heads.lm_heads is not None:
-            x = builder.linear(x, f"medusa.{k}.lm_head", heads.lm_heads[k])
+            w = heads.lm_heads[k] if subset is None else heads.lm_heads[k][subset]
+            x = builder.linear(x, f"medusa.{k}.lm_head", w)
         outs.append(g.op("Unsqueeze", [x, g.const(f"medusa.{k}.axis", np.array([1], np.int64))]))
     stacked = g.op("Concat", outs, axis=1)  # [n, heads, hidden] or [n, heads, vocab] (own LM heads)
     if heads.lm_heads is None:
         shape = g.op("Shape", [stacked])
         flat = g.op("Reshape", [stacked, g.const("medusa.flat", np.array([-1, builder.d.hidden], np.int64))])
-        logits = builder.lm_head(flat)
+        if subset is None:
+            logits = builder.lm_head(flat)
+        else:  # the LM head's rows of the subset, a matrix of its own
+            logits = builder.linear(flat, "medusa.lm_head_subset", builder.w["lm_head"][subset])
         stacked = g.op("Reshape", [logits, g.op("Concat", [g.op("Slice", [shape, g.const("medusa.s0", np.array([0], np.int64)),
                                                                           g.const("medusa.s2", np.array([2], np.int64))]),
                                                            g.const("medusa.v", np.array([-1], np.int64))], axis=0)])
     _, index = g.op("TopK", [stacked, g.const("medusa.k", np.array([top_k], np.int64))], outputs=2, axis=-1)
+    if subset is not None:  # positions in the subset -> token ids
+        index = g.op("Gather", [g.const("medusa.vocab_subset", subset.astype(np.int64)), index], axis=0)
     return g.op("Identity", [index], outputs=[output])
 
 

@@ -10,7 +10,8 @@ Two phases, both resumable:
 2. Heads. ResBlocks start at the identity (zero weight, zero bias); the loss is sum_k 0.8^k * CE(head k). Each
    step draws `batch` cached positions (seeded by step, so a resumed run repeats an uninterrupted one) and
    scores them over a vocabulary subset: the `vocab_subset` most frequent labels plus every label in the
-   batch, which keeps the step cheap on a CPU. Held-out accuracy is always measured over the full vocabulary.
+   batch, which keeps the step cheap on a CPU. The heads then propose from the `vocab_subset` most frequent
+   labels only (saved with them: a sixth of the LM head on SmolLM2), and held-out accuracy is measured so.
 
 Styles: `shared` heads project through the target's LM head (a few MB per head); `own` heads get their own
 LM head, initialised from the target's and trained too (Medusa v0.1 / Medusa-2 layout).
@@ -259,9 +260,10 @@ def medusa_loss(params: dict, lm_head, hidden, labels, vocab_rows):
 RANKS = 10  # per-rank accuracy kept for tree construction (Medusa trees use ranks 0..9)
 
 
-def accuracy(params: dict, lm_head, hidden, labels, chunk: int = 512) -> list[dict]:
-    """Per head, full vocabulary: top-1 and top-5 accuracy over the rows where it has a label, and how often
-    the rank-r candidate is the label (r < RANKS), which is what a tree is built from."""
+def accuracy(params: dict, lm_head, hidden, labels, subset=None, chunk: int = 512) -> list[dict]:
+    """Per head, over the vocabulary it proposes from (`subset`, sorted token ids; None = all): top-1 and
+    top-5 accuracy over the rows where it has a label, and how often the rank-r candidate is the label
+    (r < RANKS), which is what a tree is built from."""
     import torch
 
     heads = labels.shape[1]
@@ -274,7 +276,10 @@ def accuracy(params: dict, lm_head, hidden, labels, chunk: int = 512) -> list[di
                 valid = y[:, k] >= 0
                 if not bool(valid.any()):
                     continue
-                top = (resblocks(params, k, h[valid]) @ head_lm(params, k, lm_head).T).topk(RANKS, dim=-1).indices
+                weight = head_lm(params, k, lm_head)
+                weight = weight if subset is None else weight[subset]
+                top = (resblocks(params, k, h[valid]) @ weight.T).topk(RANKS, dim=-1).indices
+                top = top if subset is None else subset[top]
                 hits[k] += (top == y[valid, k, None]).sum(0).numpy()
                 counts[k] += int(valid.sum())
     rate = hits / np.maximum(counts, 1)[:, None]
@@ -413,12 +418,13 @@ def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = 
         _train_loop(params, lm_head, optimizer, hidden, labels, subset, state, output, minutes=minutes, steps=steps,
                     batch=batch, lr=lr, seed=seed, save_every=save_every, quiet=quiet)
 
-        table = accuracy(params, lm_head, held_hidden, held_labels)
+        table = accuracy(params, lm_head, held_hidden, held_labels, subset)
         base = base_accuracy(lm_head, held_hidden, held_next)
         result = MedusaHeads(
             [[(params[f"{k}.0.linear.weight"].detach().numpy(), params[f"{k}.0.linear.bias"].detach().numpy())]
              for k in range(heads)],
-            [params[f"{k}.1.weight"].detach().numpy() for k in range(heads)] if style == "own" else None)
+            [params[f"{k}.1.weight"].detach().numpy() for k in range(heads)] if style == "own" else None,
+            vocab_subset=subset.numpy())
         losses = state["losses"]
         summary = {
             "method": "medusa",

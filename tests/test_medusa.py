@@ -72,13 +72,18 @@ def test_every_published_layout_round_trips(tmp_path, own):
         if own:
             tgi[f"medusa_heads.{i}.lm_head.weight"] = heads.lm_heads[i]
     save_file(tgi, str(tmp_path / "tgi.safetensors"))
-    ours = write_heads(tmp_path / "ours", heads)
+    subset = MedusaHeads(heads.blocks, heads.lm_heads, {}, np.arange(0, V, 3))  # ours may carry a vocab subset
+    ours = write_heads(tmp_path / "ours", subset)
 
-    for where in (tmp_path / "v01", tmp_path / "m2", tmp_path / "tgi.safetensors", ours):
+    for where, expected in ((tmp_path / "v01", want), (tmp_path / "m2", want), (tmp_path / "tgi.safetensors", want),
+                            (ours, outputs(subset, hidden, base))):
         loaded = load_heads(where)
         assert (loaded.count, loaded.layers, loaded.style) == (3, 1, "own" if own else "shared"), where
-        np.testing.assert_array_equal(outputs(loaded, hidden, base), want)
+        np.testing.assert_array_equal(outputs(loaded, hidden, base), expected)
     assert load_heads(ours).meta["accuracy"][0]["ranks"] == RANKS[0]
+    np.testing.assert_array_equal(load_heads(ours).vocab_subset, subset.vocab_subset)
+    with pytest.raises(UserError, match="vocab_subset must be sorted"):
+        MedusaHeads(heads.blocks, None, {}, np.array([5, 3])).check(H, V, "x")
 
 
 def test_a_pickle_that_runs_code_is_refused(tmp_path):
@@ -166,12 +171,14 @@ def test_presets_and_files(tmp_path):
 # ---------------------------------------------------------------------------------------- graph and loop
 
 
-@pytest.mark.parametrize("own", [False, True])
-def test_fused_step_equals_the_pytorch_reference(tmp_path, own):
+@pytest.mark.parametrize("own, subset", [(False, False), (True, False), (False, True), (True, True)])
+def test_fused_step_equals_the_pytorch_reference(tmp_path, own, subset):
     import onnxruntime as ort
 
     model = tiny_model("llama")
     heads = random_heads(own=own, scale=1.0)
+    if subset:  # the heads propose from 100 of the 259 tokens
+        heads.vocab_subset = np.sort(np.random.default_rng(3).choice(V, 100, replace=False))
     options = GraphOptions(fused_accept=True, medusa_top_k=10)
     info = _write_graph(model, "target", options, 128, tmp_path, True, heads)
     alone = _write_graph(model, "medusa_heads", options, 128, tmp_path, True, heads, heads_only=True)
