@@ -28,8 +28,8 @@ from pathlib import Path
 
 from specexport.errors import UserError
 from specexport.exporter.training import (CLIP_NORM, HELDOUT, SAVE_EVERY_S, WARMUP_STEPS, TokenStream, checkpoint_dir,
-                                          eval_sequences, learning_rate, load_checkpoint, prepare_output, read_sharegpt,
-                                          save_checkpoint, sharegpt_file, write_json)
+                                          eval_sequences, learning_rate, load_checkpoint, logger, prepare_output,
+                                          save_checkpoint, sharegpt_split, torch_threads, write_json)
 
 EVAL_SEQUENCES = 100  # held-out sequences for the before/after agreement
 MICRO_ELEMENTS = 2**25  # logits elements per micro-batch: one [tokens, vocab] fp32 tensor of 128 MB
@@ -184,24 +184,14 @@ def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: floa
     target_layers = load_config(source).num_hidden_layers
     if layers >= target_layers:
         raise UserError(f"--layers must be below the target's {target_layers} layers, got {layers}")
-    with sharegpt_file(data_path) as path:
-        conversations, data_name = read_sharegpt(path), path.name
-    if len(conversations) <= HELDOUT:
-        raise UserError(f"{data_name} has {len(conversations)} complete conversations; "
-                        f"training needs more than the {HELDOUT} held out at its end")
+    train_set, heldout, data_name = sharegpt_split(data_path)
     prepare_output(output, resume, overwrite)
-    train_set, heldout = conversations[:-HELDOUT], conversations[-HELDOUT:]
     settings = {"model": model_spec, "layers": layers, "batch": batch, "seq_len": seq_len, "lr": lr, "seed": seed,
                 "top_k": top_k, "data": data_name, "conversations": len(train_set), "heldout": HELDOUT}
 
-    def log(text):
-        if not quiet:
-            print(text, file=sys.stderr, flush=True)
-
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads or os.cpu_count() or 1)
-    try:
-        log(f"{data_name}: {len(conversations)} conversations, training on the first {len(train_set)}, "
+    log = logger(quiet)
+    with torch_threads(threads):
+        log(f"{data_name}: {len(train_set) + len(heldout)} conversations, training on the first {len(train_set)}, "
             f"the last {HELDOUT} held out")
         log(f"loading the target {source.name} ...")
         target, tokenizer = load_model(source)
@@ -257,8 +247,6 @@ def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: floa
         write_json(output / "training.json", summary)
         log(f"after {state['step']} steps: top-1 agreement {after['agreement']:.1%}, KL {after['kl']:.3f}")
         return summary
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _train_loop(draft, target, optimizer, stream, state, output, *, minutes, steps, batch, lr, micro, top_k,

@@ -33,8 +33,8 @@ import numpy as np
 
 from specexport.errors import UserError
 from specexport.exporter.training import (CLIP_NORM, HELDOUT, SAVE_EVERY_S, WARMUP_STEPS, TokenStream, checkpoint_dir,
-                                          learning_rate, load_checkpoint, prepare_output, read_sharegpt,
-                                          save_checkpoint, sharegpt_file, write_json)
+                                          learning_rate, load_checkpoint, logger, prepare_output, save_checkpoint,
+                                          sharegpt_split, torch_threads, write_json)
 
 DECAY = 0.8  # loss weight of head k: DECAY ** k
 DATA_KINDS = ("self", "sharegpt")
@@ -360,12 +360,7 @@ def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = 
                 save_every, feature_batch)
     source = resolve(model_spec)
     load_config(source)  # a clear error for a folder that is not a model, before reading the data
-    with sharegpt_file(data_path) as path:
-        conversations, data_name = read_sharegpt(path), path.name
-    if len(conversations) <= HELDOUT:
-        raise UserError(f"{data_name} has {len(conversations)} complete conversations; "
-                        f"training needs more than the {HELDOUT} held out at its end")
-    train_set, heldout = conversations[:-HELDOUT], conversations[-HELDOUT:]
+    train_set, heldout, data_name = sharegpt_split(data_path)
     settings = {"model": model_spec, "heads": heads, "style": style, "data": data, "samples": samples,
                 "new_tokens": new_tokens, "prompt_tokens": prompt_tokens, "batch": batch, "lr": lr, "seed": seed,
                 "vocab_subset": vocab_subset_size, "feature_batch": feature_batch, "data_file": data_name,
@@ -378,14 +373,9 @@ def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = 
         features.mkdir(parents=True, exist_ok=True)
         write_json(features / "settings.json", settings)
 
-    def log(text):
-        if not quiet:
-            print(text, file=sys.stderr, flush=True)
-
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads or os.cpu_count() or 1)
-    try:
-        log(f"{data_name}: {len(conversations)} conversations, training on the first {len(train_set)}, "
+    log = logger(quiet)
+    with torch_threads(threads):
+        log(f"{data_name}: {len(train_set) + len(heldout)} conversations, training on the first {len(train_set)}, "
             f"the last {HELDOUT} held out")
         log(f"loading the target {source.name} ...")
         target, tokenizer = load_model(source)
@@ -448,8 +438,6 @@ def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = 
             log(f"  head {row['head']} ({row['predicts']}): top-1 {row['top1']:.1%}  top-5 {row['top5']:.1%}  "
                 f"({row['rows']} rows)")
         return summary
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _train_loop(params, lm_head, optimizer, hidden, labels, subset, state, output, *, minutes, steps, batch, lr,

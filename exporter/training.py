@@ -15,6 +15,7 @@ import math
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 from specexport.errors import UserError
@@ -149,6 +150,37 @@ class TokenStream:
         import torch
 
         return torch.tensor([self.window() for _ in range(size)], dtype=torch.long)
+
+
+def sharegpt_split(data_path: Path | None) -> tuple[list[dict], list[dict], str]:
+    """(training conversations, the HELDOUT held-out ones, the file's name) of the ShareGPT data."""
+    with sharegpt_file(data_path) as path:
+        conversations, name = read_sharegpt(path), path.name
+    if len(conversations) <= HELDOUT:
+        raise UserError(f"{name} has {len(conversations)} complete conversations; "
+                        f"training needs more than the {HELDOUT} held out at its end")
+    return conversations[:-HELDOUT], conversations[-HELDOUT:], name
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None):
+    """Torch's thread count set to `threads` (default: all cores) for the block, then restored."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def logger(quiet: bool):
+    def log(text: str) -> None:
+        if not quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    return log
 
 
 def eval_sequences(tokenizer, heldout: list[dict], seq_len: int, count: int) -> list[list[int]]:
