@@ -237,6 +237,15 @@ def test_training_learns_and_writes_loadable_heads(trained):
     assert json.loads((folder / "training.json").read_text()) == summary
 
 
+def test_own_lm_head_style_trains_and_loads(tiny_folder, sharegpt, tmp_path):
+    from specexport.exporter.train_medusa import train_medusa
+
+    summary = train_medusa(str(tiny_folder), tmp_path / "own", steps=30, style="own", data_path=sharegpt, **TRAIN)
+    heads = load_heads(tmp_path / "own")
+    assert heads.style == "own" and len(heads.lm_heads) == 3 and heads.lm_heads[0].shape == (V, H)
+    assert summary["losses"][-1] < summary["losses"][0]
+
+
 def test_training_resumes_exactly(tiny_folder, sharegpt, tmp_path):
     from specexport.exporter.train_medusa import train_medusa
 
