@@ -49,8 +49,7 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
             without = m.verify_latency(engine, plain_proposer, [16], contexts[0], reps, lambda n: None)[0]
             measured.heads_ms = round(max(0.0, measured.verify_at(16) - without), 3)
         cal = m.calibrate(engine, ids, new_tokens, bar.update)
-        used = engine.medusa_tree.size if medusa else 1 + getattr(proposer, "max_nodes", 0)
-        measured.overhead_ms = round(max(0.0, cal["step_ms"] - measured.verify_at(used)), 3)
+        measured.overhead_ms = cal["overhead_ms"]
         measured.rank_rates = cal["rank_rates"]
         measured.calibration = {**cal, "plain_tokens_per_s": m.plain_speed(engine, ids, new_tokens)}
         bar.update(len(ids))

@@ -8,7 +8,8 @@
 3. For Medusa, the tree for every node budget from those rates (greedy expected-acceptance construction), its
    expected accept length E[tau], and the predicted tokens/s E[tau] / (verify(T) + per-step overhead); the best
    budget wins. Then every candidate tree (the chosen one and the presets that fit) runs side by side on the
-   prompts, so the report shows predicted against measured.
+   prompts, so the report shows predicted against measured. Rates are decode rates: tokens after the first
+   over the time after the first (the prompt's prefill is the same for every tree).
 """
 
 from __future__ import annotations
@@ -100,25 +101,39 @@ def rank_hits(records, tokens: list[int], heads: int) -> tuple[np.ndarray, np.nd
 
 
 def calibrate(engine, prompts: list[list[int]], new_tokens: int, progress) -> dict:
-    """Greedy runs with the bundle's method: accept lengths, per-step overhead, Medusa rank rates."""
+    """Greedy runs with the bundle's method: accept lengths, the per-step time outside the verification
+    calls (timed around each), Medusa rank rates."""
     from specexport.runtime.sampling import Sampler, SamplingParams
 
-    lengths, seconds, steps = [], 0.0, 0
+    lengths, seconds, steps, in_graph = [], 0.0, 0, [0.0]
     heads = engine.bundle.manifest["method"].get("heads_count", 0)
     hits, counts = np.zeros((heads, RANKS)), np.zeros(heads)
-    for ids in prompts:
-        proposer = engine.proposer(engine.bundle.method, Sampler(SamplingParams()))
-        recorder = Recorder(proposer) if heads else None
-        result = engine.generate(ids, max_new_tokens=new_tokens, proposer=recorder or proposer)
-        lengths += result.stats.accept_lengths
-        seconds += result.stats.seconds - result.stats.ttft_s
-        steps += result.stats.steps
-        if recorder is not None:
-            # the root of the step that proposed at history length n is token n - 1 of prompt + output
-            h, c = rank_hits(recorder.records, ids + result.tokens, heads)
-            hits, counts = hits + h, counts + c
-        progress(1)
+    verify = engine.verify
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = verify(*args, **kwargs)
+        in_graph[0] += time.perf_counter() - start
+        return out
+
+    engine.verify = timed
+    try:
+        for ids in prompts:
+            proposer = engine.proposer(engine.bundle.method, Sampler(SamplingParams()))
+            recorder = Recorder(proposer) if heads else None
+            result = engine.generate(ids, max_new_tokens=new_tokens, proposer=recorder or proposer)
+            lengths += result.stats.accept_lengths
+            seconds += result.stats.seconds - result.stats.ttft_s
+            steps += result.stats.steps
+            if recorder is not None:
+                # the root of the step that proposed at history length n is token n - 1 of prompt + output
+                h, c = rank_hits(recorder.records, ids + result.tokens, heads)
+                hits, counts = hits + h, counts + c
+            progress(1)
+    finally:
+        del engine.verify  # back to the class's method
     return {"accept_lengths": lengths, "step_ms": 1000 * seconds / max(steps, 1), "steps": steps,
+            "overhead_ms": round(1000 * max(0.0, seconds - in_graph[0]) / max(steps, 1), 3),
             "rank_rates": (hits / np.maximum(counts, 1)[:, None]).round(4).tolist() if heads else []}
 
 
@@ -159,8 +174,8 @@ def side_by_side(engine, prompts: list[list[int]], new_tokens: int, rows: list[d
                 engine.medusa_tree = trees[r["tree"]]
                 result = engine.generate(ids, max_new_tokens=new_tokens)
                 t = totals[r["tree"]]
-                t[0] += result.stats.new_tokens
-                t[1] += result.stats.seconds
+                t[0] += result.stats.new_tokens - 1
+                t[1] += result.stats.seconds - result.stats.ttft_s
                 t[2] += result.stats.accept_lengths
             progress(1)
     for r in rows:
@@ -171,9 +186,10 @@ def side_by_side(engine, prompts: list[list[int]], new_tokens: int, rows: list[d
 
 
 def plain_speed(engine, prompts: list[list[int]], new_tokens: int) -> float:
+    """Plain decoding's tokens/s after the first token."""
     tokens = seconds = 0.0
     for ids in prompts:
         result = engine.generate(ids, max_new_tokens=new_tokens, method="none")
-        tokens += result.stats.new_tokens
-        seconds += result.stats.seconds
+        tokens += result.stats.new_tokens - 1
+        seconds += result.stats.seconds - result.stats.ttft_s
     return round(tokens / seconds, 2) if seconds else 0.0

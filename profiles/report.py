@@ -73,11 +73,12 @@ def markdown(measured, meta: dict, images: list[str]) -> str:
     out = [f"# Profile of {meta['bundle']} on {meta['hardware']}", "",
            f"- model {meta['model']}, {meta['precision']}, method {meta['method']}; {meta['prompts']} calibration "
            f"prompts, {meta['new_tokens']} new tokens each, greedy",
-           f"- per-step overhead outside the graph call: {measured.overhead_ms:.2f} ms"]
+           f"- per-step time outside the target call: {measured.overhead_ms:.2f} ms",
+           "- tokens/s are decode rates: tokens after the first over the time after the first token"]
     if measured.heads_ms:
         out.append(f"- Medusa heads inside the fused step: {measured.heads_ms:.2f} ms")
     if measured.calibration.get("plain_tokens_per_s"):
-        out.append(f"- plain decoding: {measured.calibration['plain_tokens_per_s']:.1f} tokens/s")
+        out.append(f"- plain decoding: {measured.calibration['plain_tokens_per_s']:.1f} tokens/s (decode rate)")
     out += ["", "## Verification latency (ms)", "",
             "| tree tokens | " + " | ".join(f"context {c}" for c in measured.context) + " |",
             "|---|" + "---|" * len(measured.context)]
