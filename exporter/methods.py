@@ -26,7 +26,7 @@ class MethodOptions:
     max_matches: int = 1
     # medusa: heads (folder or file; default: the heads shipped for the target) and the tree
     heads: str | None = None
-    tree: str = "auto:15"
+    tree: str = "auto:3"  # what `specexport profile` chose on a 2-core CPU (profiles/cpu-2core.toml)
 
     def check(self) -> None:
         if self.name not in METHODS:
