@@ -339,3 +339,18 @@ def test_statistic_catches_a_broken_rule(rule, monkeypatch):
     monkeypatch.setattr(verify, "_reject", BROKEN[rule])
     _, joint = _chi2(_first_two(rule, TRIALS // 4, seed=10))
     assert joint > chisquare.threshold(V * V - 1), joint
+
+
+def test_typical_acceptance_hand_worked():
+    """Medusa's typical rule: accept x when p(x) > min(threshold, alpha * exp(-H)); lossy by design."""
+    from specexport.runtime.verify import accept_typical
+
+    p = np.array([[0.05, 0.90, 0.05], [0.30, 0.30, 0.40], [1 / 3, 1 / 3, 1 / 3]])
+    # row 0 is peaked (H = 0.39): bar = min(0.09, 0.3 * e^-0.39 = 0.20) = 0.09, so token 1 (0.90) passes, 0 (0.05) not
+    # row 1 is flat (H = 1.09): bar = min(0.09, 0.3 * e^-1.09 = 0.10) = 0.09, so token 2 (0.40) passes
+    tokens, parents = [7, 1, 2], [-1, 0, 1]
+    u = np.zeros((3, 2))
+    assert accept_typical(tokens, parents, p, u) == Acceptance([0, 1, 2], [1, 2, 0])  # then a draw at row 2 (u=0)
+    assert accept_typical([7, 0, 2], parents, p, u) == Acceptance([0], [0])  # 0.05 < 0.09: stop, draw at row 0
+    # a high threshold with a flat row rejects everything
+    assert accept_typical(tokens, parents, p, u, threshold=0.95, alpha=10.0) == Acceptance([0], [0])
