@@ -39,7 +39,8 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
     medusa = engine.bundle.method == "medusa"
     proposer = engine.proposer(engine.bundle.method, Sampler(SamplingParams()))
     tokens = [t for t in m.TREE_TOKENS if t <= max_tokens]
-    total = len(contexts) * len(tokens) + len(ids) * (2 + (rounds if medusa else 0))
+    typical = int(np.mean([len(i) for i in ids]) + new_tokens / 2)  # the context calibration steps run at
+    total = (len(contexts) + 2 * medusa) * len(tokens) + len(ids) * (2 + (rounds if medusa else 0))
     bar = tqdm(total=total, desc="profiling", unit="step", disable=quiet, file=sys.stderr, dynamic_ncols=True)
     with bar:
         measured = m.Measured(list(contexts), tokens, {c: m.verify_latency(engine, proposer, tokens, c, reps, bar.update)
@@ -53,11 +54,19 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
         measured.rank_rates = cal["rank_rates"]
         measured.calibration = {**cal, "plain_tokens_per_s": m.plain_speed(engine, ids, new_tokens)}
         bar.update(len(ids))
-        if medusa:
-            ranked = m.choose_tree(measured, max_tokens, contexts[0])
+        if medusa:  # predictions use the curve at the calibration's context, measured before and after the runs
+            before = m.verify_latency(engine, proposer, tokens, typical, reps, bar.update)
+            measured.verify_ms[typical] = before
+            ranked = m.choose_tree(measured, max_tokens, typical)
             rows = [{**ranked[0]}] + [r for r in m.preset_rows(measured, max_tokens, len(measured.rank_rates),
-                                                                contexts[0]) if r["choices"] != ranked[0]["choices"]]
+                                                                typical) if r["choices"] != ranked[0]["choices"]]
             m.side_by_side(engine, ids, new_tokens, rows, rounds, bar.update)
+            after = m.verify_latency(engine, proposer, tokens, typical, reps, bar.update)
+            measured.verify_ms[typical] = [round((a + b) / 2, 3) for a, b in zip(before, after)]
+            if typical not in measured.context:
+                measured.context.append(typical)
+            for row in rows:
+                m.predict(measured, row, typical)
             measured.candidates, measured.chosen = rows, rows[0]
     found = detect()
     hardware = f"{found.name} ({found.cores} cores{f', {found.memory_gb} GB' if found.kind == 'gpu' else ''})"
@@ -75,7 +84,8 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
         limits=dataclasses.replace(base_profile.limits,
                                    max_tree_tokens=max(base_profile.limits.max_tree_tokens, chosen["tokens"] if chosen else 1)),
         measurements=Measurements(
-            tree_tokens=tuple(tokens), verify_ms=tuple(measured.verify_ms[contexts[0]]), context=contexts[0],
+            tree_tokens=tuple(tokens), verify_ms=tuple(measured.verify_ms[measured.context[-1]]),
+            context=measured.context[-1],
             propose_ms=round(measured.overhead_ms + measured.heads_ms, 3),
             predicted_tokens_per_s=chosen["predicted_tokens_per_s"] if chosen else 0.0,
             measured_tokens_per_s=chosen["measured_tokens_per_s"] if chosen else 0.0))

@@ -6,9 +6,10 @@
    per step, and for Medusa how often head d's rank-r candidate is the token the target emits d + 1 places
    after the step's root.
 3. For Medusa, the tree for every node budget from those rates (greedy expected-acceptance construction), its
-   expected accept length E[tau], and the predicted tokens/s E[tau] / (verify(T) + per-step overhead); the best
-   budget wins. Then every candidate tree (the chosen one and the presets that fit) runs side by side on the
-   prompts, so the report shows predicted against measured. Rates are decode rates: tokens after the first
+   expected accept length E[tau], and the predicted tokens/s E[tau] / (verify(T) + per-step overhead), verify(T)
+   measured at the calibration's typical context; the best budget wins. Then every candidate tree (the chosen one and the presets that fit) runs side by side on the
+   prompts, so the report shows predicted against measured; the latency curve is measured again after those
+   runs and the predictions use the mean of both (a shared machine drifts). Rates are decode rates: tokens after the first
    over the time after the first (the prompt's prefill is the same for every tree).
 """
 
@@ -137,16 +138,20 @@ def calibrate(engine, prompts: list[list[int]], new_tokens: int, progress) -> di
             "rank_rates": (hits / np.maximum(counts, 1)[:, None]).round(4).tolist() if heads else []}
 
 
+def predict(measured: Measured, row: dict, context: int) -> dict:
+    """Fill a candidate row's expected tau and predicted step ms and tokens/s (in place; returns it)."""
+    tree = make_tree(row["choices"])
+    tau = expected_accept_length(tree, measured.rank_rates)
+    ms = measured.verify_at(tree.size, context) + measured.overhead_ms
+    row.update(tokens=tree.size, depth=tree.depth, expected_tau=round(tau, 3), predicted_ms=round(ms, 3),
+               predicted_tokens_per_s=round(1000 * tau / ms, 2))
+    return row
+
+
 def choose_tree(measured: Measured, max_tokens: int, context: int) -> list[dict]:
     """Predicted tokens/s of the greedy-accuracy tree for every budget up to max_tokens, best first."""
-    rows = []
-    for nodes in range(1, max_tokens):
-        tree = tree_from_accuracy(measured.rank_rates, nodes)
-        tau = expected_accept_length(tree, measured.rank_rates)
-        ms = measured.verify_at(tree.size, context) + measured.overhead_ms
-        rows.append({"tree": f"auto:{nodes}", "choices": tree.as_lists(), "tokens": tree.size, "depth": tree.depth,
-                     "expected_tau": round(tau, 3), "predicted_ms": round(ms, 3),
-                     "predicted_tokens_per_s": round(1000 * tau / ms, 2)})
+    rows = [predict(measured, {"tree": f"auto:{n}", "choices": tree_from_accuracy(measured.rank_rates, n).as_lists()},
+                    context) for n in range(1, max_tokens)]
     return sorted(rows, key=lambda r: -r["predicted_tokens_per_s"])
 
 
@@ -154,13 +159,8 @@ def preset_rows(measured: Measured, max_tokens: int, heads: int, context: int) -
     rows = []
     for name, choices in PRESETS.items():
         tree = make_tree(choices)
-        if tree.size > max_tokens or tree.depth > heads or tree.top_k > RANKS:
-            continue
-        tau = expected_accept_length(tree, measured.rank_rates)
-        ms = measured.verify_at(tree.size, context) + measured.overhead_ms
-        rows.append({"tree": name, "choices": tree.as_lists(), "tokens": tree.size, "depth": tree.depth,
-                     "expected_tau": round(tau, 3), "predicted_ms": round(ms, 3),
-                     "predicted_tokens_per_s": round(1000 * tau / ms, 2)})
+        if tree.size <= max_tokens and tree.depth <= heads and tree.top_k <= RANKS:
+            rows.append(predict(measured, {"tree": name, "choices": tree.as_lists()}, context))
     return rows
 
 

@@ -79,8 +79,11 @@ def markdown(measured, meta: dict, images: list[str]) -> str:
         out.append(f"- Medusa heads inside the fused step: {measured.heads_ms:.2f} ms")
     if measured.calibration.get("plain_tokens_per_s"):
         out.append(f"- plain decoding: {measured.calibration['plain_tokens_per_s']:.1f} tokens/s (decode rate)")
-    out += ["", "## Verification latency (ms)", "",
-            "| tree tokens | " + " | ".join(f"context {c}" for c in measured.context) + " |",
+    out += ["", "## Verification latency (ms)", ""]
+    if measured.candidates:
+        out += ["The last column is at the calibration's typical context, measured before and after the side-by-side "
+                "runs (their mean); the predictions use it.", ""]
+    out += ["| tree tokens | " + " | ".join(f"context {c}" for c in measured.context) + " |",
             "|---|" + "---|" * len(measured.context)]
     for i, t in enumerate(measured.tree_tokens):
         out.append(f"| {t} | " + " | ".join(f"{measured.verify_ms[c][i]:.2f}" for c in measured.context) + " |")
