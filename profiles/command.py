@@ -52,7 +52,9 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
         cal = m.calibrate(engine, ids, new_tokens, bar.update)
         measured.overhead_ms = cal["overhead_ms"]
         measured.rank_rates = cal["rank_rates"]
-        measured.calibration = {**cal, "plain_tokens_per_s": m.plain_speed(engine, ids, new_tokens)}
+        measured.calibration = cal
+        if not medusa:
+            measured.calibration["plain_tokens_per_s"] = m.plain_speed(engine, ids, new_tokens)
         bar.update(len(ids))
         if medusa:  # predictions use the curve at the calibration's context, measured before and after the runs
             before = m.verify_latency(engine, proposer, tokens, typical, reps, bar.update)
@@ -60,7 +62,8 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
             ranked = m.choose_tree(measured, max_tokens, typical)
             rows = [{**ranked[0]}] + [r for r in m.preset_rows(measured, max_tokens, len(measured.rank_rates),
                                                                 typical) if r["choices"] != ranked[0]["choices"]]
-            m.side_by_side(engine, ids, new_tokens, rows, rounds, bar.update)
+            measured.calibration["plain_tokens_per_s"] = m.side_by_side(engine, ids, new_tokens, rows, rounds,
+                                                                        bar.update)
             after = m.verify_latency(engine, proposer, tokens, typical, reps, bar.update)
             measured.verify_ms[typical] = [round((a + b) / 2, 3) for a, b in zip(before, after)]
             if typical not in measured.context:

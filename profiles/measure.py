@@ -164,15 +164,17 @@ def preset_rows(measured: Measured, max_tokens: int, heads: int, context: int) -
     return rows
 
 
-def side_by_side(engine, prompts: list[list[int]], new_tokens: int, rows: list[dict], rounds: int, progress) -> None:
-    """Measured tokens/s and tau of each tree (in place), alternating trees within each prompt, `rounds` times."""
+def side_by_side(engine, prompts: list[list[int]], new_tokens: int, rows: list[dict], rounds: int, progress) -> float:
+    """Measured tokens/s and tau of each tree (in place), alternating the trees and plain decoding within each
+    prompt, `rounds` times; returns plain decoding's tokens/s from the same runs."""
     totals = {r["tree"]: [0, 0.0, []] for r in rows}
+    totals[None] = [0, 0.0, []]
     trees: dict[str, MedusaTree] = {r["tree"]: make_tree(r["choices"]) for r in rows}
     for _ in range(rounds):
         for ids in prompts:
-            for r in rows:
-                engine.medusa_tree = trees[r["tree"]]
-                result = engine.generate(ids, max_new_tokens=new_tokens)
+            for r in rows + [{"tree": None}]:
+                engine.medusa_tree = trees.get(r["tree"], engine.medusa_tree)
+                result = engine.generate(ids, max_new_tokens=new_tokens, method=None if r["tree"] else "none")
                 t = totals[r["tree"]]
                 t[0] += result.stats.new_tokens - 1
                 t[1] += result.stats.seconds - result.stats.ttft_s
@@ -183,6 +185,8 @@ def side_by_side(engine, prompts: list[list[int]], new_tokens: int, rows: list[d
         r["measured_tokens_per_s"] = round(tokens / seconds, 2) if seconds else 0.0
         r["measured_tau"] = round(float(np.mean(lengths)), 3) if lengths else 0.0
         r["accept_lengths"] = lengths
+    tokens, seconds, _ = totals[None]
+    return round(tokens / seconds, 2) if seconds else 0.0
 
 
 def plain_speed(engine, prompts: list[list[int]], new_tokens: int) -> float:
