@@ -76,7 +76,7 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
     chosen = measured.chosen
     new = dataclasses.replace(
         base_profile, name=output.stem, measured=True,
-        description=f"{base_profile.description}, measured",
+        description=base_profile.description.removesuffix(", measured") + ", measured",
         engine=dataclasses.replace(base_profile.engine, backend="onnxruntime", precision=manifest["precision"],
                                    flavour=manifest["flavour"],
                                    execution_provider=engine.target.session.get_providers()[0]),
