@@ -70,6 +70,14 @@ def _to_compute(array: np.ndarray, elem_type: int) -> onnx.TensorProto:
     return tensor
 
 
+def make_model(graph: onnx.GraphProto) -> onnx.ModelProto:
+    """A model of `graph` with the opsets and IR version every specexport graph uses."""
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets, producer_name="specexport")
+    model.ir_version = 11
+    return model
+
+
 class _Graph:
     """Minimal node/initializer accumulator with unique names."""
 
@@ -245,11 +253,7 @@ class TargetGraphBuilder:
                 outputs.append(helper.make_tensor_value_info("medusa_tokens", TensorProto.INT64,
                                                              [1, self.medusa.count, self.opt.medusa_top_k]))
 
-        graph = helper.make_graph(g.nodes, "target", inputs, outputs, initializer=g.initializers)
-        opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
-        model = helper.make_model(graph, opset_imports=opsets, producer_name="specexport")
-        model.ir_version = 11
-        return model
+        return make_model(helper.make_graph(g.nodes, "target", inputs, outputs, initializer=g.initializers))
 
     def lm_head(self, rows: str) -> str:
         """Logits of hidden rows [n, hidden] (compute type); the weights are created once and shared."""

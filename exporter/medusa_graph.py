@@ -48,18 +48,14 @@ def add_medusa_heads(builder, hidden: str, output: str) -> str:
 
 def build_heads_graph(builder) -> onnx.ModelProto:
     """A graph of the heads alone: `hidden` [n, hidden] (compute type) -> `medusa_tokens` [n, heads, top_k]."""
-    from specexport.exporter.graph import OPSET
+    from specexport.exporter.graph import make_model
 
     et = builder.opt.compute_type
     d, heads = builder.d, builder.medusa
     add_medusa_heads(builder, "hidden", "medusa_tokens")
     g = builder.g
-    graph = helper.make_graph(
+    return make_model(helper.make_graph(
         g.nodes, "medusa_heads",
         [helper.make_tensor_value_info("hidden", et, ["rows", d.hidden])],
         [helper.make_tensor_value_info("medusa_tokens", TensorProto.INT64, ["rows", heads.count, builder.opt.medusa_top_k])],
-        initializer=g.initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)],
-                              producer_name="specexport")
-    model.ir_version = 11
-    return model
+        initializer=g.initializers))

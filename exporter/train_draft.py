@@ -28,8 +28,8 @@ from pathlib import Path
 
 from specexport.errors import UserError
 from specexport.exporter.training import (CLIP_NORM, HELDOUT, SAVE_EVERY_S, WARMUP_STEPS, TokenStream, checkpoint_dir,
-                                          eval_sequences, learning_rate, load_checkpoint, logger, prepare_output,
-                                          save_checkpoint, sharegpt_split, torch_threads, write_json)
+                                          eval_sequences, learning_rate, load_checkpoint, load_frozen_target, logger,
+                                          prepare_output, save_checkpoint, sharegpt_split, torch_threads, write_json)
 
 EVAL_SEQUENCES = 100  # held-out sequences for the before/after agreement
 MICRO_ELEMENTS = 2**25  # logits elements per micro-batch: one [tokens, vocab] fp32 tensor of 128 MB
@@ -176,7 +176,7 @@ def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: floa
     """
     import torch
 
-    from specexport.exporter.sources import load_config, load_model, resolve
+    from specexport.exporter.sources import load_config, resolve
 
     output = Path(output)
     _check_args(layers, minutes, steps, batch, seq_len, lr, top_k, save_every)
@@ -193,9 +193,7 @@ def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: floa
     with torch_threads(threads):
         log(f"{data_name}: {len(train_set) + len(heldout)} conversations, training on the first {len(train_set)}, "
             f"the last {HELDOUT} held out")
-        log(f"loading the target {source.name} ...")
-        target, tokenizer = load_model(source)
-        target.requires_grad_(False)
+        target, tokenizer = load_frozen_target(source, log)
         draft = make_draft(target, layers)
         params = trainable(draft)
         optimizer = torch.optim.AdamW(params.values(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)

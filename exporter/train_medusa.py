@@ -33,8 +33,8 @@ import numpy as np
 
 from specexport.errors import UserError
 from specexport.exporter.training import (CLIP_NORM, HELDOUT, SAVE_EVERY_S, WARMUP_STEPS, TokenStream, checkpoint_dir,
-                                          learning_rate, load_checkpoint, logger, prepare_output, save_checkpoint,
-                                          sharegpt_split, torch_threads, write_json)
+                                          learning_rate, load_checkpoint, load_frozen_target, logger, prepare_output,
+                                          save_checkpoint, sharegpt_split, torch_threads, write_json)
 
 DECAY = 0.8  # loss weight of head k: DECAY ** k
 DATA_KINDS = ("self", "sharegpt")
@@ -353,7 +353,7 @@ def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = 
     import torch
 
     from specexport.exporter.medusa import MedusaHeads, save_heads
-    from specexport.exporter.sources import load_config, load_model, resolve
+    from specexport.exporter.sources import load_config, resolve
 
     output = Path(output)
     _check_args(heads, style, data, samples, new_tokens, prompt_tokens, minutes, steps, batch, lr, vocab_subset_size,
@@ -377,9 +377,7 @@ def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = 
     with torch_threads(threads):
         log(f"{data_name}: {len(train_set) + len(heldout)} conversations, training on the first {len(train_set)}, "
             f"the last {HELDOUT} held out")
-        log(f"loading the target {source.name} ...")
-        target, tokenizer = load_model(source)
-        target.requires_grad_(False).eval()
+        target, tokenizer = load_frozen_target(source, log)
         lm_head = target.get_output_embeddings().weight.detach().float()
         vocab, hidden_size = lm_head.shape
         params = make_heads(heads, hidden_size, lm_head, style)

@@ -183,6 +183,16 @@ def logger(quiet: bool):
     return log
 
 
+def load_frozen_target(source, log):
+    """(model, tokenizer) of the target, loaded once and frozen (no gradients, eval mode)."""
+    from specexport.exporter.sources import load_model
+
+    log(f"loading the target {source.name} ...")
+    target, tokenizer = load_model(source)
+    target.requires_grad_(False).eval()
+    return target, tokenizer
+
+
 def eval_sequences(tokenizer, heldout: list[dict], seq_len: int, count: int) -> list[list[int]]:
     """Up to `count` held-out conversations, evenly spaced over the slice, each cut to
     seq_len tokens."""
