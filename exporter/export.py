@@ -67,8 +67,9 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
     options.method.check()
     has_draft = options.method.name == "draft"
     has_medusa = options.method.name == "medusa"
+    has_eagle = options.method.name in methods.EAGLE_METHODS
     # load, build, tokenizer (+ draft or heads build) (+ optimize) (+ validate)
-    step = Steps(3 + has_draft + has_medusa + options.optimize + options.validate, quiet)
+    step = Steps(3 + has_draft + has_medusa + has_eagle + options.optimize + options.validate, quiet)
     source = sources.resolve(model_spec)
     config = sources.load_config(source)
     arch.spec_for(config.model_type)  # an unsupported architecture fails here, before any loading
@@ -88,12 +89,25 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
                                head_style=heads.style, top_k=methods.MEDUSA_TOP_K, tree=medusa_tree.as_lists(),
                                accuracy=heads.meta.get("accuracy"))
 
+    eagle = None
+    if has_eagle:  # fail early on a bad draft
+        eagle, where = methods.load_eagle(options.method, source.name, dims)
+        aux = tuple(sorted(set(graph_options.aux_layers) | set(eagle.config.aux_layers)))
+        graph_options = replace(graph_options, fused_accept=True, aux_layers=aux)
+        method_manifest.update(draft=str(Path(where).resolve()), version=eagle.config.version,
+                               draft_vocab=eagle.config.draft_vocab, aux_layers=list(eagle.config.aux_layers),
+                               accuracy=eagle.meta.get("accuracy"))
+
     with staged_output(Path(output), overwrite=overwrite) as tmp:
         step(f"loading {source.name} ({source.kind}: {source.path})")
         model, tokenizer = sources.load_model(source)
         models = {"target": model}
         step(f"building the {options.graph.precision} target graph ({options.graph.flavour} ops, {dims.layers} layers)")
-        graphs = {"target": _write_graph(model, "target", graph_options, max_context, tmp, quiet, heads)}
+        graphs = {"target": _write_graph(model, "target", graph_options, max_context, tmp, quiet, heads, eagle=eagle)}
+        if has_eagle:
+            version = "EAGLE-3" if eagle.config.version == 3 else "EAGLE-1/2"
+            step(f"building the {version} draft graph (draft vocabulary {eagle.config.draft_vocab})")
+            graphs["draft"] = _write_eagle_graph(model, eagle, options.graph, max_context, tmp)
         if has_medusa:
             step(f"building the Medusa heads graph ({heads.count} {heads.style}-LM-head heads, for sampling)")
             graphs["medusa_heads"] = _write_graph(model, "medusa_heads", graph_options, max_context, tmp, quiet, heads,
@@ -117,6 +131,8 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
             numerics = _validate(model, tokenizer, tmp, graphs["target"], precision, agreement=precision != "fp32")
             if has_medusa:
                 numerics["medusa"] = _validate_medusa(model, tmp, graphs, heads)
+            if has_eagle:
+                numerics["eagle"] = _validate_eagle(model, tmp, graphs, eagle)
             if has_draft:
                 # the draft's quality shows in the accept length; its numerics are checked case by case
                 numerics["draft"] = _validate(models["draft"], tokenizer, tmp, graphs["draft"], precision, agreement=False)
@@ -146,10 +162,9 @@ def _max_context(requested: int | None, dims) -> int:
 
 
 def _write_graph(model, name: str, graph: GraphOptions, max_context: int, folder: Path, quiet: bool, medusa=None,
-                 heads_only: bool = False) -> dict:
+                 heads_only: bool = False, eagle=None) -> dict:
     """Build `name`.onnx from a transformers model (with Medusa heads; or the heads alone); returns its
     manifest entry."""
-    import onnx
     from tqdm import tqdm
 
     from specexport.exporter.arch import dims_from_config, extract_weights, rope_tables, spec_for
@@ -159,7 +174,7 @@ def _write_graph(model, name: str, graph: GraphOptions, max_context: int, folder
     weights = extract_weights(spec, dims, model.state_dict())
     rotary = model.model.rotary_emb
     rope = rope_tables(rotary.inv_freq.detach().float().numpy(), float(rotary.attention_scaling), max_context)
-    builder = TargetGraphBuilder(spec, dims, weights, graph, rope, medusa)
+    builder = TargetGraphBuilder(spec, dims, weights, graph, rope, medusa, eagle)
     if heads_only:
         from specexport.exporter.medusa_graph import build_heads_graph
 
@@ -168,6 +183,26 @@ def _write_graph(model, name: str, graph: GraphOptions, max_context: int, folder
         with tqdm(total=dims.layers, desc=name, unit="layer", disable=quiet, leave=False) as bar:
             proto = builder.build(on_layer=lambda i: bar.update(1))
     del weights
+    return _save_graph(proto, name, graph, dims, folder)
+
+
+def _write_eagle_graph(model, draft, graph: GraphOptions, max_context: int, folder: Path) -> dict:
+    """draft.onnx: the EAGLE draft decoder with its own KV cache (exporter/eagle_graph.py)."""
+    from specexport.exporter.arch import ARCHS, dims_from_config, extract_weights, spec_for
+    from specexport.exporter.eagle_graph import build_draft_graph, draft_dims, draft_weights, rope_for
+    from specexport.exporter.graph import TargetGraphBuilder
+
+    spec, dims = spec_for(model.config.model_type), dims_from_config(model.config)
+    target = extract_weights(spec, dims, model.state_dict())
+    ddims = draft_dims(draft, dims)
+    plain = GraphOptions(precision=graph.precision, flavour=graph.flavour)
+    builder = TargetGraphBuilder(ARCHS["llama"], ddims, draft_weights(draft, target), plain, rope_for(draft, max_context + 64))
+    return _save_graph(build_draft_graph(builder, draft), "draft", plain, ddims, folder)
+
+
+def _save_graph(proto, name: str, graph: GraphOptions, dims, folder: Path) -> dict:
+    import onnx
+
     onnx.save(proto, folder / f"{name}.onnx", save_as_external_data=True, location=f"{name}.onnx.data",
               size_threshold=1024)
     return {
@@ -245,6 +280,15 @@ def _validate_medusa(model, folder: Path, graphs: dict, heads) -> dict:
             "bonus_match": all(r["bonus_match"] for r in runs)}
 
 
+def _validate_eagle(model, folder: Path, graphs: dict, draft) -> dict:
+    from specexport.exporter import validate
+    from specexport.runtime.backend import TargetSession
+
+    session = TargetSession(folder / graphs["target"]["file"], graphs["target"])
+    draft_session = TargetSession(folder / graphs["draft"]["file"], graphs["draft"])
+    return validate.eagle(model, session, draft_session, draft)
+
+
 def _tool_versions() -> dict:
     import importlib.metadata as md
 
@@ -268,6 +312,10 @@ def numerics_lines(manifest: dict) -> list[str]:
         lines.append(f"  medusa step          accepted {run['accepted']}: path {'=' if run['path_match'] else '!='} "
                      f"reference, bonus {'=' if run['bonus_match'] else '!='}, candidates {run[k]:.0%} equal "
                      f"(worst gap {run['fused_max_gap']:.1e}; heads graph {run[k.replace('fused', 'heads_graph')]:.0%})")
+    if "eagle" in n:
+        e = n["eagle"]
+        lines.append(f"  eagle features       max |diff| {e['feature_max_abs_diff']:.2e}; draft graph max |diff| "
+                     f"{e['draft_max_abs_diff']:.2e}, top-k tokens {e['draft_topk_match']:.0%} equal")
     if "top1_agreement_t1" in n.get("agreement", {}):
         a = n["agreement"]
         lines.append(f"  generated positions  top-1 agreement with fp32: {a['top1_agreement_t1']:.1%} decoding one token per step, "

@@ -115,12 +115,15 @@ class _Graph:
 
 class TargetGraphBuilder:
     def __init__(self, spec: ArchSpec, dims: Dims, weights: dict[str, np.ndarray], options: GraphOptions,
-                 rope: tuple[np.ndarray, np.ndarray], medusa=None):
+                 rope: tuple[np.ndarray, np.ndarray], medusa=None, eagle=None):
         options.check(dims)
         if (medusa is None) != (options.medusa_top_k == 0) or (medusa is not None and not options.fused_accept):
             raise ValueError("Medusa heads need medusa_top_k > 0 and fused_accept, and the other way round")
         self.spec, self.d, self.w, self.opt = spec, dims, weights, options
         self.medusa = medusa
+        self.eagle = eagle  # an EAGLE draft: the graph also returns `eagle_features` (exporter/eagle_graph.py)
+        if eagle is not None and not set(eagle.config.aux_layers) <= set(options.aux_layers):
+            raise ValueError("an EAGLE-3 draft needs its aux layers among the graph's aux_layers")
         self.g = _Graph(options.compute_type)
         self.rope = rope
         self.ort = options.flavour == "ort"
@@ -234,6 +237,11 @@ class TargetGraphBuilder:
             on_layer(i)
         final, _ = self.norm(x, residual, w["norm"], "norm")
         g.op("Identity", [final], outputs=["hidden_states"])
+        if self.eagle is not None:
+            from specexport.exporter.eagle_graph import add_target_features
+
+            add_target_features(self, final)
+            outputs.append(helper.make_tensor_value_info("eagle_features", et, ["batch", "seq", self.eagle.config.hidden]))
 
         flat = g.op("Reshape", [final, g.const("flat_hidden", np.array([-1, d.hidden], np.int64))])
         logits = self.lm_head(g.op("Gather", [flat, "logits_indices"], axis=0))

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from specexport.errors import UserError
 
-METHODS = ("none", "ngram", "draft", "medusa")
+METHODS = ("none", "ngram", "draft", "medusa", "eagle", "eagle3")
+EAGLE_METHODS = {"eagle": 1, "eagle3": 3}  # method -> draft architecture version (eagle = EAGLE-1/2)
 MEDUSA_TOP_K = 10  # candidates per head in the graph: any tree with ranks < 10 runs on the bundle
 ASSETS = Path(__file__).parent / "assets"
 MAX_DRAFT = 64
@@ -27,6 +28,12 @@ class MethodOptions:
     # medusa: heads (folder or file; default: the heads shipped for the target) and the tree
     heads: str | None = None
     tree: str = "auto:3"  # what `specexport profile` chose on a 2-core CPU (profiles/cpu-2core.toml)
+    # eagle / eagle3: the draft (folder; default: the draft shipped for the target) and the tree it grows
+    eagle_draft: str | None = None
+    depth: int = 5
+    top_k: int = 4
+    total_tokens: int = 16
+    eagle_tree: str = "dynamic"  # or a static tree (EAGLE-1): preset, JSON file or inline JSON paths
 
     def check(self) -> None:
         if self.name not in METHODS:
@@ -42,6 +49,15 @@ class MethodOptions:
             if self.tree_size() > MAX_DRAFT:
                 raise UserError(f"--draft-tree {','.join(map(str, self.draft_branching))} makes {self.tree_size()} "
                                 f"nodes; at most {MAX_DRAFT}")
+        if self.eagle_draft and self.name not in EAGLE_METHODS:
+            raise UserError("--draft is only used with --method eagle or eagle3")
+        if self.name in EAGLE_METHODS:
+            from specexport.exporter.eagle_graph import EAGLE_TOP_K
+            from specexport.runtime.eagle_tree import check_dynamic, parse_static
+
+            check_dynamic(self.depth, self.top_k, self.total_tokens, EAGLE_TOP_K)
+            if self.eagle_tree != "dynamic" and parse_static(self.eagle_tree).max_rank >= EAGLE_TOP_K:
+                raise UserError(f"--eagle-tree ranks must be below {EAGLE_TOP_K}")
         if self.heads and self.name != "medusa":
             raise UserError("--heads is only used with --method medusa")
         if self.name == "ngram" and not (1 <= self.min_ngram <= self.max_ngram <= 16 and 1 <= self.max_matches <= 16):
@@ -66,6 +82,11 @@ class MethodOptions:
         if self.name == "ngram":
             data.update(max_ngram=self.max_ngram, min_ngram=self.min_ngram, max_matches=self.max_matches,
                         draft_length=self.draft_length)
+        if self.name in EAGLE_METHODS:
+            from specexport.exporter.eagle_graph import EAGLE_TOP_K
+
+            data.update(depth=self.depth, top_k=self.top_k, total_tokens=self.total_tokens, tree=self.eagle_tree,
+                        graph_top_k=EAGLE_TOP_K)
         if self.name == "medusa":
             data.update(tree_spec=self.tree)  # the heads, their source and the resolved tree: added by the export
         return data
@@ -91,6 +112,29 @@ def load_medusa(options: MethodOptions, model_name: str, hidden: int, vocab: int
     ranks = [row.get("ranks") for row in heads.meta.get("accuracy", [])]
     tree = resolve_tree(options.tree, heads.count, MEDUSA_TOP_K, ranks if ranks and all(ranks) else None)
     return heads, where, tree
+
+
+def load_eagle(options: MethodOptions, model_name: str, dims):
+    """(draft, where) for --method eagle/eagle3: the draft checked against the target and the method."""
+    from specexport.exporter.eagle import load_draft
+    from specexport.exporter.eagle_graph import EAGLE_TOP_K
+
+    where = Path(options.eagle_draft) if options.eagle_draft else ASSETS / f"{options.name}-{model_name}"
+    if not where.exists():
+        if options.eagle_draft:
+            raise UserError(f"EAGLE draft {where} not found")
+        raise UserError(f"no {options.name} draft ships for {model_name}: pass --draft PATH (a published checkpoint "
+                        f"folder, or train one with specexport train --method {options.name} --model ...)")
+    draft = load_draft(where, dims.layers)
+    want = EAGLE_METHODS[options.name]
+    if draft.config.version != want:
+        other = "eagle3" if draft.config.version == 3 else "eagle"
+        raise UserError(f"{where} is an EAGLE-{draft.config.version} draft: use --method {other}")
+    draft.check(dims, str(where))
+    if draft.config.draft_vocab < EAGLE_TOP_K:
+        raise UserError(f"{where}: a draft vocabulary of {draft.config.draft_vocab} is below the {EAGLE_TOP_K} "
+                        "candidates the draft graph returns")
+    return draft, where
 
 
 def parse_self_draft(spec: str, target_layers: int) -> int | None:

@@ -206,3 +206,57 @@ def _candidates(name: str, got: np.ndarray, ref_logits: np.ndarray) -> dict:
     want = np.argsort(-ref_logits, axis=-1, kind="stable")[:, :k]
     gap = np.abs(np.take_along_axis(ref_logits, got, -1) - np.take_along_axis(ref_logits, want, -1))
     return {f"{name}_top{k}_match": float((got == want).mean()), f"{name}_max_gap": float(gap.max())}
+
+
+def eagle(model, session, draft_session, draft, seed: int = 0, prefix: int = 16) -> dict:
+    """EAGLE's two graphs against PyTorch. The target's `eagle_features` on a prompt vs transformers' hidden
+    states (through the draft's fc for EAGLE-3); then the draft graph vs `DraftModule.step` on those features:
+    a chain of pairs (as after a prefill), then a branching tree of nodes fed the chain's output hiddens. Reports
+    the max abs differences and the share of top-k draft tokens that match."""
+    import torch
+
+    from specexport.exporter.eagle import DraftModule
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, model.config.vocab_size, size=prefix)
+    with torch.no_grad():
+        states = model.model(input_ids=torch.from_numpy(ids[None]), output_hidden_states=True).hidden_states
+    embed = model.get_input_embeddings().weight.detach().float()
+    module = DraftModule.from_draft(draft, embed, model.get_output_embeddings().weight.detach().float())
+    with torch.no_grad():
+        if draft.config.version == 3:
+            ref_feats = module.start(torch.cat([states[i] for i in draft.config.aux_layers], -1).float())[0].numpy()
+        else:
+            ref_feats = states[-1][0].float().numpy()
+    cache = session.new_cache(prefix + 4)
+    bias = tree.causal_bias(0, prefix, session.bias_width(cache, 0, prefix))
+    feats = session.forward(cache, ids[None], np.arange(prefix)[None], bias, np.array([prefix - 1]),
+                            want=("eagle_features",))["eagle_features"][0].astype(np.float32)
+    report = {"feature_max_abs_diff": float(np.abs(feats - ref_feats).max())}
+
+    # the draft: pairs (feature t, token t + 1) for t < prefix - 1, then a tree below the last pair
+    hot = draft.hot_ids
+    dcache = draft_session.new_cache(prefix + len(TREE) + 4)
+    past_kv, diffs, matches = None, [], []
+    tokens, hidden, parents = ids[1:], ref_feats[:-1], tree.chain(prefix - 1).tolist()
+    positions = np.arange(prefix - 1)
+    for _ in range(2):
+        past = dcache.length
+        bias = tree.attention_bias(parents, past, draft_session.bias_width(dcache, past, len(tokens)))
+        got = draft_session.forward(dcache, np.array([tokens]), positions[None], bias, np.arange(len(tokens)),
+                                    want=("hidden_out", "draft_logp", "draft_tokens"), inputs={"hidden": hidden[None]})
+        dcache.advance(len(tokens))
+        with torch.no_grad():
+            ref_out, logits, past_kv = module.step(torch.from_numpy(np.array([tokens])), torch.from_numpy(hidden[None]).float(),
+                                                   torch.from_numpy(positions[None]),
+                                                   torch.from_numpy(bias[..., :past + len(tokens)]), past_kv)
+            top = torch.log_softmax(logits[0], -1).topk(got["draft_tokens"].shape[1], -1)
+        diffs += [float(np.abs(got["hidden_out"][0] - ref_out[0].numpy()).max()),
+                  float(np.abs(got["draft_logp"] - top.values.numpy()).max())]
+        matches.append(float((got["draft_tokens"] == hot[top.indices.numpy()]).mean()))
+        # next: a branching tree below the last pair, every node fed that pair's output hidden
+        tokens = rng.integers(3, model.config.vocab_size, size=len(TREE))
+        hidden = np.repeat(ref_out[0, -1:].numpy(), len(TREE), 0)
+        parents, positions = TREE, prefix - 1 + tree.depths(TREE)
+    report.update(draft_max_abs_diff=max(diffs), draft_topk_match=min(matches))
+    return report

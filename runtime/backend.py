@@ -69,8 +69,10 @@ class TargetSession:
         return cache.capacity if self.full_width_bias else past + t
 
     def forward(self, cache: KVCache, input_ids: np.ndarray, position_ids: np.ndarray, bias: np.ndarray,
-                logits_indices: np.ndarray, want: tuple[str, ...] = ("logits",)) -> dict[str, np.ndarray]:
-        """One step over T new tokens; K/V land at rows [cache.length, cache.length + T)."""
+                logits_indices: np.ndarray, want: tuple[str, ...] = ("logits",),
+                inputs: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """One step over T new tokens; K/V land at rows [cache.length, cache.length + T). `inputs`: the
+        graph's other inputs (an EAGLE draft's `hidden`)."""
         b, t = input_ids.shape
         if cache.length + t > cache.capacity:
             raise ValueError(f"KV cache overflow: {cache.length} + {t} > capacity {cache.capacity}")
@@ -80,6 +82,8 @@ class TargetSession:
         io.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, dtype=np.float32))
         io.bind_cpu_input("past_len", np.full(b, cache.length, dtype=np.int32))
         io.bind_cpu_input("logits_indices", np.ascontiguousarray(logits_indices, dtype=np.int64))
+        for name, value in (inputs or {}).items():
+            io.bind_cpu_input(name, np.ascontiguousarray(value, dtype=self.dtype))
         for name in want:  # rebound each run: ORT allocates them with this run's shapes
             io.bind_output(name, "cpu")
         self.session.run_with_iobinding(io)

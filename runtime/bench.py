@@ -36,15 +36,14 @@ def read_prompts(path: Path) -> list[dict]:
 
 
 def run_bench(bundle_path: Path, prompts: list[dict], max_new_tokens: int = 128, compare_hf: bool = False,
-              threads: int | None = None, progress=lambda text: None, tree: str | None = None) -> dict:
+              threads: int | None = None, progress=lambda text: None, tree: str | None = None,
+              eagle: dict | None = None) -> dict:
+    """`tree` and `eagle` (depth, top_k, total_tokens): run-time overrides of the bundle's tree."""
     from specexport.runtime.generate import Engine
 
     engine = Engine.load(bundle_path, threads=threads)
     method = engine.bundle.method
-    if tree is not None:
-        if method != "medusa":
-            raise UserError(f"--tree applies to Medusa bundles; this one is '{method}'")
-        engine.set_tree(tree)
+    engine.configure(tree, **(eagle or {}))
     ids = [engine.encode(p["prompt"]) for p in prompts]
     engine.generate(ids[0], max_new_tokens=8)  # warm-up: first-run allocations and prepacking
     rows = []
@@ -77,11 +76,16 @@ def _totals(engine, rows: list[dict], hf: dict | None) -> dict:
     base = rate(sum(r["baseline_new_tokens"] for r in rows), sum(r["baseline_seconds"] for r in rows))
     lengths = [a for r in rows for a in r["accept_lengths"]]
     m = engine.bundle.manifest
-    medusa = engine.medusa_tree
+    medusa, eagle = engine.medusa_tree, engine.eagle
+    tree = None
+    if medusa is not None:
+        tree = {"tokens_per_step": medusa.size, "depth": medusa.depth, "choices": medusa.as_lists()}
+    elif eagle is not None:
+        tree = {"tokens_per_step": eagle["total_tokens"], "depth": eagle["depth"], "top_k": eagle["top_k"],
+                "kind": eagle["tree"]}
     return {
         "profile": (m.get("profile") or {}).get("name"),
-        "tree": None if medusa is None else {"tokens_per_step": medusa.size, "depth": medusa.depth,
-                                             "choices": medusa.as_lists()},
+        "tree": tree,
         "bundle": str(engine.bundle.path),
         "model": m["model"]["name"],
         "method": engine.bundle.method,
@@ -128,7 +132,8 @@ def summary_lines(result: dict) -> list[str]:
     tree = result.get("tree")
     lines = [
         f"{result['model']} {result['precision']}, method {result['method']}, {result['count']} prompts"
-        + (f", tree of {tree['tokens_per_step']} tokens (depth {tree['depth']})" if tree else "")
+        + (f", tree of {tree['tokens_per_step']} tokens (depth {tree['depth']}"
+           + (f", top-k {tree['top_k']}, {tree['kind']}" if "top_k" in tree else "") + ")" if tree else "")
         + f", profile {result.get('profile') or 'none'}",
         f"  {result['method']:<10} {result['tokens_per_s']:8.1f} tokens/s   tau {result['tau']}   "
         f"accepted {result['accepted']}/{result['drafted']} drafts",

@@ -89,6 +89,42 @@ class Engine:
         self.heads = None  # the stand-alone Medusa heads graph, loaded when sampling needs it
         if bundle.method == "medusa":
             self.set_tree(None)
+        self.eagle = None  # EAGLE tree settings: depth, top_k, total_tokens, static (a StaticTree or None)
+        if bundle.method in ("eagle", "eagle3"):
+            self.set_eagle()
+
+    def configure(self, tree: str | None = None, depth: int | None = None, top_k: int | None = None,
+                  total_tokens: int | None = None) -> None:
+        """Run-time overrides of the bundle's tree: `tree` for Medusa and EAGLE (dynamic or a static tree),
+        depth / top_k / total_tokens for EAGLE's dynamic tree."""
+        method = self.bundle.method
+        eagle_given = [n for n, v in (("--depth", depth), ("--draft-top-k", top_k), ("--total-tokens", total_tokens))
+                       if v is not None]
+        if eagle_given and self.eagle is None:
+            raise UserError(f"{eagle_given[0]} applies to EAGLE bundles; this one is '{method}'")
+        if tree is not None and method != "medusa" and self.eagle is None:
+            raise UserError(f"--tree applies to Medusa and EAGLE bundles; this one is '{method}'")
+        if self.eagle is not None and (tree is not None or eagle_given):
+            self.set_eagle(depth, top_k, total_tokens, tree)
+        elif tree is not None:
+            self.set_tree(tree)
+
+    def set_eagle(self, depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None,
+                  tree_spec: str | None = None) -> None:
+        """EAGLE's tree: the bundle's settings, each overridable; tree_spec "dynamic" or a static tree."""
+        from specexport.runtime.eagle_tree import check_dynamic, parse_static
+
+        m = self.bundle.manifest["method"]
+        depth = m["depth"] if depth is None else depth
+        top_k = m["top_k"] if top_k is None else top_k
+        total = m["total_tokens"] if total_tokens is None else total_tokens
+        spec = tree_spec or m.get("tree", "dynamic")
+        check_dynamic(depth, top_k, total, m["graph_top_k"])
+        static = None if spec == "dynamic" else parse_static(spec)
+        if static is not None and static.max_rank >= m["graph_top_k"]:
+            raise UserError(f"EAGLE tree {spec[:40]!r} uses rank {static.max_rank}; this bundle's draft returns "
+                            f"{m['graph_top_k']} candidates per node")
+        self.eagle = {"depth": depth, "top_k": top_k, "total_tokens": total, "static": static, "tree": spec}
 
     def set_tree(self, spec: str | None) -> None:
         """The Medusa tree to run: the bundle's (None), a preset, a JSON file or auto:N."""
@@ -137,15 +173,15 @@ class Engine:
 
     # -- target calls ------------------------------------------------------------------------
     def prefill(self, cache: KVCache, ids: list[int], proposer=None) -> np.ndarray:
-        """Run the prompt through the target; returns the logits of its last token. The last call also
-        brings what `proposer` wants from the target (Medusa's candidates at the last prompt token)."""
+        """Run the prompt through the target; returns the logits of its last token. Its calls also
+        bring what `proposer` wants from the target (EAGLE's features; Medusa's candidates at the last row)."""
         chunks = [ids[:1], ids[1:]] if self.first_token_alone and len(ids) > 1 else [ids]
         chunks = [c[i:i + PREFILL_CHUNK] for c in chunks for i in range(0, len(c), PREFILL_CHUNK)]
-        for n, chunk in enumerate(chunks):
-            extra = proposer.wants(self.fused_accept) if proposer is not None and n == len(chunks) - 1 else ()
+        extra = proposer.wants(self.fused_accept) if proposer is not None else ()
+        for chunk in chunks:
             out = self.forward_chain(cache, chunk, ("logits",) + extra)
-        if extra:
-            proposer.observe(out, len(chunks[-1]) - 1)
+            if extra:
+                proposer.observe(out, range(len(chunk)))
         return out["logits"][-1]
 
     def forward_chain(self, cache: KVCache, ids: list[int], want=("logits",)) -> dict:
@@ -179,6 +215,12 @@ class Engine:
             if not (self.fused_accept and sampler.params.greedy):
                 heads = self._heads_session()
             return proposers.MedusaHeads(self.medusa_tree, heads)
+        if method in ("eagle", "eagle3"):
+            if self.draft is None:
+                info = self.bundle.graphs["draft"]
+                self.draft = TargetSession(self.bundle.file(info["file"]), info, threads=self.threads, device=self.device)
+            e = self.eagle
+            return proposers.Eagle(self.draft, e["depth"], e["top_k"], e["total_tokens"], e["static"])
         raise UserError(f"this runtime cannot run method '{method}'")
 
     def step(self, cache: KVCache, history: list[int], proposer, sampler: Sampler) -> tuple[Acceptance, int]:
@@ -203,7 +245,7 @@ class Engine:
         cache.commit(acceptance.path)
         proposer.accepted([r - 1 for r in acceptance.path[1:]])
         if extra:
-            proposer.observe(out, acceptance.path[-1])
+            proposer.observe(out, acceptance.path)
         return acceptance, len(proposal)
 
     def verify(self, cache: KVCache, tokens: list[int], parents: list[int], want=("logits",)) -> dict:

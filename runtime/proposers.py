@@ -37,15 +37,16 @@ class NoProposer:
     """Plain decoding: nothing to propose, every step verifies the root alone.
 
     A proposer that reads the target's own outputs (Medusa) names them in `wants(fused)`; the engine then
-    asks the target for them on the prompt's last call and every verify call, and hands them to
-    `observe(outputs, row)`, `row` being the step row of the last accepted node."""
+    asks the target for them on every prompt call and every verify call, and hands them to
+    `observe(outputs, rows)`: the rows now committed (the prompt chunk's, or the accepted path's; the last
+    one is where the next step grows from)."""
 
     max_nodes = 0
 
     def wants(self, fused: bool) -> tuple[str, ...]:
         return ()
 
-    def observe(self, outputs: dict, row: int) -> None:
+    def observe(self, outputs: dict, rows) -> None:
         pass
 
     def start(self, prompt_len: int, capacity: int) -> None:
@@ -160,7 +161,8 @@ class MedusaHeads(NoProposer):
     def start(self, prompt_len: int, capacity: int) -> None:
         self.candidates = None
 
-    def observe(self, outputs: dict, row: int) -> None:
+    def observe(self, outputs: dict, rows) -> None:
+        row = list(rows)[-1]
         if "medusa_tokens" in outputs:
             self.candidates = outputs["medusa_tokens"][0]
             return
@@ -171,3 +173,91 @@ class MedusaHeads(NoProposer):
         if self.candidates is None:
             return Proposal([], [])
         return Proposal(self.tree.tokens(history[-1], self.candidates)[1:], self.parents)
+
+
+class Eagle(NoProposer):
+    """EAGLE-1/2/3: a one-layer draft decoder over the target's features, with its own in-place KV cache.
+
+    The draft's cache holds one row per committed position t: (feature of t, token t + 1). Each step first
+    feeds the pairs committed since the last step (the features `observe`d from the target's last call, and
+    the tokens after them, the root last), then grows a tree from the last row: `depth` levels, each one draft
+    call over the nodes to expand. Dynamic (EAGLE-2): the `top_k` best new candidates by cumulative log-prob are
+    expanded, and the `total_tokens - 1` best of all are verified. Static (EAGLE-1): a fixed tree of ranks.
+    Tree rows in the draft cache are dropped every step; only target features ever enter it as history."""
+
+    def __init__(self, session, depth: int, top_k: int, total_tokens: int, static=None):
+        self.session = session
+        self.depth, self.top_k, self.total = depth, top_k, total_tokens
+        self.static = static  # eagle_tree.StaticTree or None (dynamic)
+        if static is not None:
+            self.depth, self.total = static.depth, static.size + 1
+        self.max_nodes = self.total - 1
+        self.cache = None
+        self.pending: list[np.ndarray] = []  # features of committed positions not yet fed to the draft
+        self.fed = 0  # positions whose pair is in the draft's cache
+
+    def wants(self, fused: bool) -> tuple[str, ...]:
+        return ("eagle_features",)
+
+    def start(self, prompt_len: int, capacity: int) -> None:
+        grown = self.top_k * max(self.depth - 1, 0) if self.static is None else self.static.size
+        self.cache = self.session.new_cache(capacity + grown + 1)
+        self.pending, self.fed = [], 0
+
+    def observe(self, outputs: dict, rows) -> None:
+        self.pending.append(outputs["eagle_features"][0, list(rows)])
+
+    def propose(self, history: list[int]) -> Proposal:
+        from specexport.runtime.eagle_tree import CandidateTree
+
+        feats = np.concatenate(self.pending) if self.pending else np.zeros((0, 0), np.float32)
+        m = len(feats)
+        if m == 0 or self.fed + m + 1 != len(history):
+            raise RuntimeError(f"EAGLE draft out of step: {self.fed} fed + {m} features for {len(history)} tokens")
+        self.pending = []
+        self.cache.rewind(self.fed)
+        out = self._call(history[self.fed + 1:], feats, tree.chain(m), self.fed, 0, [m - 1])
+        self.cache.advance(m)
+        self.fed += m
+        candidates = CandidateTree()
+        last = out["hidden_out"][0, m - 1]
+        node_path = {-1: ()}
+        frontier = self._grow(candidates, node_path, -1, out, 0)
+        hidden_of = {-1: last}  # input hidden for a node's children: the draft's output at that node
+        fed_parents, fed_index = [], {}
+        for _ in range(self.depth - 1):
+            frontier = [n for n in frontier if self.static is None or self.static.has_children(node_path[n])]
+            if not frontier:
+                break
+            first = len(fed_parents)
+            for n in frontier:
+                fed_index[n] = len(fed_parents)
+                fed_parents.append(fed_index.get(candidates.parents[n], -1))
+            hidden = np.stack([hidden_of[candidates.parents[n]] for n in frontier])
+            out = self._call([candidates.tokens[n] for n in frontier], hidden, fed_parents, self.fed, first,
+                             range(len(frontier)), depth_offset=1)
+            self.cache.advance(len(frontier))
+            made = []
+            for row, n in enumerate(frontier):
+                hidden_of[n] = out["hidden_out"][0, row]
+                made += self._grow(candidates, node_path, n, out, row)
+            frontier = made if self.static is not None else candidates.top(made, self.top_k)
+        if self.static is not None:
+            _, tokens, parents = candidates._subtree(list(range(len(candidates))))
+        else:
+            _, tokens, parents = candidates.select(self.total - 1)
+        return Proposal(tokens, parents)
+
+    def _grow(self, candidates, node_path, parent: int, out: dict, row: int) -> list[int]:
+        tokens, logps = out["draft_tokens"][row], out["draft_logp"][row]
+        if self.static is not None:
+            return self.static.grow(candidates, node_path, parent, tokens, logps)
+        return candidates.add(parent, tokens[:self.top_k], logps[:self.top_k])
+
+    def _call(self, ids, hidden, parents, past: int, first: int, rows, depth_offset: int = 0) -> dict:
+        """Feed nodes first.. of `parents` (the earlier ones are cached after `past`); logits of `rows`."""
+        cache, t = self.cache, len(ids)
+        bias = tree.attention_bias(parents, past, self.session.bias_width(cache, cache.length, t), first=first)
+        positions = past - 1 + depth_offset + tree.depths(parents)[first:] if depth_offset else past + np.arange(t)
+        return self.session.forward(cache, np.array([ids]), np.asarray(positions)[None], bias, np.asarray(list(rows)),
+                                    want=("hidden_out", "draft_logp", "draft_tokens"), inputs={"hidden": hidden[None]})

@@ -12,7 +12,7 @@ import click
 from specexport.errors import UserError
 
 PRECISIONS = ["fp32", "int8", "int4", "fp16", "bf16"]
-METHODS = ["none", "ngram", "draft", "medusa"]
+METHODS = ["none", "ngram", "draft", "medusa", "eagle", "eagle3"]
 BACKENDS = ["onnxruntime", "tensorrt"]
 DEFAULT_CPU_PRECISION = "int8"  # AMX/VNNI DynamicQuantizeMatMul: cheap decode, and cheap wide verify
 
@@ -100,11 +100,28 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
     _print_export(manifest, output)
 
 
+def _eagle_run_options(f):
+    """Run-time overrides of an EAGLE bundle's dynamic tree (run, bench)."""
+    f = click.option("--total-tokens", type=int, default=None, help="eagle: tokens verified per step, the root included.")(f)
+    f = click.option("--draft-top-k", type=int, default=None, help="eagle: candidates expanded per level.")(f)
+    f = click.option("--depth", type=int, default=None, help="eagle: draft levels per step.")(f)
+    return f
+
+
 def _method_options(f):
+    f = click.option("--total-tokens", type=int, default=None,
+                     help="eagle: tokens verified per step, the root included (EAGLE-2's total_token). [default: 16]")(f)
+    f = click.option("--top-k", "--draft-top-k", "eagle_top_k", type=int, default=None,
+                     help="eagle: candidates kept per level and per node. [default: 4]")(f)
+    f = click.option("--depth", type=int, default=None, help="eagle: draft levels per step. [default: 5]")(f)
+    f = click.option("--draft", "eagle_draft", default=None,
+                     help="eagle/eagle3: the draft folder, a published EAGLE-1/2/3 checkpoint or one trained with "
+                          "specexport train (default: the draft shipped for the model).")(f)
     f = click.option("--tree", default=None,
                      help="medusa: a preset (small_7, small_15, chain_3, mc_sim_7b_63, vicuna_7b_stage2), a JSON file "
                           "of rank paths, or auto:N (N nodes from the heads' measured accuracies). [default: the "
-                          "profile's, else auto:3, a 4-token tree: the best measured on a 2-core CPU]")(f)
+                          "profile's, else auto:3, a 4-token tree: the best measured on a 2-core CPU]. "
+                          "eagle: dynamic (EAGLE-2, default) or a static tree (eagle1_25, chain_5, JSON paths).")(f)
     f = click.option("--heads", default=None,
                      help="medusa: heads folder or file, any published layout (default: the heads shipped for "
                           "the model).")(f)
@@ -119,8 +136,11 @@ def _method_options(f):
     return f
 
 
-def _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches, heads, tree):
-    from specexport.exporter.methods import MethodOptions
+def _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches, heads, tree,
+                  eagle_draft=None, depth=None, eagle_top_k=None, total_tokens=None):
+    from dataclasses import replace
+
+    from specexport.exporter.methods import EAGLE_METHODS, MethodOptions
 
     try:
         branching = tuple(int(x) for x in draft_tree.split(",") if x.strip())
@@ -131,7 +151,16 @@ def _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_
     length = draft_length if draft_length is not None else (8 if method == "ngram" else 4)
     options = MethodOptions(name=method, draft_model=draft_model, draft_length=length, draft_branching=branching,
                             max_ngram=max_ngram, min_ngram=min_ngram, max_matches=1 if max_matches is None else max_matches,
-                            heads=heads, tree=tree or "auto:3")
+                            heads=heads, tree=tree if tree and method == "medusa" else "auto:3")
+    if method in EAGLE_METHODS:
+        defaults = MethodOptions()
+        options = replace(options, eagle_draft=eagle_draft, eagle_tree=tree or "dynamic",
+                          depth=_default(depth, defaults.depth), top_k=_default(eagle_top_k, defaults.top_k),
+                          total_tokens=_default(total_tokens, defaults.total_tokens))
+    elif any(v is not None for v in (eagle_draft, depth, eagle_top_k, total_tokens)):
+        raise UserError("--draft, --depth, --top-k and --total-tokens are only used with --method eagle or eagle3")
+    elif tree and method != "medusa":
+        raise UserError("--tree is only used with --method medusa, eagle or eagle3")
     options.check()
     return options
 
@@ -150,8 +179,8 @@ def _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_
               help="Bundle folder (default: ./MODEL-METHOD-BACKEND-PRECISION).")
 @_export_options
 def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches, heads, tree,
-          backend, precision, profile_spec, output, max_context, flavour, aux_layers, no_validate, fused_accept,
-          overwrite):
+          eagle_draft, depth, eagle_top_k, total_tokens, backend, precision, profile_spec, output, max_context, flavour,
+          aux_layers, no_validate, fused_accept, overwrite):
     """Export a model and compile it for a backend into a ready-to-run bundle.
 
     \b
@@ -164,6 +193,8 @@ def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, 
       specexport build --model smollm2-135m --precision fp32 --output smol-fp32
       specexport build --model llama3-8b --method none --precision int4
       specexport build --model smollm2-135m --method medusa --profile auto
+      specexport build --model smollm2-135m --method eagle3 --depth 5 --top-k 4 --total-tokens 16
+      specexport build --model llama3-8b --method eagle --draft ./EAGLE-LLaMA3-Instruct-8B
     """
     from specexport.exporter.export import ExportOptions, export_bundle
     from specexport.exporter.sources import resolve
@@ -183,6 +214,9 @@ def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, 
         if method == "draft" and not draft_tree and profile.draft.branching:
             draft_tree = ",".join(map(str, profile.draft.branching))
         tree = tree or (profile.medusa.spec if method == "medusa" else None)
+        if method in ("eagle", "eagle3"):
+            depth, eagle_top_k = _default(depth, profile.eagle.depth), _default(eagle_top_k, profile.eagle.top_k)
+            total_tokens = _default(total_tokens, profile.eagle.total_tokens)
         click.echo(f"profile {profile.name} ({profile.description}; "
                    f"{'measured' if profile.measured else 'not measured on this hardware'})", err=True)
     backend = backend or "onnxruntime"
@@ -190,7 +224,7 @@ def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, 
         raise UserError("the tensorrt backend needs TensorRT >= 10.14 and a GPU, neither found here; "
                         "export a standard-ONNX graph with --flavour onnx --precision fp16 instead")
     method_options = _parse_method(method, draft_model, draft_length, draft_tree, max_ngram, min_ngram, max_matches,
-                                   heads, tree)
+                                   heads, tree, eagle_draft, depth, eagle_top_k, total_tokens)
     precision = precision or DEFAULT_CPU_PRECISION
     if output is None:
         output = Path(f"{resolve(model_spec).name}-{method}-{backend}-{precision}")
@@ -262,12 +296,14 @@ def _sampling(temperature, top_k, top_p, seed):
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--threads", type=int, default=None, help="ORT intra-op threads (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
-@click.option("--tree", default=None, help="medusa: run another tree than the bundle's (preset, JSON file, auto:N).")
+@click.option("--tree", default=None, help="medusa: run another tree than the bundle's (preset, JSON file, auto:N); "
+                                           "eagle: dynamic or a static tree.")
+@_eagle_run_options
 @click.option("--typical", is_flag=True,
               help="medusa, temperature > 0: Medusa's typical acceptance. LOSSY: the output no longer follows the "
                    "model's distribution (longer accepts in exchange).")
 def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_id, raw, threads,
-        as_json, tree, typical):
+        as_json, tree, depth, draft_top_k, total_tokens, typical):
     """Generate from a prompt with a bundle, streaming the text, then print stats.
 
     \b
@@ -290,7 +326,8 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     params = _sampling(temperature, top_k, top_p, seed)
     engine = Engine.load(bundle, threads=threads)
-    _medusa_settings(engine, tree, typical, params)
+    engine.configure(tree, depth, draft_top_k, total_tokens)
+    _typical(engine, typical, params)
     stop_ids = tuple(sorted(engine.tokenizer.eos_token_ids | set(stop_id)))
     stream = None if as_json else (lambda text: click.echo(text, nl=False))
     result = engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=params, stop=tuple(stop),
@@ -309,17 +346,18 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
 
 
 def _tree_note(engine) -> str:
-    tree = engine.medusa_tree
+    tree, eagle = engine.medusa_tree, engine.eagle
+    if eagle is not None:
+        return (f" ({eagle['tree']} tree: depth {eagle['depth']}, top-k {eagle['top_k']}, "
+                f"{eagle['total_tokens']} tokens)")
     return "" if tree is None else f" (tree of {tree.size} tokens, depth {tree.depth})"
 
 
-def _medusa_settings(engine, tree, typical, params) -> None:
-    if (tree or typical) and engine.bundle.method != "medusa":
-        raise UserError(f"--{'tree' if tree else 'typical'} applies to Medusa bundles; this one is '{engine.bundle.method}'")
+def _typical(engine, typical, params) -> None:
+    if typical and engine.bundle.method != "medusa":
+        raise UserError(f"--typical applies to Medusa bundles; this one is '{engine.bundle.method}'")
     if typical and params.greedy:
         raise UserError("--typical needs --temperature > 0 (greedy acceptance is already exact)")
-    if tree:
-        engine.set_tree(tree)
     if typical:
         engine.typical = (0.09, 0.3)
         click.echo("typical acceptance: lossy, the output does not follow the model's distribution", err=True)
@@ -333,8 +371,10 @@ def _medusa_settings(engine, tree, typical, params) -> None:
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None, help="Write the results here.")
 @click.option("--compare-hf", is_flag=True, help="Also time transformers generate on the same model.")
 @click.option("--threads", type=int, default=None)
-@click.option("--tree", default=None, help="medusa: run another tree than the bundle's (preset, JSON file, auto:N).")
-def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, tree):
+@click.option("--tree", default=None, help="medusa: run another tree than the bundle's (preset, JSON file, auto:N); "
+                                           "eagle: dynamic or a static tree.")
+@_eagle_run_options
+def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, tree, depth, draft_top_k, total_tokens):
     """Benchmark a bundle's method against plain decoding on the same engine (greedy, batch 1).
 
     \b
@@ -348,7 +388,8 @@ def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, t
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     prompts = read_prompts(prompts_file)
     result = run_bench(bundle, prompts, max_new_tokens=max_new_tokens, compare_hf=compare_hf, threads=threads,
-                       progress=lambda text: click.echo(text, err=True), tree=tree)
+                       progress=lambda text: click.echo(text, err=True), tree=tree,
+                       eagle={"depth": depth, "top_k": draft_top_k, "total_tokens": total_tokens})
     click.echo("\n".join(summary_lines(result)))
     if json_out:
         json_out.write_text(json.dumps(result, indent=2) + "\n")
@@ -356,18 +397,20 @@ def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, t
 
 
 @main.command()
-@click.option("--method", type=click.Choice(["draft", "medusa"]), default="draft", show_default=True,
-              help="What to train: draft = a small draft model distilled from the target; medusa = Medusa heads.")
+@click.option("--method", type=click.Choice(["draft", "medusa", "eagle", "eagle3"]), default="draft", show_default=True,
+              help="What to train: draft = a small draft model distilled from the target; medusa = Medusa heads; "
+                   "eagle3 = an EAGLE-3 draft decoder; eagle = an EAGLE-1/2 draft decoder.")
 @click.option("--model", "model_spec", required=True, help="The target: HF folder, .gguf file, HF cache id or alias.")
 @click.option("--output", type=click.Path(path_type=Path), required=True,
               help="Folder to write (the draft model or the heads, training.json, checkpoint/).")
 @click.option("--minutes", type=float, default=None,
               help="Training time budget, counted across resumes (data, loading and evaluation come on top). "
-                   "[default: draft 30, medusa 20]")
+                   "[default: draft 30, medusa 20, eagle 35]")
 @click.option("--steps", type=int, default=None, help="Step budget (also sets the learning-rate schedule).")
 @click.option("--batch", type=int, default=None,
-              help="Per step: sequences (draft) or cached positions (medusa). [default: draft 8, medusa 2048]")
-@click.option("--lr", type=float, default=1e-3, show_default=True, help="Peak AdamW learning rate (warmup, cosine).")
+              help="Per step: sequences (draft, eagle) or cached positions (medusa). [default: draft 8, medusa 2048, "
+                   "eagle 16]")
+@click.option("--lr", type=float, default=None, help="Peak AdamW learning rate (warmup, cosine). [default: 1e-3, eagle 6e-4]")
 @click.option("--seed", type=int, default=0, show_default=True, help="Data order.")
 @click.option("--save-every", type=int, default=None, help="Checkpoint every N steps (default: every 5 minutes).")
 @click.option("--data", "data_path", type=click.Path(path_type=Path), default=None,
@@ -386,14 +429,23 @@ def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, t
 @click.option("--self-distill/--no-self-distill", default=None,
               help="medusa: train on the target's own greedy continuations of ShareGPT prompts (default), or on "
                    "the ShareGPT text itself (Medusa-1).")
-@click.option("--samples", type=int, default=None, help="medusa: sequences of cached features. [default: 1536]")
+@click.option("--samples", type=int, default=None,
+              help="medusa, eagle: sequences of cached features. [default: medusa 1536, eagle 1024]")
 @click.option("--new-tokens", type=int, default=None,
-              help="medusa: tokens generated per prompt (window length minus prompt for ShareGPT text). [default: 128]")
+              help="medusa, eagle: tokens generated per prompt (window length minus prompt for ShareGPT text). "
+                   "[default: 128]")
+@click.option("--ttt-steps", type=int, default=None,
+              help="eagle: unrolled training-time-test steps (each step drafts one token further). [default: 5]")
+@click.option("--draft-vocab", type=int, default=None,
+              help="eagle3: the draft's vocabulary, the most frequent target tokens (the d2t map). [default: 8192]")
+@click.option("--aux-layers", "train_aux_layers", default=None,
+              help="eagle3: the target layers whose INPUTS make the feature, e.g. 2,15,27. [default: 2, L//2, L-3]")
 @click.option("--vocab-subset", type=int, default=None,
               help="medusa: the most frequent tokens, scored per step besides the batch's labels, and the "
                    "vocabulary the heads propose from. [default: 8192]")
 def train(method, model_spec, output, minutes, steps, batch, lr, seed, save_every, data_path, threads, resume,
-          overwrite, layers, seq_len, top_k, heads, head_style, self_distill, samples, new_tokens, vocab_subset):
+          overwrite, layers, seq_len, top_k, heads, head_style, self_distill, samples, new_tokens, vocab_subset,
+          ttt_steps, draft_vocab, train_aux_layers):
     """Train a proposer for a target model on ShareGPT (on this CPU), with checkpoints and a held-out check.
 
     \b
@@ -403,7 +455,10 @@ def train(method, model_spec, output, minutes, steps, batch, lr, seed, save_ever
     --method medusa: Medusa heads on the frozen target (loss sum_k 0.8^k CE), on cached target features of
     the target's own continuations (or the ShareGPT text); OUTPUT holds medusa_lm_head.safetensors and a
     config.json with the per-head held-out top-1/top-5 table: use it with build --method medusa --heads OUTPUT.
-    The last 2000 ShareGPT conversations are held out for evaluation in both.
+    --method eagle3 / eagle: an EAGLE draft decoder on cached target features of the target's own
+    continuations, trained with EAGLE-3's training-time test (unrolled steps, loss sum_i 0.8^i CE); OUTPUT is
+    in the published layout: use it with build --method eagle3 --draft OUTPUT.
+    The last 2000 ShareGPT conversations are held out for evaluation in all.
 
     \b
     Examples:
@@ -411,16 +466,30 @@ def train(method, model_spec, output, minutes, steps, batch, lr, seed, save_ever
       specexport train --method draft --model smollm2-135m --output drafts/smollm2-135m-draft4 --resume
       specexport train --method medusa --model smollm2-135m --output heads/smollm2-135m
       specexport build --model smollm2-135m --method medusa --heads heads/smollm2-135m
+      specexport train --method eagle3 --model smollm2-135m --output drafts/eagle3-smollm2
+      specexport build --model smollm2-135m --method eagle3 --draft drafts/eagle3-smollm2
     """
-    given = {"--layers": layers, "--seq-len": seq_len, "--top-k": top_k} if method == "medusa" else \
-        {"--heads": heads, "--head-style": head_style, "--self-distill": self_distill, "--samples": samples,
-         "--new-tokens": new_tokens, "--vocab-subset": vocab_subset}
-    wrong = [name for name, value in given.items() if value is not None]
+    applies = {"--layers": ("draft",), "--seq-len": ("draft",), "--top-k": ("draft",), "--heads": ("medusa",),
+               "--head-style": ("medusa",), "--vocab-subset": ("medusa",),
+               "--self-distill": ("medusa", "eagle", "eagle3"), "--samples": ("medusa", "eagle", "eagle3"),
+               "--new-tokens": ("medusa", "eagle", "eagle3"), "--ttt-steps": ("eagle", "eagle3"),
+               "--draft-vocab": ("eagle3",), "--aux-layers": ("eagle3",)}
+    values = {"--layers": layers, "--seq-len": seq_len, "--top-k": top_k, "--heads": heads, "--head-style": head_style,
+              "--vocab-subset": vocab_subset, "--self-distill": self_distill, "--samples": samples,
+              "--new-tokens": new_tokens, "--ttt-steps": ttt_steps, "--draft-vocab": draft_vocab,
+              "--aux-layers": train_aux_layers}
+    wrong = [name for name, value in values.items() if value is not None and method not in applies[name]]
     if wrong:
         raise UserError(f"{wrong[0]} does not apply to --method {method}")
     if method == "medusa":
-        return _train_medusa(model_spec, output, minutes, steps, batch, lr, seed, save_every, data_path, threads,
-                             resume, overwrite, heads, head_style, self_distill, samples, new_tokens, vocab_subset)
+        return _train_medusa(model_spec, output, minutes, steps, batch, _default(lr, 1e-3), seed, save_every, data_path,
+                             threads, resume, overwrite, heads, head_style, self_distill, samples, new_tokens,
+                             vocab_subset)
+    if method in ("eagle", "eagle3"):
+        return _train_eagle(method, model_spec, output, minutes, steps, batch, lr, seed, save_every, data_path, threads,
+                            resume, overwrite, self_distill, samples, new_tokens, ttt_steps, draft_vocab,
+                            train_aux_layers)
+    lr = _default(lr, 1e-3)
     from specexport.exporter.train_draft import train_draft
 
     layers = 4 if layers is None else layers
@@ -498,6 +567,30 @@ def _train_medusa(model_spec, output, minutes, steps, batch, lr, seed, save_ever
                f"{result['rows']['train']} training rows, {result['seconds'] / 60:.1f} min of head training)")
     click.echo("held-out accuracy: " + "; ".join(
         f"head {r['head']} top-1 {r['top1']:.1%} top-5 {r['top5']:.1%}" for r in result["accuracy"]))
+
+
+def _train_eagle(method, model_spec, output, minutes, steps, batch, lr, seed, save_every, data_path, threads, resume,
+                 overwrite, self_distill, samples, new_tokens, ttt_steps, draft_vocab, aux_layers):
+    from specexport.exporter.train_eagle import train_eagle
+
+    aux = None
+    if aux_layers is not None:
+        try:
+            aux = tuple(int(x) for x in aux_layers.split(","))
+        except ValueError:
+            raise UserError(f"--aux-layers must be comma-separated integers, got '{aux_layers}'") from None
+    result = train_eagle(model_spec, output, version=3 if method == "eagle3" else 1,
+                         data="sharegpt" if self_distill is False else "self", samples=_default(samples, 1024),
+                         new_tokens=_default(new_tokens, 128), minutes=_default(minutes, 35.0), steps=steps,
+                         batch=_default(batch, 16), lr=_default(lr, 6e-4), seed=seed,
+                         draft_vocab=_default(draft_vocab, 8192), ttt_steps=_default(ttt_steps, 5), aux_layers=aux,
+                         save_every=save_every, resume=resume, overwrite=overwrite, data_path=data_path, threads=threads)
+    d = result["data"]
+    click.echo(f"{method} draft written to {output} ({result['steps']} steps, {d['train_sequences']} sequences, "
+               f"{d['train_tokens']} tokens, {result['seconds'] / 60:.1f} min of training; draft vocabulary covers "
+               f"{d['draft_vocab_coverage']:.1%})")
+    click.echo("held-out top-1 per drafted token: " + "; ".join(
+        f"t+{r['step'] + 2} {r['top1']:.1%}" for r in result["accuracy"]))
 
 
 if __name__ == "__main__":

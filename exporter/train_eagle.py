@@ -1,0 +1,489 @@
+"""Train an EAGLE draft (EAGLE-3 by default, or EAGLE-1/2) on a frozen target, on a CPU.
+
+Two phases, both resumable:
+
+1. Features. Self-distilled by default: the target's own greedy continuation of each ShareGPT prompt (so the
+   accepted prefixes the draft sees at run time look like its training data), then one teacher-forced pass
+   over prompt + continuation that records, per position, the draft's input feature (EAGLE-3: the inputs of
+   the three aux layers, concatenated; EAGLE-1: the last hidden state after the final norm) and the target's
+   argmax. `sharegpt` data uses conversation windows instead of generating. Chunks land in OUTPUT/features/.
+2. Draft. The EAGLE-3 training-time test: `ttt_steps` unrolled steps, step i feeding the draft its own output
+   hidden from step i-1 and attending to the true prefix plus its own earlier steps at the same position, each
+   predicting the target's argmax i tokens further on; loss sum_i 0.8^i CE (EAGLE-1 adds the feature
+   regression, SmoothL1, as in its paper). Only positions that predict a generated token count.
+
+EAGLE-3's reduced draft vocabulary (`draft_vocab` most frequent target tokens, the d2t map) keeps the draft's
+LM head small. The result is saved in the published layout (model.safetensors + config.json).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from specexport.errors import UserError
+from specexport.exporter.training import (SAVE_EVERY_S, WARMUP_STEPS, checkpoint_dir, learning_rate, load_checkpoint,
+                                          load_frozen_target, logger, prepare_output, save_checkpoint, sharegpt_split,
+                                          torch_threads, write_json, TokenStream)
+
+DECAY = 0.8  # loss weight of unrolled step i: DECAY ** i
+EAGLE1_FEATURE_WEIGHT, EAGLE1_TOKEN_WEIGHT = 1.0, 0.1  # EAGLE-1: SmoothL1 on features + CE on tokens
+CLIP = 0.5
+EVAL_SAMPLES = 48
+RESUME_KEYS = ("model", "version", "data", "samples", "new_tokens", "prompt_tokens", "batch", "lr", "seed",
+               "draft_vocab", "ttt_steps", "aux_layers")
+
+
+# ------------------------------------------------------------------------------------------------ features
+
+
+def sequence_features(model, sequences: list[list[int]], prompt_lens: list[int], aux: tuple[int, ...], version: int):
+    """Teacher-forced features of whole sequences: per sequence (features [n, F] fp16, target argmax [n])."""
+    import torch
+
+    longest = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [0] * (longest - len(s)) for s in sequences])
+    mask = torch.tensor([[1] * len(s) + [0] * (longest - len(s)) for s in sequences])
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        states = out.hidden_states
+        feats = torch.cat([states[i] for i in aux], -1) if version == 3 else states[-1]
+        result = []
+        for b, s in enumerate(sequences):
+            n = len(s)
+            argmax = head(states[-1][b, :n]).argmax(-1)
+            result.append((feats[b, :n].to(torch.float16).numpy(), argmax.numpy().astype(np.int64)))
+    return result
+
+
+class FeatureChunks:
+    """OUTPUT/features/chunk_NNNNN.safetensors: tokens, starts, prompt_lens, features (fp16), argmax."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def chunks(self) -> list[Path]:
+        return sorted(self.folder.glob("chunk_*.safetensors"))
+
+    def write(self, name: str, sequences, prompt_lens, feats) -> int:
+        from safetensors.numpy import save_file
+
+        lengths = [len(s) for s in sequences]
+        data = {"tokens": np.concatenate([np.asarray(s, np.int64) for s in sequences]),
+                "starts": np.cumsum([0] + lengths[:-1]).astype(np.int64), "lengths": np.asarray(lengths, np.int64),
+                "prompt_lens": np.asarray(prompt_lens, np.int64),
+                "features": np.ascontiguousarray(np.concatenate([f for f, _ in feats])),
+                "argmax": np.concatenate([a for _, a in feats])}
+        temp = self.folder / f"{name}.tmp"
+        save_file(data, str(temp))
+        os.replace(temp, self.folder / f"{name}.safetensors")
+        return int(sum(lengths))
+
+    @staticmethod
+    def read(files: list[Path]) -> dict:
+        from safetensors.numpy import load_file
+
+        parts = [load_file(str(f)) for f in files]
+        parts = [p for p in parts if len(p["lengths"])]
+        if not parts:
+            return {}
+        offset, starts = 0, []
+        for p in parts:
+            starts.append(p["starts"] + offset)
+            offset += len(p["tokens"])
+        data = {k: np.concatenate([p[k] for p in parts]) for k in ("tokens", "lengths", "prompt_lens", "features", "argmax")}
+        data["starts"] = np.concatenate(starts)
+        return data
+
+
+def build_features(model, tokenizer, train_set, heldout, cache: FeatureChunks, settings: dict, log, quiet: bool) -> None:
+    """Fill the cache up to `samples` training sequences and the held-out set (resuming after existing chunks)."""
+    from tqdm import tqdm
+
+    from specexport.exporter.train_medusa import _eos_ids, first_prompts, greedy_continuations
+
+    batch, samples, new_tokens = settings["feature_batch"], settings["samples"], settings["new_tokens"]
+    aux, version = tuple(settings["aux_layers"]), settings["version"]
+    eos = set(_eos_ids(model, tokenizer))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+
+    def groups(source, count, seed):
+        if settings["data"] == "self":
+            items = first_prompts(tokenizer, source, settings["prompt_tokens"], seed)
+        else:
+            stream = TokenStream(tokenizer, source, settings["prompt_tokens"] + new_tokens, seed)
+            items = iter(stream.window, None)
+        while count > 0:
+            group = [x for _, x in zip(range(min(batch, count)), items)]
+            if not group:
+                return
+            count -= len(group)
+            yield group
+
+    def run(name, group):
+        if settings["data"] == "self":
+            made = greedy_continuations(model, group, new_tokens, eos, pad)
+            sequences = [p + t.tolist() for p, (t, _) in zip(group, made)]
+            prompt_lens = [len(p) for p in group]
+        else:
+            sequences, prompt_lens = group, [1] * len(group)
+        return cache.write(name, sequences, prompt_lens, sequence_features(model, sequences, prompt_lens, aux, version))
+
+    if not (cache.folder / "heldout.safetensors").is_file():
+        log(f"held-out features ({EVAL_SAMPLES} sequences) ...")
+        groups_held = list(groups(heldout, EVAL_SAMPLES, settings["seed"] + 1))
+        merged = [x for g in groups_held for x in g]
+        run("heldout", merged)
+    done = len(cache.chunks())
+    bar = tqdm(total=samples, unit="seq", desc="features", disable=quiet, file=sys.stderr, dynamic_ncols=True)
+    with bar:
+        for index, group in enumerate(groups(train_set, samples, settings["seed"])):
+            if index >= done:
+                bar.set_postfix(tokens=run(f"chunk_{index:05d}", group))
+            bar.update(len(group))
+
+
+# --------------------------------------------------------------------------------------------------- model
+
+
+def draft_vocabulary(argmax: np.ndarray, size: int, vocab: int) -> np.ndarray:
+    """The `size` most frequent target tokens (ties by id), sorted ascending: draft id -> target id."""
+    counts = np.bincount(argmax, minlength=vocab)
+    return np.sort(np.argsort(-counts, kind="stable")[: min(size, vocab)]).astype(np.int64)
+
+
+def init_draft(target, version: int, aux: tuple[int, ...], hot: np.ndarray):
+    """A fresh draft shaped like one target layer. EAGLE-3 starts from the target's own pieces where they fit:
+    fc picks the highest feature, the LM head is the target's rows of the draft vocabulary, the final norm the
+    target's; the layer itself starts small."""
+    from specexport.exporter.eagle import DraftConfig, EagleDraft
+
+    cfg = target.config
+    h, vocab = cfg.hidden_size, cfg.vocab_size
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    hd = getattr(cfg, "head_dim", None) or h // heads
+    theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    config = DraftConfig(version=version, hidden=h, intermediate=cfg.intermediate_size, heads=heads, kv_heads=kv,
+                         head_dim=hd, rms_eps=float(cfg.rms_norm_eps), rope_theta=float(theta), vocab=vocab,
+                         draft_vocab=len(hot) if version == 3 else vocab, target_hidden=h,
+                         aux_layers=aux if version == 3 else (), fc_bias=version == 1)
+    rng = np.random.default_rng(0)
+    width = 2 * h if version == 3 else h
+
+    def normal(*shape):
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    w = {"q": normal(heads * hd, width), "k": normal(kv * hd, width), "v": normal(kv * hd, width),
+         "o": normal(h, heads * hd), "post_norm": np.ones(h, np.float32), "gate": normal(cfg.intermediate_size, h),
+         "up": normal(cfg.intermediate_size, h), "down": normal(h, cfg.intermediate_size)}
+    if version == 3:
+        fc = normal(h, h * len(aux))
+        fc[:, -h:] += np.eye(h, dtype=np.float32)
+        head = target.get_output_embeddings().weight.detach().float().numpy()
+        w.update(fc=fc, in_norm=np.ones(h, np.float32), hidden_norm=np.ones(h, np.float32),
+                 norm=target.model.norm.weight.detach().float().numpy().copy(), lm_head=head[hot].copy())
+        if len(hot) != vocab:
+            w["d2t"] = hot - np.arange(len(hot))
+    else:
+        fc = normal(h, 2 * h)
+        fc[:, h:] += np.eye(h, dtype=np.float32)
+        w.update(fc=fc, fc_bias=np.zeros(h, np.float32))
+    return EagleDraft(config, w)
+
+
+def ttt_forward(module, feats, ids, positions, steps: int):
+    """The unrolled training-time test: per step i, (output hidden [B, T, h], logits [B, T, Vd]). Step i at
+    index t takes token ids[:, t + 1 + i] and attends to step 0's keys at positions <= t plus its own
+    position's keys from steps 1..i."""
+    import torch
+
+    b, t = ids.shape
+    hidden = module.start(feats)
+    causal = torch.full((t, t), float("-inf")).triu(1)
+    keys, values, outs = [], [], []
+    scale = 1.0 / math.sqrt(module.c.head_dim)
+    for i in range(steps):
+        tokens = torch.nn.functional.pad(ids[:, 1 + i:], (0, 1 + i))[:, :t]
+        residual, q, k, v = module.qkv(tokens, hidden, positions + i)
+        k, v = module.expand_kv(k), module.expand_kv(v)
+        keys.append(k)
+        values.append(v)
+        scores = [q @ keys[0].transpose(-1, -2) * scale + causal]
+        scores += [((q * keys[j]).sum(-1, keepdim=True) * scale) for j in range(1, i + 1)]
+        weights = torch.cat(scores, -1).softmax(-1)
+        attn = weights[..., :t] @ values[0]
+        for j in range(1, i + 1):
+            attn = attn + weights[..., t + j - 1:t + j] * values[j]
+        hidden = module.finish(residual, attn)
+        outs.append((hidden, module.logits(hidden)))
+    return outs
+
+
+def make_batch(data: dict, rows: np.ndarray, t2d: np.ndarray, steps: int, max_len: int):
+    """Padded tensors for sequences `rows`: features, ids, positions, and per step the labels (draft ids,
+    -100 where not counted) and the target feature index."""
+    import torch
+
+    lengths = np.minimum(data["lengths"][rows], max_len)
+    t = int(lengths.max())
+    feats = np.zeros((len(rows), t, data["features"].shape[1]), np.float32)
+    ids = np.zeros((len(rows), t), np.int64)
+    argmax = np.full((len(rows), t), -1, np.int64)
+    counted = np.zeros((len(rows), t), bool)
+    for b, (r, n) in enumerate(zip(rows, lengths)):
+        s = data["starts"][r]
+        feats[b, :n] = data["features"][s:s + n]
+        ids[b, :n] = data["tokens"][s:s + n]
+        argmax[b, :n] = data["argmax"][s:s + n]
+        counted[b, max(0, data["prompt_lens"][r] - 1):n] = True  # labels that predict a generated token
+    labels = []
+    for i in range(steps):
+        j = 1 + i  # step i at index t predicts argmax[t + 1 + i]
+        lab = np.full((len(rows), t), -100, np.int64)
+        src = argmax[:, j:]
+        ok = counted[:, j:] & (src >= 0)
+        mapped = np.where(ok, t2d[np.maximum(src, 0)], -100)
+        lab[:, :t - j] = np.where(mapped >= 0, mapped, -100)
+        labels.append(torch.from_numpy(lab))
+    return (torch.from_numpy(feats), torch.from_numpy(ids), torch.arange(t)[None].expand(len(rows), t), labels,
+            torch.from_numpy(lengths))
+
+
+def draft_loss(module, batch, steps: int):
+    """sum_i DECAY^i CE(step i) (EAGLE-1 adds its feature regression); also per-step CE values."""
+    import torch.nn.functional as F
+
+    feats, ids, positions, labels, _ = batch
+    outs = ttt_forward(module, feats, ids, positions, steps)
+    total, parts = 0.0, []
+    for i, ((hidden, logits), lab) in enumerate(zip(outs, labels)):
+        if not bool((lab >= 0).any()):
+            parts.append(float("nan"))
+            continue
+        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=-100)
+        loss = ce
+        if module.c.version == 1:
+            j = 1 + i
+            valid = (lab[:, :-j] >= 0) if j < lab.shape[1] else None
+            if valid is not None and bool(valid.any()):
+                reg = F.smooth_l1_loss(hidden[:, :-j][valid], feats[:, j:][valid])
+                loss = EAGLE1_FEATURE_WEIGHT * reg + EAGLE1_TOKEN_WEIGHT * ce
+        total = total + DECAY ** i * loss
+        parts.append(ce.item())
+    return total, parts
+
+
+def accuracy(module, data: dict, t2d: np.ndarray, steps: int, max_len: int, hot: np.ndarray) -> list[dict]:
+    """Per unrolled step, on held-out sequences: top-1 / top-5 of the draft against the target's argmax (a label
+    outside the draft vocabulary counts as a miss), and the chance a whole chain of i+1 drafts is right."""
+    import torch
+
+    hits1, hits5, counts, chain = np.zeros(steps), np.zeros(steps), np.zeros(steps), np.zeros(steps)
+    with torch.no_grad():
+        for start in range(0, len(data["lengths"]), 8):
+            rows = np.arange(start, min(start + 8, len(data["lengths"])))
+            batch = make_batch(data, rows, t2d, steps, max_len)
+            feats, ids, positions, _, lengths = batch
+            outs = ttt_forward(module, feats, ids, positions, steps)
+            all_ok = None
+            for i, (_, logits) in enumerate(outs):
+                j = 1 + i
+                top = torch.from_numpy(hot)[logits.topk(5, -1).indices]  # target ids
+                want = np.full(ids.shape, -1, np.int64)
+                for b, r in enumerate(rows):
+                    s, n, p = data["starts"][r], int(lengths[b]), data["prompt_lens"][r]
+                    seg = data["argmax"][s:s + n]
+                    lo = max(0, p - 1)
+                    idx = np.arange(n - j)
+                    keep = idx + j >= lo
+                    want[b, idx[keep]] = seg[idx[keep] + j]
+                want = torch.from_numpy(want)
+                valid = want >= 0
+                ok1 = (top[..., 0] == want) & valid
+                hits1[i] += int(ok1.sum())
+                hits5[i] += int(((top == want[..., None]).any(-1) & valid).sum())
+                counts[i] += int(valid.sum())
+                all_ok = ok1 if all_ok is None else all_ok & ok1
+                chain[i] += int(all_ok.sum())
+    return [{"step": i, "predicts": f"t+{i + 2}", "top1": round(float(hits1[i] / max(counts[i], 1)), 4),
+             "top5": round(float(hits5[i] / max(counts[i], 1)), 4),
+             "chain": round(float(chain[i] / max(counts[0], 1)), 4), "positions": int(counts[i])}
+            for i in range(steps)]
+
+
+# ------------------------------------------------------------------------------------------------------ main
+
+
+def _check_args(version, data, samples, new_tokens, prompt_tokens, minutes, steps, batch, lr, draft_vocab, ttt_steps,
+                save_every, feature_batch, vocab):
+    checks = [
+        (version in (1, 3), f"EAGLE version must be 1 or 3, got {version}"),
+        (data in ("self", "sharegpt"), f"--data-kind must be self or sharegpt, got {data!r}"),
+        (samples >= 1, f"--samples must be >= 1, got {samples}"),
+        (new_tokens >= 2, f"--new-tokens must be >= 2, got {new_tokens}"),
+        (prompt_tokens >= 1, f"--prompt-tokens must be >= 1, got {prompt_tokens}"),
+        (minutes > 0, f"--minutes must be > 0, got {minutes}"),
+        (steps is None or steps >= 0, f"--steps must be >= 0, got {steps}"),
+        (batch >= 1, f"--batch must be >= 1, got {batch}"),
+        (lr > 0 and math.isfinite(lr), f"--lr must be > 0, got {lr}"),
+        (1 <= draft_vocab <= vocab, f"--draft-vocab must be in 1..{vocab}, got {draft_vocab}"),
+        (1 <= ttt_steps <= 16, f"--ttt-steps must be in 1..16, got {ttt_steps}"),
+        (save_every is None or save_every >= 1, f"--save-every must be >= 1, got {save_every}"),
+        (feature_batch >= 1, f"--feature-batch must be >= 1, got {feature_batch}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+
+
+def train_eagle(model_spec: str, output: Path, *, version: int = 3, data: str = "self", samples: int = 1024,
+                new_tokens: int = 128, prompt_tokens: int = 128, minutes: float = 30.0, steps: int | None = None,
+                batch: int = 16, lr: float = 5e-4, seed: int = 0, draft_vocab: int = 8192, ttt_steps: int = 4,
+                aux_layers: tuple[int, ...] | None = None, save_every: int | None = None, feature_batch: int = 32,
+                resume: bool = False, overwrite: bool = False, data_path: Path | None = None,
+                threads: int | None = None, quiet: bool = False) -> dict:
+    """An EAGLE draft for `model_spec` into `output`; returns what it writes to training.json."""
+    import torch
+
+    from specexport.exporter.arch import dims_from_config
+    from specexport.exporter.eagle import DraftModule, default_aux_layers, save_draft
+    from specexport.exporter.sources import load_config, resolve
+
+    output = Path(output)
+    source = resolve(model_spec)
+    dims = dims_from_config(load_config(source))
+    if version == 1:
+        draft_vocab = dims.vocab
+    _check_args(version, data, samples, new_tokens, prompt_tokens, minutes, steps, batch, lr, draft_vocab, ttt_steps,
+                save_every, feature_batch, dims.vocab)
+    aux = tuple(aux_layers) if aux_layers else default_aux_layers(dims.layers) if version == 3 else ()
+    bad = [i for i in aux if not 0 <= i < dims.layers]
+    if bad:
+        raise UserError(f"--aux-layers {bad} out of range: the target has {dims.layers} layers")
+    train_set, heldout, data_name = sharegpt_split(data_path)
+    max_len = prompt_tokens + new_tokens
+    settings = {"model": model_spec, "version": version, "data": data, "samples": samples, "new_tokens": new_tokens,
+                "prompt_tokens": prompt_tokens, "batch": batch, "lr": lr, "seed": seed, "draft_vocab": draft_vocab,
+                "ttt_steps": ttt_steps, "aux_layers": list(aux), "feature_batch": feature_batch,
+                "data_file": data_name, "conversations": len(train_set)}
+    features = output / "features"
+    if resume and (features / "settings.json").is_file():
+        made = json.loads((features / "settings.json").read_text())
+        changed = [k for k in RESUME_KEYS if k not in ("batch", "lr", "ttt_steps", "draft_vocab") and made.get(k) != settings[k]]
+        if changed:
+            raise UserError(f"{features} was made with {changed[0]}={made.get(changed[0])!r}, not "
+                            f"{settings[changed[0]]!r}; pass the same settings, or --overwrite to start again")
+    else:
+        prepare_output(output, resume, overwrite)
+        features.mkdir(parents=True, exist_ok=True)
+        write_json(features / "settings.json", settings)
+
+    log = logger(quiet)
+    with torch_threads(threads):
+        target, tokenizer = load_frozen_target(source, log)
+        cache = FeatureChunks(features)
+        started = time.monotonic()
+        build_features(target, tokenizer, train_set, heldout, cache, settings, log, quiet)
+        feature_seconds = time.monotonic() - started
+        train = FeatureChunks.read(cache.chunks())
+        held = FeatureChunks.read([features / "heldout.safetensors"])
+        if not train:
+            raise UserError("the data gave no training sequences (all prompts too long or empty?)")
+        counted = np.concatenate([train["argmax"][s + max(0, p - 1):s + n] for s, n, p in
+                                  zip(train["starts"], train["lengths"], train["prompt_lens"])])
+        hot = draft_vocabulary(counted, draft_vocab, dims.vocab)
+        t2d = np.full(dims.vocab, -1, np.int64)
+        t2d[hot] = np.arange(len(hot))
+        coverage = float(np.isin(counted, hot).mean())
+        log(f"{len(train['lengths'])} training sequences ({len(train['tokens'])} tokens), {len(held['lengths'])} held out; "
+            f"draft vocabulary {len(hot)} covers {coverage:.1%} of the target's tokens")
+
+        embed = target.get_input_embeddings().weight.detach().float()
+        head = target.get_output_embeddings().weight.detach().float()
+        module = DraftModule.from_draft(init_draft(target, version, aux, hot), embed, head, trainable=True)
+        del target
+        params = {k: v for k, v in module.p.items() if k != "d2t"}
+        optimizer = torch.optim.AdamW(params.values(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        state = None
+        if resume and checkpoint_dir(output) is not None:
+            state = load_checkpoint(checkpoint_dir(output), params, optimizer)
+            log(f"resuming at step {state['step']} ({state['seconds'] / 60:.1f} min of training)")
+        if state is None:
+            state = {"step": 0, "seconds": 0.0, "losses": []}
+        state["settings"] = settings
+        _train_loop(module, params, optimizer, train, t2d, state, output, minutes=minutes, steps=steps, batch=batch,
+                    lr=lr, seed=seed, save_every=save_every, ttt_steps=ttt_steps, max_len=max_len, quiet=quiet)
+        table = accuracy(module, held, t2d, ttt_steps, max_len, hot)
+        losses = state["losses"]
+        summary = {
+            "method": f"eagle{version}" if version == 3 else "eagle",
+            "target": {"model": model_spec, "name": source.name, "vocab_size": dims.vocab, "hidden_size": dims.hidden,
+                       "layers": dims.layers},
+            "settings": {**settings, "minutes": minutes, "steps": steps, "threads": torch.get_num_threads()},
+            "data": {"train_sequences": int(len(train["lengths"])), "train_tokens": int(len(train["tokens"])),
+                     "heldout_sequences": int(len(held["lengths"])), "draft_vocab_coverage": round(coverage, 4)},
+            "feature_seconds": round(feature_seconds, 1),
+            "steps": state["step"],
+            "seconds": round(state["seconds"], 1),
+            "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4) if losses else None,
+            "losses": losses,
+            "accuracy": table,
+        }
+        save_draft(module.to_draft(), output, {"accuracy": table, "base_model": model_spec,
+                                               "draft_vocab_coverage": round(coverage, 4)})
+        write_json(output / "training.json", summary)
+        log("held-out accuracy against the target's greedy tokens:")
+        for row in table:
+            log(f"  step {row['step']} ({row['predicts']}): top-1 {row['top1']:.1%}  top-5 {row['top5']:.1%}  "
+                f"whole chain right {row['chain']:.1%}  ({row['positions']} positions)")
+        return summary
+
+
+def _train_loop(module, params, optimizer, data, t2d, state, output, *, minutes, steps, batch, lr, seed, save_every,
+                ttt_steps, max_len, quiet) -> None:
+    import torch
+    from tqdm import tqdm
+
+    budget = minutes * 60
+    by_steps = steps is not None
+    warmup = max(1, min(WARMUP_STEPS * 5, steps // 10)) if steps else WARMUP_STEPS * 5
+    bar = tqdm(total=steps if by_steps else round(budget), initial=state["step"] if by_steps else round(state["seconds"]),
+               unit="step" if by_steps else "s", desc="draft", disable=quiet, file=sys.stderr, dynamic_ncols=True)
+    saved_at, last_save = state["step"], time.monotonic()
+    trainable = list(params.values())
+    count = len(data["lengths"])
+    with bar:
+        while (not by_steps or state["step"] < steps) and state["seconds"] < budget:
+            start = time.monotonic()
+            rng = np.random.default_rng([seed, state["step"]])
+            rows = rng.choice(count, min(batch, count), replace=False)
+            progress = state["step"] / steps if by_steps else state["seconds"] / budget
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(lr, state["step"], progress, warmup)
+            loss, parts = draft_loss(module, make_batch(data, rows, t2d, ttt_steps, max_len), ttt_steps)
+            loss.backward()
+            torch.nn.utils.clip_grad_value_(trainable, CLIP)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = loss.item()
+            if not math.isfinite(value):
+                raise UserError(f"training diverged (loss {value} at step {state['step']}); try a lower --lr")
+            state.update(step=state["step"] + 1, seconds=state["seconds"] + time.monotonic() - start)
+            state["losses"].append(round(value, 5))
+            bar.update(1 if by_steps else round(state["seconds"]) - bar.n)
+            bar.set_postfix(step=state["step"], loss=f"{value:.3f}", ce=" ".join(f"{c:.2f}" for c in parts))
+            due = state["step"] % save_every == 0 if save_every else time.monotonic() - last_save >= SAVE_EVERY_S
+            if due:
+                save_checkpoint(output, params, optimizer, state)
+                saved_at, last_save = state["step"], time.monotonic()
+    if saved_at != state["step"] or checkpoint_dir(output) is None:
+        save_checkpoint(output, params, optimizer, state)

@@ -1,0 +1,395 @@
+"""EAGLE: trees as pure code on hand-worked examples, the checkpoint layouts (and what must be refused), the
+training-time test against real tree drafting, both graphs against PyTorch, and the loop end to end on a tiny
+model: lossless greedy, exact sampling, one-line errors from the CLI."""
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from specexport import chisquare
+from specexport.cli import main
+from specexport.errors import UserError
+from specexport.exporter.eagle import DraftConfig, DraftModule, EagleDraft, load_draft, save_draft
+from specexport.exporter.export import ExportOptions, export_bundle
+from specexport.exporter.graph import GraphOptions
+from specexport.exporter.methods import MethodOptions
+from specexport.runtime import tree
+from specexport.runtime.eagle_tree import CandidateTree, StaticTree, check_dynamic, parse_static
+from specexport.runtime.generate import Engine
+from specexport.runtime.sampling import SamplingParams
+
+from conftest import TINY, TOKENIZER_VOCAB
+
+H, V = TINY["hidden_size"], TOKENIZER_VOCAB
+AUX = (0, 1, 1)  # the tiny target has 2 layers
+
+
+# ------------------------------------------------------------------------------------------------ trees
+
+
+def test_dynamic_tree_by_hand():
+    """EAGLE-2 on paper: root children a (-0.1), b (-1.0), c (-2.0); a's children d (-0.2), e (-0.5); b's child f
+    (-0.05). Cumulative: a -0.1, b -1.0, c -2.0, d -0.3, e -0.6, f -1.05."""
+    t = CandidateTree()
+    assert t.add(-1, [10, 11, 12], [-0.1, -1.0, -2.0]) == [0, 1, 2]
+    assert t.top([0, 1, 2], 2) == [0, 1]  # the frontier: a and b
+    assert t.add(0, [13, 14], [-0.2, -0.5]) == [3, 4]
+    assert t.add(1, [15], [-0.05]) == [5]
+    assert np.allclose(t.scores, [-0.1, -1.0, -2.0, -0.3, -0.6, -1.05])
+    assert t.top([3, 4, 5], 2) == [3, 4]  # f scores below d and e although its own log-prob is the best
+    chosen, tokens, parents = t.select(4)  # a, d, e, b
+    assert chosen == [0, 1, 3, 4] and tokens == [10, 11, 13, 14] and parents == [-1, -1, 0, 0]
+    chosen, tokens, parents = t.select(6)
+    assert tokens == [10, 11, 12, 13, 14, 15] and parents == [-1, -1, -1, 0, 0, 1]
+    assert tree.depths([-1] + [p + 1 for p in parents]).tolist() == [0, 1, 1, 1, 2, 2, 2]
+
+
+def test_dynamic_selection_is_ancestor_closed_with_ties():
+    t = CandidateTree()
+    t.add(-1, [1, 2], [-1.0, -1.0])
+    t.add(1, [3], [0.0])  # a child scoring exactly its parent: the parent still comes first
+    _, tokens, parents = t.select(2)
+    assert tokens == [1, 2] and parents == [-1, -1]
+    rng = np.random.default_rng(0)
+    for _ in range(50):  # random trees: every selection is a tree whose parents come first
+        t = CandidateTree()
+        frontier = t.add(-1, range(4), -rng.exponential(size=4))
+        for _ in range(3):
+            made = [c for n in frontier for c in t.add(n, range(3), -rng.exponential(size=3))]
+            frontier = t.top(made, 3)
+        _, _, parents = t.select(int(rng.integers(1, len(t) + 1)))
+        tree.check_parents(parents)
+
+
+def test_static_tree_by_hand():
+    s = parse_static("[[0], [1], [0, 0], [0, 2], [0, 0, 1]]")
+    assert (s.depth, s.size, s.max_rank) == (3, 5, 2)
+    assert s.ranks_below(()) == [0, 1] and s.ranks_below((0,)) == [0, 2] and s.ranks_below((1,)) == []
+    t, paths = CandidateTree(), {-1: ()}
+    assert s.grow(t, paths, -1, [7, 8, 9], [-0.1, -0.2, -0.3]) == [0, 1]
+    assert s.grow(t, paths, 0, [4, 5, 6], [-0.1, -0.2, -0.3]) == [2, 3]
+    assert t.tokens == [7, 8, 4, 6] and paths[3] == (0, 2) and s.has_children((0, 0)) and not s.has_children((1,))
+    assert parse_static("eagle1_25").size == 25
+
+
+@pytest.mark.parametrize("spec, match", [("[[1, 0]]", "missing"), ("[[0], [0]]", "twice"), ("[]", "non-empty"),
+                                         ("[[0], [-1]]", "ranks >= 0"), ("nope", "unknown EAGLE tree"),
+                                         ("[[0]", "not valid JSON")])
+def test_static_tree_bad_input(spec, match):
+    with pytest.raises(UserError, match=match):
+        parse_static(spec)
+
+
+@pytest.mark.parametrize("depth, top_k, total", [(0, 4, 8), (17, 4, 8), (3, 0, 8), (3, 11, 8), (3, 4, 1),
+                                                 (2, 2, 8), (5, 4, 10_000)])
+def test_dynamic_settings_bad_input(depth, top_k, total):
+    with pytest.raises(UserError):
+        check_dynamic(depth, top_k, total, 10)
+
+
+# ------------------------------------------------------------------------------------------------ layouts
+
+
+def tiny_config(version=3, draft_vocab=V, aux=AUX):
+    return DraftConfig(version=version, hidden=H, intermediate=2 * H, heads=4, kv_heads=2, head_dim=H // 4,
+                       rms_eps=1e-6, rope_theta=10000.0, vocab=V, draft_vocab=draft_vocab, target_hidden=H,
+                       aux_layers=aux if version == 3 else (), fc_bias=version == 1)
+
+
+def random_draft(version=3, draft_vocab=V, seed=0, scale=1.0):
+    from specexport.exporter.eagle import expected_shapes
+
+    rng = np.random.default_rng(seed)
+    c = tiny_config(version, draft_vocab)
+    w = {}
+    for name, (_, shape) in expected_shapes(c).items():
+        if name == "d2t":
+            hot = np.sort(rng.choice(V, draft_vocab, replace=False))
+            w[name] = hot - np.arange(draft_vocab)
+        elif len(shape) == 1:
+            w[name] = (1 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+        else:
+            w[name] = (rng.standard_normal(shape) * scale / shape[1] ** 0.5).astype(np.float32)
+    return EagleDraft(c, w)
+
+
+@pytest.mark.parametrize("version, vocab", [(3, V), (3, 64), (1, V)])
+def test_layouts_round_trip(tmp_path, version, vocab):
+    draft = random_draft(version, vocab)
+    save_draft(draft, tmp_path / "ours")
+    again = load_draft(tmp_path / "ours")
+    assert again.config == draft.config
+    for k, v in draft.weights.items():
+        np.testing.assert_array_equal(again.weights[k], v)
+    # the official pytorch_model.bin layout, read with weights_only
+    from safetensors.numpy import load_file
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text((tmp_path / "ours" / "config.json").read_text())
+    tensors = {k: torch.from_numpy(v) for k, v in load_file(tmp_path / "ours" / "model.safetensors").items()}
+    tensors["embed_tokens.weight"] = torch.zeros(V, H)
+    torch.save(tensors, tmp_path / "bin" / "pytorch_model.bin")
+    assert load_draft(tmp_path / "bin").config == draft.config
+    assert (again.hot_ids.min(), again.hot_ids.max()) >= (0, 0) and again.hot_ids.max() < V
+
+
+def test_published_eagle3_config_without_aux_ids_uses_the_convention(tmp_path):
+    save_draft(random_draft(3), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["eagle_config"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert load_draft(tmp_path, target_layers=32).config.aux_layers == (2, 16, 29)
+
+
+def _edit(folder, **changes):
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    for k, v in changes.items():
+        key = k.replace("__", ".")
+        if v is None:
+            tensors.pop(key)
+        else:
+            tensors[key] = v
+    save_file(tensors, folder / "model.safetensors")
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"fc__weight": np.zeros((H, 2 * H), np.float32)}, "has shape"),
+    ({"midlayer__mlp__up_proj__weight": None}, "lacks 'midlayer.mlp.up_proj.weight'"),
+    ({"extra__weight": np.zeros(3, np.float32)}, "unexpected tensors"),
+    ({"d2t": np.full(64, V, np.int64)}, "out of 0.."),
+    ({"d2t": np.zeros(63, np.int64)}, "'d2t' has shape"),
+])
+def test_bad_checkpoints_are_refused(tmp_path, change, match):
+    save_draft(random_draft(3, 64), tmp_path)
+    _edit(tmp_path, **change)
+    with pytest.raises(UserError, match=match):
+        load_draft(tmp_path)
+
+
+def test_a_pickle_that_runs_code_is_refused(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (exec, ("open('/tmp/specexport-pwned', 'w')",))
+
+    save_draft(random_draft(1), tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps({"fc.weight": Evil()}))
+    with pytest.raises(UserError, match="refusing pytorch_model.bin"):
+        load_draft(tmp_path)
+
+
+def test_draft_must_fit_the_target():
+    from dataclasses import replace
+
+    from specexport.exporter.arch import Dims
+
+    dims = Dims("llama", V, H, 2 * H, 2, 4, 2, 16, 1e-6, 128, False, "default")
+    random_draft(3).check(dims, "d")
+    for bad, match in [(replace(dims, hidden=2 * H), "hidden size"), (replace(dims, vocab=V + 1), "vocabulary"),
+                       (replace(dims, layers=1), "out of range")]:
+        with pytest.raises(UserError, match=match):
+            random_draft(3).check(bad, "d")
+
+
+# ------------------------------------------------------------------------------------------- the module
+
+
+@pytest.mark.parametrize("version", [3, 1])
+def test_training_time_test_equals_drafting_a_chain(version):
+    """Step i of the unrolled training at index t must give what drafting does at run time: pairs 0..t in the
+    cache, then a chain of i nodes each fed its parent's output hidden, at positions t+1..t+i."""
+    from specexport.exporter.train_eagle import ttt_forward
+
+    torch.manual_seed(0)
+    draft = random_draft(version)
+    embed, head = torch.randn(V, H), torch.randn(V, H) / H**0.5
+    m = DraftModule.from_draft(draft, embed, head)
+    n, steps = 12, 4
+    feats = torch.randn(1, n, draft.config.feature_size)
+    ids = torch.randint(0, V, (1, n))
+    with torch.no_grad():
+        outs = ttt_forward(m, feats, ids, torch.arange(n)[None], steps)
+        for t in (3, 7):
+            first = m.start(feats[:, :t + 1])
+            bias = torch.from_numpy(tree.causal_bias(0, t + 1))
+            hidden, logits, past = m.step(ids[:, 1:t + 2], first, torch.arange(t + 1)[None], bias)
+            h = hidden[:, -1:]
+            np.testing.assert_allclose(outs[0][1][0, t].numpy(), logits[0, -1].numpy(), atol=1e-4)
+            for i in range(1, steps):
+                if t + 1 + i >= n:
+                    break
+                bias = torch.from_numpy(tree.attention_bias(tree.chain(i).tolist(), t + 1))[..., -1:, :]
+                h, logits, past = m.step(ids[:, t + 1 + i:t + 2 + i], h, torch.tensor([[t + i]]), bias, past)
+                np.testing.assert_allclose(outs[i][1][0, t].numpy(), logits[0, -1].numpy(), atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+
+TRAIN = dict(samples=48, new_tokens=32, prompt_tokens=64, batch=8, lr=3e-3, threads=1, quiet=True, feature_batch=16,
+             ttt_steps=3, draft_vocab=128, aux_layers=AUX)
+
+
+@pytest.fixture(scope="module")
+def sharegpt(tmp_path_factory):
+    from test_train_draft import write_sharegpt
+
+    return write_sharegpt(tmp_path_factory.mktemp("data") / "sharegpt.json", train=60)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_folder, sharegpt, tmp_path_factory):
+    """An EAGLE-3 draft trained on the tiny model's own continuations (seconds): (training.json, folder)."""
+    from specexport.exporter.train_eagle import train_eagle
+
+    out = tmp_path_factory.mktemp("trained") / "eagle3"
+    return train_eagle(str(tiny_folder), out, steps=120, data_path=sharegpt, **TRAIN), out
+
+
+def test_training_learns_and_writes_the_published_layout(trained):
+    summary, folder = trained
+    draft = load_draft(folder)
+    assert draft.config.version == 3 and draft.config.draft_vocab == 128 and draft.config.aux_layers == AUX
+    assert np.mean(summary["losses"][-10:]) < 0.7 * np.mean(summary["losses"][:3])
+    assert summary["accuracy"][0]["top1"] > 0.3  # the tiny model's continuations are easy to predict
+    assert summary["accuracy"][0]["chain"] >= summary["accuracy"][1]["chain"]
+
+
+def test_training_resumes_exactly(tiny_folder, sharegpt, tmp_path):
+    from specexport.exporter.train_eagle import train_eagle
+
+    args = {**TRAIN, "samples": 16}
+    whole = train_eagle(str(tiny_folder), tmp_path / "whole", steps=6, save_every=2, data_path=sharegpt, **args)
+    first = train_eagle(str(tiny_folder), tmp_path / "part", steps=6, save_every=2, minutes=1e-9, data_path=sharegpt,
+                        **args)
+    assert first["steps"] == 1
+    again = train_eagle(str(tiny_folder), tmp_path / "part", steps=6, save_every=2, resume=True, data_path=sharegpt,
+                        **args)
+    assert again["steps"] == 6 and again["losses"] == whole["losses"]
+
+
+def test_training_bad_input(tiny_folder, sharegpt, tmp_path):
+    from specexport.exporter.train_eagle import train_eagle
+
+    with pytest.raises(UserError, match="--ttt-steps"):
+        train_eagle(str(tiny_folder), tmp_path / "x", **{**TRAIN, "ttt_steps": 0}, data_path=sharegpt)
+    with pytest.raises(UserError, match="--aux-layers"):
+        train_eagle(str(tiny_folder), tmp_path / "x", **{**TRAIN, "aux_layers": (0, 5, 1)}, data_path=sharegpt)
+    fails(["train", "--method", "eagle3", "--model", tiny_folder, "--output", tmp_path / "z", "--heads", "2"],
+          "--heads does not apply to --method eagle3")
+    fails(["train", "--method", "eagle", "--model", tiny_folder, "--output", tmp_path / "z", "--draft-vocab", "9"],
+          "--draft-vocab does not apply to --method eagle")
+
+
+# ------------------------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def eagle_engine(tiny_folder, trained, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    options = ExportOptions(graph=GraphOptions(), max_context=128, optimize=True,
+                            method=MethodOptions(name="eagle3", eagle_draft=str(trained[1]), depth=3, top_k=3,
+                                                 total_tokens=8))
+    manifest = export_bundle(str(tiny_folder), root / "bundle", options, quiet=True)
+    e = manifest["numerics"]["eagle"]
+    assert e["feature_max_abs_diff"] < 1e-3 and e["draft_max_abs_diff"] < 1e-3 and e["draft_topk_match"] == 1.0
+    return Engine.load(root / "bundle", threads=1)
+
+
+@pytest.mark.parametrize("settings", [{}, {"depth": 1, "top_k": 1, "total_tokens": 2},
+                                      {"depth": 4, "top_k": 4, "total_tokens": 20}, {"tree_spec": "chain_5"},
+                                      {"tree_spec": "eagle1_25"}])
+def test_greedy_eagle_is_lossless(eagle_engine, settings):
+    eagle_engine.set_eagle(**settings)
+    try:
+        taus = []
+        for prompt in ["The sea wind over blue waves.", "A ship and calm night stars.", "x", "Far away quiet water."]:
+            plain = eagle_engine.generate(prompt, max_new_tokens=40, stop_ids=(), method="none")
+            spec = eagle_engine.generate(prompt, max_new_tokens=40, stop_ids=())
+            assert spec.tokens == plain.tokens, prompt
+            taus.append(spec.stats.tau)
+        assert max(taus) > 1.2  # drafts were accepted
+    finally:
+        eagle_engine.set_eagle()
+
+
+def test_eagle_1_end_to_end(tiny_folder, sharegpt, tmp_path):
+    from specexport.exporter.train_eagle import train_eagle
+
+    train_eagle(str(tiny_folder), tmp_path / "e1", version=1, steps=40, data_path=sharegpt,
+                **{**TRAIN, "draft_vocab": V, "aux_layers": None})
+    options = ExportOptions(graph=GraphOptions(), max_context=128, method=MethodOptions(name="eagle", eagle_draft=str(
+        tmp_path / "e1"), depth=3, top_k=2, total_tokens=6))
+    manifest = export_bundle(str(tiny_folder), tmp_path / "bundle", options, quiet=True)
+    assert manifest["numerics"]["eagle"]["draft_topk_match"] == 1.0
+    engine = Engine.load(tmp_path / "bundle", threads=1)
+    for prompt in ["The sea wind.", "x"]:
+        assert engine.generate(prompt, max_new_tokens=30, stop_ids=()).tokens == \
+            engine.generate(prompt, max_new_tokens=30, stop_ids=(), method="none").tokens
+
+
+def _first_tokens(engine, method, n, seed0, temperature=0.4):
+    counts, accepted = {}, 0
+    for i in range(n):
+        out = engine.generate("the cat", max_new_tokens=3, stop_ids=(), method=method,
+                              sampling=SamplingParams(temperature=temperature, seed=seed0 + i))
+        counts[tuple(out.tokens[1:3])] = counts.get(tuple(out.tokens[1:3]), 0) + 1
+        accepted += out.stats.accepted
+    return counts, accepted
+
+
+def test_eagle_sampling_follows_plain_sampling(eagle_engine):
+    spec, accepted = _first_tokens(eagle_engine, None, 1500, 0)
+    plain, _ = _first_tokens(eagle_engine, "none", 1500, 100_000)
+    stat, dof = chisquare.two_sample(spec, plain)
+    assert accepted > 50  # the speculative path was exercised
+    assert dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)
+
+
+# -------------------------------------------------------------------------------------------------- CLI
+
+
+def fails(args, match):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert "Traceback" not in result.output
+    assert match in result.stderr.strip().splitlines()[-1], result.output
+
+
+def test_cli_bad_input(tiny_folder, trained, tmp_path):
+    out = tmp_path / "bundle"
+    base = ["build", "--model", tiny_folder, "--output", out, "--precision", "fp32"]
+    fails(base + ["--method", "eagle3", "--draft", trained[1], "--depth", "0"], "--depth must be in 1..16")
+    fails(base + ["--method", "eagle3", "--draft", trained[1], "--top-k", "50"], "--top-k must be in 1..10")
+    fails(base + ["--method", "eagle3", "--draft", trained[1], "--total-tokens", "100000"], "--total-tokens must be")
+    fails(base + ["--method", "eagle", "--draft", trained[1]], "is an EAGLE-3 draft: use --method eagle3")
+    fails(base + ["--method", "medusa", "--draft", trained[1]], "only used with --method eagle")
+    fails(base + ["--method", "eagle3", "--draft", tmp_path / "missing"], "not found")
+    wrong = tmp_path / "wrong"
+    d = random_draft(3)
+    d.config.target_hidden, d.weights["fc"] = 2 * H, np.zeros((H, 6 * H), np.float32)
+    save_draft(d, wrong)
+    fails(base + ["--method", "eagle3", "--draft", wrong], "hidden size")
+    far = tmp_path / "far"
+    save_draft(random_draft(3), far)
+    config = json.loads((far / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 1, 7]
+    (far / "config.json").write_text(json.dumps(config))
+    fails(base + ["--method", "eagle3", "--draft", far], "out of range")
+    assert not out.exists() and not list(tmp_path.glob("bundle*"))
+
+
+def test_cli_run_overrides(eagle_engine, tmp_path):
+    bundle = eagle_engine.bundle.path
+    result = CliRunner().invoke(main, ["run", str(bundle), "--prompt", "the sea", "--max-new-tokens", "8", "--json",
+                                       "--depth", "2", "--draft-top-k", "2", "--total-tokens", "5"])
+    assert result.exit_code == 0, result.output
+    assert len(json.loads(result.stdout)["tokens"]) == 8
+    fails(["run", bundle, "--prompt", "x", "--total-tokens", "1"], "--total-tokens must be in 2..")
+    fails(["run", bundle, "--prompt", "x", "--tree", "[[3, 1]]"], "missing")
