@@ -19,7 +19,8 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
     from tqdm import tqdm
 
     from specexport.exporter.export import AGREEMENT_PROMPTS
-    from specexport.profiles import Measurements, Medusa, dump
+    from specexport.profiles import Eagle, Measurements, Medusa, dump
+    from specexport.profiles import eagle as e
     from specexport.profiles import measure as m
     from specexport.profiles.detect import detect, resolve_profile
     from specexport.profiles.report import markdown, plots
@@ -37,10 +38,15 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
         raise UserError(f"--contexts must stay below the bundle's context limit {engine.max_context} minus 64")
     ids = [engine.encode(p) for p in (prompts or AGREEMENT_PROMPTS)]
     medusa = engine.bundle.method == "medusa"
+    eagle = engine.bundle.method in ("eagle", "eagle3")
+    if eagle and engine.eagle["static"] is not None:
+        engine.set_eagle(tree_spec="dynamic")  # the profile chooses a dynamic tree's settings
     proposer = engine.proposer(engine.bundle.method, Sampler(SamplingParams()))
     tokens = [t for t in m.TREE_TOKENS if t <= max_tokens]
     typical = int(np.mean([len(i) for i in ids]) + new_tokens / 2)  # the context calibration steps run at
-    total = (len(contexts) + 2 * medusa) * len(tokens) + len(ids) * (2 + (rounds if medusa else 0))
+    top_ks = [k for k in e.TOP_KS if k <= manifest["method"].get("graph_top_k", 0)]
+    total = ((len(contexts) + 2 * (medusa or eagle)) * len(tokens)
+             + len(ids) * (2 + (rounds if medusa or eagle else 0) + (len(top_ks) if eagle else 0)))
     bar = tqdm(total=total, desc="profiling", unit="step", disable=quiet, file=sys.stderr, dynamic_ncols=True)
     with bar:
         measured = m.Measured(list(contexts), tokens, {c: m.verify_latency(engine, proposer, tokens, c, reps, bar.update)
@@ -71,6 +77,29 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
             for row in rows:
                 m.predict(measured, row, typical)
             measured.candidates, measured.chosen = rows, rows[0]
+        if eagle:  # predictions from recorded trees, then the finalists side by side; the best measured wins
+            before = m.verify_latency(engine, proposer, tokens, typical, reps, bar.update)
+            measured.verify_ms[typical] = before
+            draft_ms = e.draft_latency(engine, typical, reps)
+            deepest = max(e.DEPTHS)
+            cal = {k: e.calibrate(engine, ids, new_tokens, k, deepest, min(max_tokens, k + (deepest - 1) * k * k + 1),
+                                  bar.update) for k in top_ks}
+            rows = e.finalists(e.predict_rows(measured, cal, draft_ms, max_tokens, typical))
+            measured.calibration["plain_tokens_per_s"] = m.side_by_side(
+                engine, ids, new_tokens, rows, rounds, bar.update,
+                apply=lambda r: engine.set_eagle(r["depth"], r["top_k"], r["tokens"]))
+            engine.set_eagle()
+            after = m.verify_latency(engine, proposer, tokens, typical, reps, bar.update)
+            measured.verify_ms[typical] = [round((a + b) / 2, 3) for a, b in zip(before, after)]
+            if typical not in measured.context:
+                measured.context.append(typical)
+            again = {r["tree"]: r for r in e.predict_rows(measured, cal, draft_ms, max_tokens, typical)}
+            for r in rows:
+                r.update({k: again[r["tree"]][k] for k in ("predicted_ms", "predicted_tokens_per_s")})
+            measured.draft_ms = dict(zip(e.DRAFT_TOKENS, draft_ms))
+            measured.overhead_ms = round(float(np.mean([c["python_ms"] for c in cal.values()])), 3)
+            measured.candidates = rows
+            measured.chosen = max(rows, key=lambda r: r["measured_tokens_per_s"])
     found = detect()
     hardware = f"{found.name} ({found.cores} cores{f', {found.memory_gb} GB' if found.kind == 'gpu' else ''})"
     chosen = measured.chosen
@@ -82,8 +111,9 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
                                    execution_provider=engine.target.session.get_providers()[0]),
         source=f"measured by specexport profile on {datetime.date.today()} on {hardware}: bundle "
                f"{manifest['model']['name']} {manifest['precision']} {engine.bundle.method}",
-        medusa=Medusa(tree=chosen["tree"], choices=tuple(tuple(c) for c in chosen["choices"])) if chosen
+        medusa=Medusa(tree=chosen["tree"], choices=tuple(tuple(c) for c in chosen["choices"])) if chosen and medusa
         else base_profile.medusa,
+        eagle=Eagle(**chosen["choices"]) if chosen and eagle else base_profile.eagle,
         limits=dataclasses.replace(base_profile.limits,
                                    max_tree_tokens=max(base_profile.limits.max_tree_tokens, chosen["tokens"] if chosen else 1)),
         measurements=Measurements(

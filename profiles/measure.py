@@ -32,6 +32,7 @@ class Measured:
     tree_tokens: list[int]
     verify_ms: dict[int, list[float]]  # context -> ms per entry of tree_tokens
     heads_ms: float = 0.0  # Medusa: the heads' share of a step (in the fused graph)
+    draft_ms: dict = field(default_factory=dict)  # EAGLE: one draft call's ms by nodes fed
     overhead_ms: float = 0.0  # per step outside the graph call (python: propose, accept, commit, emit)
     rank_rates: list[list[float]] = field(default_factory=list)  # [head][rank]
     calibration: dict = field(default_factory=dict)
@@ -164,16 +165,23 @@ def preset_rows(measured: Measured, max_tokens: int, heads: int, context: int) -
     return rows
 
 
-def side_by_side(engine, prompts: list[list[int]], new_tokens: int, rows: list[dict], rounds: int, progress) -> float:
+def side_by_side(engine, prompts: list[list[int]], new_tokens: int, rows: list[dict], rounds: int, progress,
+                 apply=None) -> float:
     """Measured tokens/s and tau of each tree (in place), alternating the trees and plain decoding within each
-    prompt, `rounds` times; returns plain decoding's tokens/s from the same runs."""
+    prompt, `rounds` times; returns plain decoding's tokens/s from the same runs. `apply(row)` puts a row's tree
+    on the engine (default: a Medusa tree from its choices)."""
     totals = {r["tree"]: [0, 0.0, []] for r in rows}
     totals[None] = [0, 0.0, []]
-    trees: dict[str, MedusaTree] = {r["tree"]: make_tree(r["choices"]) for r in rows}
+    if apply is None:
+        trees: dict[str, MedusaTree] = {r["tree"]: make_tree(r["choices"]) for r in rows}
+
+        def apply(row):
+            engine.medusa_tree = trees[row["tree"]]
     for _ in range(rounds):
         for ids in prompts:
             for r in rows + [{"tree": None}]:
-                engine.medusa_tree = trees.get(r["tree"], engine.medusa_tree)
+                if r["tree"] is not None:
+                    apply(r)
                 result = engine.generate(ids, max_new_tokens=new_tokens, method=None if r["tree"] else "none")
                 t = totals[r["tree"]]
                 t[0] += result.stats.new_tokens - 1

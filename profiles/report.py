@@ -75,6 +75,9 @@ def markdown(measured, meta: dict, images: list[str]) -> str:
            f"prompts, {meta['new_tokens']} new tokens each, greedy",
            f"- per-step time outside the target call: {measured.overhead_ms:.2f} ms",
            "- tokens/s are decode rates: tokens after the first over the time after the first token"]
+    if measured.draft_ms:
+        out.append("- EAGLE draft call (ms by nodes fed): "
+                   + ", ".join(f"{t}: {ms:.2f}" for t, ms in measured.draft_ms.items()))
     if measured.heads_ms:
         out.append(f"- Medusa heads inside the fused step: {measured.heads_ms:.2f} ms")
     if measured.calibration.get("plain_tokens_per_s"):

@@ -192,7 +192,7 @@ class Eagle(NoProposer):
         if static is not None:
             self.depth, self.total = static.depth, static.size + 1
         self.max_nodes = self.total - 1
-        self.cache = None
+        self.cache = self.last_candidates = None
         self.pending: list[np.ndarray] = []  # features of committed positions not yet fed to the draft
         self.fed = 0  # positions whose pair is in the draft's cache
 
@@ -242,6 +242,7 @@ class Eagle(NoProposer):
                 hidden_of[n] = out["hidden_out"][0, row]
                 made += self._grow(candidates, node_path, n, out, row)
             frontier = made if self.static is not None else candidates.top(made, self.top_k)
+        self.last_candidates = candidates  # for `specexport profile`: the whole scored tree of this step
         if self.static is not None:
             _, tokens, parents = candidates._subtree(list(range(len(candidates))))
         else:

@@ -1,0 +1,155 @@
+"""EAGLE in `specexport profile`: predict every (depth, top-k, total tokens) from recorded trees, then measure.
+
+EAGLE-2's tree for a given top-k is nested in depth and total: the candidates a run with depth D and top-k k
+scores are those of a deeper run at depth <= D (the same frontiers are expanded level by level), and the
+`total - 1` verified ones are the best of them by cumulative score. So one greedy calibration run per top-k at
+the deepest setting, recording each step's candidates, gives the accept length of every smaller depth and
+total exactly on those steps (`accept_length`). Cost per step: verify(total) from the latency curve, one draft
+call over the new pairs, depth - 1 draft calls over top-k nodes (draft latency curve), and the rest of the step
+(python) as measured in calibration. The best predicted settings, and a few around them, then run side by
+side with plain decoding.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+TOP_KS = (2, 3, 4, 6, 8)
+DEPTHS = (2, 3, 4, 5, 6, 7)
+DRAFT_TOKENS = (1, 2, 3, 4, 6, 8)
+
+
+class TreeRecorder:
+    """Wraps an Eagle proposer: keeps each step's candidate tree with the position of its root, and times the
+    draft calls."""
+
+    def __init__(self, inner):
+        self.inner, self.records, self.draft_s = inner, [], 0.0
+        self.max_nodes = inner.max_nodes
+        session = inner.session
+        forward = session.forward
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = forward(*args, **kwargs)
+            self.draft_s += time.perf_counter() - start
+            return out
+
+        self._restore = lambda: setattr(session, "forward", forward)
+        session.forward = timed
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, history):
+        proposal = self.inner.propose(history)
+        self.records.append((len(history) - 1, self.inner.last_candidates))
+        return proposal
+
+    def close(self):
+        self._restore()
+
+
+def accept_length(candidates, emitted: list[int], depth: int, total: int) -> int:
+    """Tokens a greedy step emits with the best `total - 1` candidates of depth <= `depth`: the accepted drafts
+    (the path matching `emitted`, the target's tokens after the root) plus the bonus."""
+    keep = [i for i in range(len(candidates)) if candidates.depths[i] <= depth]
+    chosen = set(candidates.top(keep, total - 1))
+    node, n = -1, 0
+    while n < len(emitted):
+        nxt = next((c for c in chosen if candidates.parents[c] == node and candidates.tokens[c] == emitted[n]), None)
+        if nxt is None:
+            break
+        node, n = nxt, n + 1
+    return n + 1
+
+
+def calibrate(engine, prompts: list[list[int]], new_tokens: int, top_k: int, depth: int, total: int, progress) -> dict:
+    """Greedy runs at (depth, top_k, total): the recorded trees with what the target emitted, and the per-step
+    time spent outside the target's verify calls and the draft calls."""
+    from specexport.runtime.sampling import Sampler, SamplingParams
+
+    engine.set_eagle(depth, top_k, total)
+    steps, seconds, in_verify, draft_s, samples = 0, 0.0, [0.0], 0.0, []
+    verify = engine.verify
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        out = verify(*args, **kwargs)
+        in_verify[0] += time.perf_counter() - start
+        return out
+
+    engine.verify = timed
+    try:
+        for ids in prompts:
+            recorder = TreeRecorder(engine.proposer(engine.bundle.method, Sampler(SamplingParams())))
+            try:
+                result = engine.generate(ids, max_new_tokens=new_tokens, proposer=recorder)
+            finally:
+                recorder.close()
+            text = ids + result.tokens
+            samples += [(c, text[root + 1:]) for root, c in recorder.records]
+            steps += result.stats.steps
+            seconds += result.stats.seconds - result.stats.ttft_s
+            draft_s += recorder.draft_s
+            progress(1)
+    finally:
+        del engine.verify
+        engine.set_eagle()
+    python_ms = 1000 * max(0.0, seconds - in_verify[0] - draft_s) / max(steps, 1)
+    return {"samples": samples, "python_ms": round(python_ms, 3), "steps": steps}
+
+
+def draft_latency(engine, context: int, reps: int) -> list[float]:
+    """Median ms of one draft call over T new nodes after `context` pairs, per T in DRAFT_TOKENS."""
+    from specexport.runtime import tree
+    from specexport.runtime.sampling import Sampler, SamplingParams
+
+    proposer = engine.proposer(engine.bundle.method, Sampler(SamplingParams()))
+    session = proposer.session
+    cache = session.new_cache(context + max(DRAFT_TOKENS) + 1)
+    hidden_size = engine.bundle.graphs["draft"]["outputs"][0]["shape"][-1]
+    cache.advance(context)  # the rows' contents do not change the time
+    out = []
+    for t in DRAFT_TOKENS:
+        bias = tree.causal_bias(context, t, session.bias_width(cache, context, t))
+        args = (cache, np.zeros((1, t), np.int64), (context + np.arange(t))[None], bias, np.arange(t))
+        kwargs = {"want": ("hidden_out", "draft_logp", "draft_tokens"),
+                  "inputs": {"hidden": np.zeros((1, t, hidden_size), np.float32)}}
+        session.forward(*args, **kwargs)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            session.forward(*args, **kwargs)
+            times.append(time.perf_counter() - start)
+        out.append(round(float(np.median(times)) * 1000, 3))
+    return out
+
+
+def predict_rows(measured, cal: dict[int, dict], draft_ms: list[float], max_tokens: int, context: int) -> list[dict]:
+    """Predicted accept length, step time and tokens/s of every (depth, top_k, total), best first."""
+    rows = []
+    for k, c in cal.items():
+        for d in DEPTHS:
+            most = min(max_tokens, k + (d - 1) * k * k + 1)
+            for n in sorted({t for t in measured.tree_tokens if 2 <= t <= most} | {most}):
+                tau = float(np.mean([accept_length(cand, emitted, d, n) for cand, emitted in c["samples"]]))
+                ms = (measured.verify_at(n, context) + float(np.interp(tau, DRAFT_TOKENS, draft_ms))
+                      + (d - 1) * float(np.interp(k, DRAFT_TOKENS, draft_ms)) + c["python_ms"])
+                rows.append({"tree": f"depth {d}, top-k {k}, {n} tokens", "tokens": n, "depth": d, "top_k": k,
+                             "choices": {"depth": d, "top_k": k, "total_tokens": n}, "expected_tau": round(tau, 3),
+                             "predicted_ms": round(ms, 3), "predicted_tokens_per_s": round(1000 * tau / ms, 2)})
+    return sorted(rows, key=lambda r: -r["predicted_tokens_per_s"])
+
+
+def finalists(rows: list[dict], count: int = 4) -> list[dict]:
+    """The best predicted row, then the next best with another depth or top-k, `count` in all."""
+    picked = [rows[0]]
+    for r in rows[1:]:
+        if len(picked) == count:
+            break
+        if all((r["depth"], r["top_k"]) != (p["depth"], p["top_k"]) for p in picked):
+            picked.append(r)
+    return picked
