@@ -52,6 +52,11 @@ class DraftConfig:
     target_hidden: int
     aux_layers: tuple[int, ...] = ()  # EAGLE-3: which target layer inputs make the feature
     fc_bias: bool = False
+    layer_prefix: str = ""  # the decoder layer's key prefix: midlayer. (EAGLE-3) or layers.0.; "" = the version's
+
+    @property
+    def prefix(self) -> str:
+        return self.layer_prefix or ("midlayer." if self.version == 3 else "layers.0.")
 
     @property
     def feature_size(self) -> int:
@@ -100,7 +105,9 @@ def _read_config(folder: Path, keys: set[str], target_layers: int | None) -> Dra
         raise UserError(f"{where}: cannot read the draft's config ({e})") from None
     if not isinstance(config, dict):
         raise UserError(f"{where}: not a JSON object")
-    version = 3 if any(k.startswith("midlayer.") for k in keys) else 1
+    # EAGLE-3 names its layer midlayer.*; SpecForge/vLLM-style EAGLE-3 exports use layers.0.* with a hidden_norm
+    version = 3 if any(k.startswith("midlayer.") for k in keys) or "layers.0.hidden_norm.weight" in keys else 1
+    prefix = "midlayer." if any(k.startswith("midlayer.") for k in keys) else "layers.0."
     hidden = int(_number(config, "hidden_size", where))
     heads = int(_number(config, "num_attention_heads", where))
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
@@ -125,7 +132,8 @@ def _read_config(folder: Path, keys: set[str], target_layers: int | None) -> Dra
         rope_theta=float(_number({"t": theta}, "t", where)), vocab=vocab,
         draft_vocab=int(_number(config, "draft_vocab_size", where, vocab)),
         target_hidden=int(_number(config, "target_hidden_size", where, hidden)), aux_layers=aux,
-        fc_bias=bool(config.get("bias", True)) if version == 1 else False)
+        fc_bias=bool(config.get("bias", True)) if version == 1 else False,
+        layer_prefix="" if prefix == ("midlayer." if version == 3 else "layers.0.") else prefix)
 
 
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
@@ -155,7 +163,7 @@ def expected_shapes(c: DraftConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Our name -> (checkpoint key, shape), for the draft's version."""
     q, kv = c.heads * c.head_dim, c.kv_heads * c.head_dim
     width = 2 * c.hidden if c.version == 3 else c.hidden
-    prefix = "midlayer." if c.version == 3 else "layers.0."
+    prefix = c.prefix
     shapes = {"q": (q, width), "k": (kv, width), "v": (kv, width), "o": (c.hidden, q), "post_norm": (c.hidden,),
               "gate": (c.intermediate, c.hidden), "up": (c.intermediate, c.hidden), "down": (c.hidden, c.intermediate)}
     table = {name: (prefix + LAYER[name], shape) for name, shape in shapes.items()}
@@ -164,8 +172,8 @@ def expected_shapes(c: DraftConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
         if c.fc_bias:
             table["fc_bias"] = ("fc.bias", (c.hidden,))
         return table
-    table.update(fc=("fc.weight", (c.hidden, c.feature_size)), in_norm=("midlayer.input_layernorm.weight", (c.hidden,)),
-                 hidden_norm=("midlayer.hidden_norm.weight", (c.hidden,)), norm=("norm.weight", (c.hidden,)),
+    table.update(fc=("fc.weight", (c.hidden, c.feature_size)), in_norm=(prefix + "input_layernorm.weight", (c.hidden,)),
+                 hidden_norm=(prefix + "hidden_norm.weight", (c.hidden,)), norm=("norm.weight", (c.hidden,)),
                  lm_head=("lm_head.weight", (c.draft_vocab, c.hidden)))
     if c.draft_vocab != c.vocab:
         table["d2t"] = ("d2t", (c.draft_vocab,))

@@ -393,3 +393,16 @@ def test_cli_run_overrides(eagle_engine, tmp_path):
     assert len(json.loads(result.stdout)["tokens"]) == 8
     fails(["run", bundle, "--prompt", "x", "--total-tokens", "1"], "--total-tokens must be in 2..")
     fails(["run", bundle, "--prompt", "x", "--tree", "[[3, 1]]"], "missing")
+
+
+def test_eagle3_with_layers0_keys_loads(tmp_path):
+    """SpecForge-style EAGLE-3 exports name the layer layers.0.* (with its hidden_norm) instead of midlayer.*."""
+    from safetensors.numpy import load_file, save_file
+
+    draft = random_draft(3, 64)
+    save_draft(draft, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}, tmp_path / "model.safetensors")
+    again = load_draft(tmp_path)
+    assert again.config.version == 3 and again.config.prefix == "layers.0."
+    np.testing.assert_array_equal(again.weights["hidden_norm"], draft.weights["hidden_norm"])
