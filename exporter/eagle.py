@@ -138,17 +138,18 @@ def _read_config(folder: Path, keys: set[str], target_layers: int | None) -> Dra
 
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     """Tensors of a checkpoint file: safetensors, or a .bin read with weights_only (never running a pickle)."""
-    if path.suffix == ".safetensors":
+    import torch
+
+    if path.suffix == ".safetensors":  # through torch: published drafts are often bf16, which numpy lacks
         from safetensors import SafetensorError
-        from safetensors.numpy import load_file
+        from safetensors.torch import load_file
 
         try:
-            return load_file(str(path))
+            state = load_file(str(path))
         except (SafetensorError, OSError) as e:
             raise UserError(f"cannot read {path}: {e}") from None
+        return {k: (v.float() if v.is_floating_point() else v).numpy() for k, v in state.items()}
     import pickle
-
-    import torch
 
     try:
         state = torch.load(str(path), map_location="cpu", weights_only=True)
@@ -230,12 +231,15 @@ def _read_meta(folder: Path) -> dict:
         return {}
 
 
-def save_draft(draft: EagleDraft, folder: Path, meta: dict | None = None) -> None:
-    """Write the draft in the published layout of its version (model.safetensors + config.json)."""
+def save_draft(draft: EagleDraft, folder: Path, meta: dict | None = None, half: bool = False) -> None:
+    """Write the draft in the published layout of its version (model.safetensors + config.json); `half` stores
+    the float tensors in fp16, as published drafts are."""
     from safetensors.numpy import save_file
 
     c = draft.config
     tensors = {key: np.ascontiguousarray(draft.weights[name]) for name, (key, _) in expected_shapes(c).items()}
+    if half:
+        tensors = {k: v.astype(np.float16) if v.dtype == np.float32 else v for k, v in tensors.items()}
     if "d2t" in draft.weights:
         t2d = np.zeros(c.vocab, dtype=bool)
         t2d[draft.hot_ids] = True

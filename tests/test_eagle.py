@@ -406,3 +406,16 @@ def test_eagle3_with_layers0_keys_loads(tmp_path):
     again = load_draft(tmp_path)
     assert again.config.version == 3 and again.config.prefix == "layers.0."
     np.testing.assert_array_equal(again.weights["hidden_norm"], draft.weights["hidden_norm"])
+
+
+def test_half_precision_drafts_load(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    draft = random_draft(3, 64)
+    save_draft(draft, tmp_path / "fp16", half=True)
+    np.testing.assert_allclose(load_draft(tmp_path / "fp16").weights["q"], draft.weights["q"], rtol=1e-3, atol=1e-3)
+    save_draft(draft, tmp_path / "bf16")
+    tensors = load_file(tmp_path / "bf16" / "model.safetensors")
+    save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in tensors.items()},
+              tmp_path / "bf16" / "model.safetensors")
+    np.testing.assert_allclose(load_draft(tmp_path / "bf16").weights["q"], draft.weights["q"], rtol=1e-2, atol=1e-2)
