@@ -378,7 +378,9 @@ def train_eagle(model_spec: str, output: Path, *, version: int = 3, data: str = 
     features = output / "features"
     if resume and (features / "settings.json").is_file():
         made = json.loads((features / "settings.json").read_text())
-        changed = [k for k in RESUME_KEYS if k not in ("batch", "lr", "ttt_steps", "draft_vocab") and made.get(k) != settings[k]]
+        # the features depend on these; more samples only add chunks after the cached ones
+        changed = [k for k in RESUME_KEYS if k not in ("batch", "lr", "ttt_steps", "draft_vocab", "samples")
+                   and made.get(k) != settings[k]]
         if changed:
             raise UserError(f"{features} was made with {changed[0]}={made.get(changed[0])!r}, not "
                             f"{settings[changed[0]]!r}; pass the same settings, or --overwrite to start again")
@@ -428,7 +430,8 @@ def train_eagle(model_spec: str, output: Path, *, version: int = 3, data: str = 
             "method": f"eagle{version}" if version == 3 else "eagle",
             "target": {"model": model_spec, "name": source.name, "vocab_size": dims.vocab, "hidden_size": dims.hidden,
                        "layers": dims.layers},
-            "settings": {**settings, "minutes": minutes, "steps": steps, "threads": torch.get_num_threads()},
+            "settings": {**settings, "minutes": minutes, "steps": steps, "threads": torch.get_num_threads(),
+                         "bf16_autocast": bf16_matmuls()},
             "data": {"train_sequences": int(len(train["lengths"])), "train_tokens": int(len(train["tokens"])),
                      "heldout_sequences": int(len(held["lengths"])), "draft_vocab_coverage": round(coverage, 4)},
             "feature_seconds": round(feature_seconds, 1),
@@ -448,11 +451,23 @@ def train_eagle(model_spec: str, output: Path, *, version: int = 3, data: str = 
         return summary
 
 
+def bf16_matmuls() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX): then training autocasts to bf16, ~1.8x faster
+    on the matmuls (weights, optimizer state and the loss stay fp32)."""
+    import torch
+
+    try:
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    except AttributeError:
+        return False
+
+
 def _train_loop(module, params, optimizer, data, t2d, state, output, *, minutes, steps, batch, lr, seed, save_every,
                 ttt_steps, max_len, quiet) -> None:
     import torch
     from tqdm import tqdm
 
+    bf16 = bf16_matmuls()
     budget = minutes * 60
     by_steps = steps is not None
     warmup = max(1, min(WARMUP_STEPS * 5, steps // 10)) if steps else WARMUP_STEPS * 5
@@ -469,7 +484,8 @@ def _train_loop(module, params, optimizer, data, t2d, state, output, *, minutes,
             progress = state["step"] / steps if by_steps else state["seconds"] / budget
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(lr, state["step"], progress, warmup)
-            loss, parts = draft_loss(module, make_batch(data, rows, t2d, ttt_steps, max_len), ttt_steps)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss, parts = draft_loss(module, make_batch(data, rows, t2d, ttt_steps, max_len), ttt_steps)
             loss.backward()
             torch.nn.utils.clip_grad_value_(trainable, CLIP)
             optimizer.step()

@@ -144,7 +144,7 @@ class Engine:
             from specexport.runtime.backend import providers, session_options
 
             info = self.bundle.graphs["medusa_heads"]
-            self.heads = ort.InferenceSession(str(self.bundle.file(info["file"])), session_options(self.threads),
+            self.heads = ort.InferenceSession(str(self.bundle.file(info["file"])), session_options(self.threads, spin=False),
                                               providers=providers(self.device))
         return self.heads
 
@@ -205,10 +205,11 @@ class Engine:
         if method == "ngram":
             return proposers.NgramLookup(options["max_ngram"], options["min_ngram"], options["draft_length"],
                                          options["max_matches"])
+        if method in ("draft", "eagle", "eagle3") and self.draft is None:
+            info = self.bundle.graphs["draft"]
+            self.draft = TargetSession(self.bundle.file(info["file"]), info, threads=self.threads, device=self.device,
+                                       spin=False)
         if method == "draft":
-            if self.draft is None:
-                info = self.bundle.graphs["draft"]
-                self.draft = TargetSession(self.bundle.file(info["file"]), info, threads=self.threads, device=self.device)
             return proposers.DraftModel(self.draft, tuple(options["draft_branching"]), sampler.params, sampler.rng)
         if method == "medusa":
             heads = None
@@ -216,9 +217,6 @@ class Engine:
                 heads = self._heads_session()
             return proposers.MedusaHeads(self.medusa_tree, heads)
         if method in ("eagle", "eagle3"):
-            if self.draft is None:
-                info = self.bundle.graphs["draft"]
-                self.draft = TargetSession(self.bundle.file(info["file"]), info, threads=self.threads, device=self.device)
             e = self.eagle
             return proposers.Eagle(self.draft, e["depth"], e["top_k"], e["total_tokens"], e["static"])
         raise UserError(f"this runtime cannot run method '{method}'")

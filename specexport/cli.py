@@ -262,6 +262,13 @@ def info(bundle):
         meth = m["method"]
         click.echo(f"heads        {meth['heads_count']} ({meth['head_style']} LM head) from {meth['heads']}; tree "
                    f"'{meth['tree_spec']}': {len(meth['tree']) + 1} tokens per step, depth {max(map(len, meth['tree']))}")
+    if m["method"]["name"] in ("eagle", "eagle3"):
+        meth = m["method"]
+        version = "EAGLE-3" if meth["version"] == 3 else "EAGLE-1/2"
+        aux = f", features from the inputs of layers {meth['aux_layers']}" if meth["aux_layers"] else ""
+        click.echo(f"draft        {version} from {meth['draft']}: draft vocabulary {meth['draft_vocab']}{aux}")
+        click.echo(f"tree         {meth['tree']}: depth {meth['depth']}, top-k {meth['top_k']}, "
+                   f"{meth['total_tokens']} tokens per step (up to {meth['graph_top_k']} candidates per node in the graph)")
     click.echo(f"precision    {m['precision']} ({m['flavour']} ops), context {m['max_context']}")
     for name, g in m["graphs"].items():
         click.echo(f"graph        {name}: {g['file']} ({len(g['inputs'])} inputs, {len(g['outputs'])} outputs)")
