@@ -84,7 +84,9 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
             deepest = max(e.DEPTHS)
             cal = {k: e.calibrate(engine, ids, new_tokens, k, deepest, min(max_tokens, k + (deepest - 1) * k * k + 1),
                                   bar.update) for k in top_ks}
-            rows = e.finalists(e.predict_rows(measured, cal, draft_ms, max_tokens, typical))
+            auto = e.finalists(e.predict_rows(measured, cal, draft_ms, max_tokens, typical))
+            rows = auto + [r for r in e.preset_rows(measured, cal, draft_ms, max_tokens, typical)
+                           if r["choices"] not in [a["choices"] for a in auto]]
             measured.calibration["plain_tokens_per_s"] = m.side_by_side(
                 engine, ids, new_tokens, rows, rounds, bar.update,
                 apply=lambda r: engine.set_eagle(r["depth"], r["top_k"], r["tokens"]))
@@ -93,13 +95,14 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
             measured.verify_ms[typical] = [round((a + b) / 2, 3) for a, b in zip(before, after)]
             if typical not in measured.context:
                 measured.context.append(typical)
-            again = {r["tree"]: r for r in e.predict_rows(measured, cal, draft_ms, max_tokens, typical)}
-            for r in rows:
-                r.update({k: again[r["tree"]][k] for k in ("predicted_ms", "predicted_tokens_per_s")})
+            for r in rows:  # the predictions again, with the averaged latency curve
+                c = r["choices"]
+                again = e.predict(measured, cal[c["top_k"]], draft_ms, c["depth"], c["top_k"], c["total_tokens"], typical)
+                r.update({k: again[k] for k in ("predicted_ms", "predicted_tokens_per_s")})
             measured.draft_ms = dict(zip(e.DRAFT_TOKENS, draft_ms))
             measured.overhead_ms = round(float(np.mean([c["python_ms"] for c in cal.values()])), 3)
             measured.candidates = rows
-            measured.chosen = max(rows, key=lambda r: r["measured_tokens_per_s"])
+            measured.chosen = max(auto, key=lambda r: r["measured_tokens_per_s"])  # presets are the yardstick
     found = detect()
     hardware = f"{found.name} ({found.cores} cores{f', {found.memory_gb} GB' if found.kind == 'gpu' else ''})"
     chosen = measured.chosen

@@ -16,7 +16,10 @@ import time
 
 import numpy as np
 
-TOP_KS = (2, 3, 4, 6, 8)
+TOP_KS = (2, 3, 4, 6, 8, 10)
+# hand-written settings the chosen ones run against: EAGLE-2's published default and our build default
+PRESETS = {"EAGLE-2 paper (depth 5, top-k 10, 60 tokens)": (5, 10, 60),
+           "build default (depth 5, top-k 4, 16 tokens)": (5, 4, 16)}
 DEPTHS = (2, 3, 4, 5, 6, 7)
 DRAFT_TOKENS = (1, 2, 3, 4, 6, 8)
 
@@ -128,6 +131,16 @@ def draft_latency(engine, context: int, reps: int) -> list[float]:
     return out
 
 
+def predict(measured, c: dict, draft_ms: list[float], d: int, k: int, n: int, context: int, name: str | None = None) -> dict:
+    """One setting's predicted accept length, step time and tokens/s, from calibration `c` (top-k k, depth >= d)."""
+    tau = float(np.mean([accept_length(cand, emitted, d, n) for cand, emitted in c["samples"]]))
+    ms = (measured.verify_at(n, context) + float(np.interp(tau, DRAFT_TOKENS, draft_ms))
+          + (d - 1) * float(np.interp(k, DRAFT_TOKENS, draft_ms)) + c["python_ms"])
+    return {"tree": name or f"depth {d}, top-k {k}, {n} tokens", "tokens": n, "depth": d, "top_k": k,
+            "choices": {"depth": d, "top_k": k, "total_tokens": n}, "expected_tau": round(tau, 3),
+            "predicted_ms": round(ms, 3), "predicted_tokens_per_s": round(1000 * tau / ms, 2)}
+
+
 def predict_rows(measured, cal: dict[int, dict], draft_ms: list[float], max_tokens: int, context: int) -> list[dict]:
     """Predicted accept length, step time and tokens/s of every (depth, top_k, total), best first."""
     rows = []
@@ -135,13 +148,14 @@ def predict_rows(measured, cal: dict[int, dict], draft_ms: list[float], max_toke
         for d in DEPTHS:
             most = min(max_tokens, k + (d - 1) * k * k + 1)
             for n in sorted({t for t in measured.tree_tokens if 2 <= t <= most} | {most}):
-                tau = float(np.mean([accept_length(cand, emitted, d, n) for cand, emitted in c["samples"]]))
-                ms = (measured.verify_at(n, context) + float(np.interp(tau, DRAFT_TOKENS, draft_ms))
-                      + (d - 1) * float(np.interp(k, DRAFT_TOKENS, draft_ms)) + c["python_ms"])
-                rows.append({"tree": f"depth {d}, top-k {k}, {n} tokens", "tokens": n, "depth": d, "top_k": k,
-                             "choices": {"depth": d, "top_k": k, "total_tokens": n}, "expected_tau": round(tau, 3),
-                             "predicted_ms": round(ms, 3), "predicted_tokens_per_s": round(1000 * tau / ms, 2)})
+                rows.append(predict(measured, c, draft_ms, d, k, n, context))
     return sorted(rows, key=lambda r: -r["predicted_tokens_per_s"])
+
+
+def preset_rows(measured, cal: dict[int, dict], draft_ms: list[float], max_tokens: int, context: int) -> list[dict]:
+    """The PRESETS that fit the token budget and the calibrated top-ks, predicted the same way."""
+    return [{**predict(measured, cal[k], draft_ms, d, k, n, context, name), "preset": True}
+            for name, (d, k, n) in PRESETS.items() if n <= max_tokens and k in cal]
 
 
 def finalists(rows: list[dict], count: int = 4) -> list[dict]:

@@ -419,3 +419,46 @@ def test_half_precision_drafts_load(tmp_path):
     save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in tensors.items()},
               tmp_path / "bf16" / "model.safetensors")
     np.testing.assert_allclose(load_draft(tmp_path / "bf16").weights["q"], draft.weights["q"], rtol=1e-2, atol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------- profile
+
+
+def test_accept_length_from_a_recorded_tree():
+    """The tree of test_dynamic_tree_by_hand; the target emitted 10, 14, 99 after the root."""
+    from specexport.profiles.eagle import accept_length
+
+    t = CandidateTree()
+    t.add(-1, [10, 11, 12], [-0.1, -1.0, -2.0])
+    t.add(0, [13, 14], [-0.2, -0.5])
+    t.add(1, [15], [-0.05])
+    assert accept_length(t, [10, 14, 99], depth=2, total=6) == 3  # 10 and 14 accepted, then the bonus
+    assert accept_length(t, [10, 14, 99], depth=1, total=6) == 2  # no depth-2 node at depth 1
+    assert accept_length(t, [10, 14, 99], depth=2, total=4) == 3  # the 3 best: 10, 13, 14
+    assert accept_length(t, [10, 14, 99], depth=2, total=3) == 2  # the 2 best: 10, 13
+    assert accept_length(t, [11, 15], depth=2, total=7) == 3 and accept_length(t, [12], depth=2, total=7) == 2
+    assert accept_length(t, [12], depth=2, total=6) == 1  # 12 (-2.0) is the worst of the six
+
+
+def test_profile_command_chooses_eagle_settings(eagle_engine, tiny_folder, trained, tmp_path):
+    from specexport.profiles import load_profile
+
+    out = tmp_path / "measured.toml"
+    result = CliRunner().invoke(main, ["profile", str(eagle_engine.bundle.path), "--output", str(out), "--base",
+                                       "cpu-2core", "--new-tokens", "12", "--max-tokens", "16", "--contexts", "16",
+                                       "--reps", "2", "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "chosen depth" in result.output and "prediction error" in result.output
+    assert "build default" in result.output  # the preset it was measured against
+    profile = load_profile(out)
+    chosen = profile.eagle
+    assert 1 <= chosen.depth <= 7 and chosen.total_tokens <= 16
+    report = (tmp_path / "measured-report" / "report.md").read_text()
+    assert "EAGLE draft call" in report and "## Trees side by side" in report
+    built = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--method", "eagle3", "--draft",
+                                      str(trained[1]), "--profile", str(out), "--output", str(tmp_path / "c"),
+                                      "--no-validate"])
+    assert built.exit_code == 0, built.output
+    manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    assert (manifest["method"]["depth"], manifest["method"]["top_k"], manifest["method"]["total_tokens"]) == \
+        (chosen.depth, chosen.top_k, chosen.total_tokens)
