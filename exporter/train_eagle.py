@@ -347,7 +347,7 @@ def _check_args(version, data, samples, new_tokens, prompt_tokens, minutes, step
 
 def train_eagle(model_spec: str, output: Path, *, version: int = 3, data: str = "self", samples: int = 1024,
                 new_tokens: int = 128, prompt_tokens: int = 128, minutes: float = 30.0, steps: int | None = None,
-                batch: int = 16, lr: float = 5e-4, seed: int = 0, draft_vocab: int = 8192, ttt_steps: int = 4,
+                batch: int = 16, lr: float = 8e-4, seed: int = 0, draft_vocab: int = 8192, ttt_steps: int = 5,
                 aux_layers: tuple[int, ...] | None = None, save_every: int | None = None, feature_batch: int = 32,
                 resume: bool = False, overwrite: bool = False, data_path: Path | None = None,
                 threads: int | None = None, quiet: bool = False) -> dict:

@@ -85,8 +85,7 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
             cal = {k: e.calibrate(engine, ids, new_tokens, k, deepest, min(max_tokens, k + (deepest - 1) * k * k + 1),
                                   bar.update) for k in top_ks}
             auto = e.finalists(e.predict_rows(measured, cal, draft_ms, max_tokens, typical))
-            rows = auto + [r for r in e.preset_rows(measured, cal, draft_ms, max_tokens, typical)
-                           if r["choices"] not in [a["choices"] for a in auto]]
+            rows = auto + e.preset_rows(measured, cal, draft_ms, max_tokens, typical)
             measured.calibration["plain_tokens_per_s"] = m.side_by_side(
                 engine, ids, new_tokens, rows, rounds, bar.update,
                 apply=lambda r: engine.set_eagle(r["depth"], r["top_k"], r["tokens"]))

@@ -19,7 +19,7 @@ import numpy as np
 TOP_KS = (2, 3, 4, 6, 8, 10)
 # hand-written settings the chosen ones run against: EAGLE-2's published default and our build default
 PRESETS = {"EAGLE-2 paper (depth 5, top-k 10, 60 tokens)": (5, 10, 60),
-           "build default (depth 5, top-k 4, 16 tokens)": (5, 4, 16)}
+           "build default (depth 3, top-k 2, 6 tokens)": (3, 2, 6)}
 DEPTHS = (2, 3, 4, 5, 6, 7)
 DRAFT_TOKENS = (1, 2, 3, 4, 6, 8)
 

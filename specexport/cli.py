@@ -110,10 +110,10 @@ def _eagle_run_options(f):
 
 def _method_options(f):
     f = click.option("--total-tokens", type=int, default=None,
-                     help="eagle: tokens verified per step, the root included (EAGLE-2's total_token). [default: 16]")(f)
+                     help="eagle: tokens verified per step, the root included (EAGLE-2's total_token). [default: 6]")(f)
     f = click.option("--top-k", "--draft-top-k", "eagle_top_k", type=int, default=None,
-                     help="eagle: candidates kept per level and per node. [default: 4]")(f)
-    f = click.option("--depth", type=int, default=None, help="eagle: draft levels per step. [default: 5]")(f)
+                     help="eagle: candidates kept per level and per node. [default: 2]")(f)
+    f = click.option("--depth", type=int, default=None, help="eagle: draft levels per step. [default: 3]")(f)
     f = click.option("--draft", "eagle_draft", default=None,
                      help="eagle/eagle3: the draft folder, a published EAGLE-1/2/3 checkpoint or one trained with "
                           "specexport train (default: the draft shipped for the model).")(f)
@@ -193,7 +193,7 @@ def build(model_spec, method, draft_model, draft_length, draft_tree, max_ngram, 
       specexport build --model smollm2-135m --precision fp32 --output smol-fp32
       specexport build --model llama3-8b --method none --precision int4
       specexport build --model smollm2-135m --method medusa --profile auto
-      specexport build --model smollm2-135m --method eagle3 --depth 5 --top-k 4 --total-tokens 16
+      specexport build --model smollm2-135m --method eagle3 --depth 3 --top-k 2 --total-tokens 6
       specexport build --model llama3-8b --method eagle --draft ./EAGLE-LLaMA3-Instruct-8B
     """
     from specexport.exporter.export import ExportOptions, export_bundle
@@ -417,7 +417,7 @@ def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, t
 @click.option("--batch", type=int, default=None,
               help="Per step: sequences (draft, eagle) or cached positions (medusa). [default: draft 8, medusa 2048, "
                    "eagle 16]")
-@click.option("--lr", type=float, default=None, help="Peak AdamW learning rate (warmup, cosine). [default: 1e-3, eagle 6e-4]")
+@click.option("--lr", type=float, default=None, help="Peak AdamW learning rate (warmup, cosine). [default: 1e-3, eagle 8e-4]")
 @click.option("--seed", type=int, default=0, show_default=True, help="Data order.")
 @click.option("--save-every", type=int, default=None, help="Checkpoint every N steps (default: every 5 minutes).")
 @click.option("--data", "data_path", type=click.Path(path_type=Path), default=None,
@@ -589,7 +589,7 @@ def _train_eagle(method, model_spec, output, minutes, steps, batch, lr, seed, sa
     result = train_eagle(model_spec, output, version=3 if method == "eagle3" else 1,
                          data="sharegpt" if self_distill is False else "self", samples=_default(samples, 1024),
                          new_tokens=_default(new_tokens, 128), minutes=_default(minutes, 35.0), steps=steps,
-                         batch=_default(batch, 16), lr=_default(lr, 6e-4), seed=seed,
+                         batch=_default(batch, 16), lr=_default(lr, 8e-4), seed=seed,
                          draft_vocab=_default(draft_vocab, 8192), ttt_steps=_default(ttt_steps, 5), aux_layers=aux,
                          save_every=save_every, resume=resume, overwrite=overwrite, data_path=data_path, threads=threads)
     d = result["data"]
