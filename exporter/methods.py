@@ -30,10 +30,10 @@ class MethodOptions:
     tree: str = "auto:3"  # what `specexport profile` chose on a 2-core CPU (profiles/cpu-2core.toml)
     # eagle / eagle3: the draft (folder; default: the draft shipped for the target) and the tree it grows
     eagle_draft: str | None = None
-    # EAGLE-2's dynamic tree; the best of 7 settings measured on a 2-core CPU with SmolLM2 (GPUs: their profiles)
-    depth: int = 3
+    # EAGLE-2's dynamic tree: what `specexport profile` chose on a 2-core CPU (profiles/cpu-2core.toml)
+    depth: int = 2
     top_k: int = 2
-    total_tokens: int = 6
+    total_tokens: int = 4
     eagle_tree: str = "dynamic"  # or a static tree (EAGLE-1): preset, JSON file or inline JSON paths
 
     def check(self) -> None:

@@ -19,7 +19,7 @@ import numpy as np
 TOP_KS = (2, 3, 4, 6, 8, 10)
 # hand-written settings the chosen ones run against: EAGLE-2's published default and our build default
 PRESETS = {"EAGLE-2 paper (depth 5, top-k 10, 60 tokens)": (5, 10, 60),
-           "build default (depth 3, top-k 2, 6 tokens)": (3, 2, 6)}
+           "build default (depth 2, top-k 2, 4 tokens)": (2, 2, 4)}
 DEPTHS = (2, 3, 4, 5, 6, 7)
 DRAFT_TOKENS = (1, 2, 3, 4, 6, 8)
 
@@ -136,7 +136,8 @@ def predict(measured, c: dict, draft_ms: list[float], d: int, k: int, n: int, co
     tau = float(np.mean([accept_length(cand, emitted, d, n) for cand, emitted in c["samples"]]))
     ms = (measured.verify_at(n, context) + float(np.interp(tau, DRAFT_TOKENS, draft_ms))
           + (d - 1) * float(np.interp(k, DRAFT_TOKENS, draft_ms)) + c["python_ms"])
-    return {"tree": name or f"depth {d}, top-k {k}, {n} tokens", "tokens": n, "depth": d, "top_k": k,
+    short = f"d{d} k{k}\n{n} tok" + ("\n(preset)" if name else "")  # a plot's tick label
+    return {"tree": name or f"depth {d}, top-k {k}, {n} tokens", "short": short, "tokens": n, "depth": d, "top_k": k,
             "choices": {"depth": d, "top_k": k, "total_tokens": n}, "expected_tau": round(tau, 3),
             "predicted_ms": round(ms, 3), "predicted_tokens_per_s": round(1000 * tau / ms, 2)}
 

@@ -51,7 +51,7 @@ def plots(measured, folder: Path) -> list[str]:
         if measured.calibration.get("plain_tokens_per_s"):
             ax.axhline(measured.calibration["plain_tokens_per_s"], color="tab:red", linestyle="--",
                        label="plain decoding")
-        ax.set_xticks(x, [f"{r['tree']}\n({r['tokens']} tok)" for r in rows], fontsize=8)
+        ax.set_xticks(x, [r.get("short") or f"{r['tree']}\n({r['tokens']} tok)" for r in rows], fontsize=8)
         ax.set_xlabel("tree")
         ax.set_ylabel("tokens/s")
         ax.set_title("Predicted vs measured tokens/s")

@@ -110,10 +110,10 @@ def _eagle_run_options(f):
 
 def _method_options(f):
     f = click.option("--total-tokens", type=int, default=None,
-                     help="eagle: tokens verified per step, the root included (EAGLE-2's total_token). [default: 6]")(f)
+                     help="eagle: tokens verified per step, the root included (EAGLE-2's total_token). [default: 4]")(f)
     f = click.option("--top-k", "--draft-top-k", "eagle_top_k", type=int, default=None,
                      help="eagle: candidates kept per level and per node. [default: 2]")(f)
-    f = click.option("--depth", type=int, default=None, help="eagle: draft levels per step. [default: 3]")(f)
+    f = click.option("--depth", type=int, default=None, help="eagle: draft levels per step. [default: 2]")(f)
     f = click.option("--draft", "eagle_draft", default=None,
                      help="eagle/eagle3: the draft folder, a published EAGLE-1/2/3 checkpoint or one trained with "
                           "specexport train (default: the draft shipped for the model).")(f)
