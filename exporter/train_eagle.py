@@ -30,7 +30,7 @@ import numpy as np
 from specexport.errors import UserError
 from specexport.exporter.training import (SAVE_EVERY_S, WARMUP_STEPS, checkpoint_dir, learning_rate, load_checkpoint,
                                           load_frozen_target, logger, prepare_output, save_checkpoint, sharegpt_split,
-                                          torch_threads, write_json, TokenStream)
+                                          torch_threads, write_json)
 
 DECAY = 0.8  # loss weight of unrolled step i: DECAY ** i
 EAGLE1_FEATURE_WEIGHT, EAGLE1_TOKEN_WEIGHT = 1.0, 0.1  # EAGLE-1: SmoothL1 on features + CE on tokens
@@ -108,25 +108,14 @@ def build_features(model, tokenizer, train_set, heldout, cache: FeatureChunks, s
     """Fill the cache up to `samples` training sequences and the held-out set (resuming after existing chunks)."""
     from tqdm import tqdm
 
-    from specexport.exporter.train_medusa import _eos_ids, first_prompts, greedy_continuations
+    from specexport.exporter.train_medusa import eos_and_pad, feature_groups, greedy_continuations
 
-    batch, samples, new_tokens = settings["feature_batch"], settings["samples"], settings["new_tokens"]
+    samples, new_tokens = settings["samples"], settings["new_tokens"]
     aux, version = tuple(settings["aux_layers"]), settings["version"]
-    eos = set(_eos_ids(model, tokenizer))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    eos, pad = eos_and_pad(model, tokenizer)
 
     def groups(source, count, seed):
-        if settings["data"] == "self":
-            items = first_prompts(tokenizer, source, settings["prompt_tokens"], seed)
-        else:
-            stream = TokenStream(tokenizer, source, settings["prompt_tokens"] + new_tokens, seed)
-            items = iter(stream.window, None)
-        while count > 0:
-            group = [x for _, x in zip(range(min(batch, count)), items)]
-            if not group:
-                return
-            count -= len(group)
-            yield group
+        return feature_groups(tokenizer, source, count, seed, settings)
 
     def run(name, group):
         if settings["data"] == "self":

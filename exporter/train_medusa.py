@@ -165,23 +165,11 @@ def build_features(model, tokenizer, train_set, heldout, cache: FeatureCache, se
     chunks already there)."""
     from tqdm import tqdm
 
-    heads, batch = settings["heads"], settings["feature_batch"]
-    samples, new_tokens = settings["samples"], settings["new_tokens"]
-    eos = set(_eos_ids(model, tokenizer))
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    heads, samples, new_tokens = settings["heads"], settings["samples"], settings["new_tokens"]
+    eos, pad = eos_and_pad(model, tokenizer)
 
-    def groups(source, count, seed):  # the inputs of each chunk: cheap, so a resume can skip them
-        if settings["data"] == "self":
-            items = first_prompts(tokenizer, source, settings["prompt_tokens"], seed)
-        else:
-            stream = TokenStream(tokenizer, source, settings["prompt_tokens"] + new_tokens, seed)
-            items = iter(stream.window, None)
-        while count > 0:
-            group = [x for _, x in zip(range(min(batch, count)), items)]
-            if not group:
-                return
-            count -= len(group)
-            yield group
+    def groups(source, count, seed):
+        return feature_groups(tokenizer, source, count, seed, settings)
 
     def run(group):
         if settings["data"] == "self":
@@ -200,6 +188,28 @@ def build_features(model, tokenizer, train_set, heldout, cache: FeatureCache, se
                 rows = cache.write(f"chunk_{index:05d}", run(group), heads)
                 bar.set_postfix(rows=rows)
             bar.update(len(group))
+
+
+def feature_groups(tokenizer, source, count: int, seed: int, settings: dict):
+    """The inputs of each feature chunk, `feature_batch` at a time, `count` in all: prompts (data "self") or
+    ShareGPT windows (data "sharegpt"). Cheap to make, so a resume can skip the chunks already cached."""
+    if settings["data"] == "self":
+        items = first_prompts(tokenizer, source, settings["prompt_tokens"], seed)
+    else:
+        stream = TokenStream(tokenizer, source, settings["prompt_tokens"] + settings["new_tokens"], seed)
+        items = iter(stream.window, None)
+    while count > 0:
+        group = [x for _, x in zip(range(min(settings["feature_batch"], count)), items)]
+        if not group:
+            return
+        count -= len(group)
+        yield group
+
+
+def eos_and_pad(model, tokenizer) -> tuple[set[int], int]:
+    """The target's end-of-sequence ids and the id to pad a batch with."""
+    eos = set(_eos_ids(model, tokenizer))
+    return eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
 
 
 def _eos_ids(model, tokenizer) -> list[int]:
