@@ -1,60 +1,236 @@
-"""Greedy verification fused into the target graph (standard ONNX ops only, so TensorRT can fuse it).
+"""Verification fused into the target graph (standard ONNX ops only, so TensorRT can fuse it).
 
-Given the tree in the step's input (its tokens in `input_ids`, its shape in the tree block of
-`attention_bias`) and the logits of every row, the graph returns the accepted rows (the root and the
-accepted drafts, in order) and the bonus token: a few integers per step instead of T x vocab logits.
-Same rule as `runtime.verify.accept_greedy`: descend into the first child whose token is the
-target's argmax at its parent. Batch 1, and `logits_indices` must select every row of the step; the
-nodes also run on other calls (prefill, decode), where they see the last selected rows as a tree
-and their outputs are ignored.
+The graph takes the step's tree (its tokens in `input_ids`, its shape in the tree block of
+`attention_bias`), the random numbers and, for sampled drafts, the draft distributions; it returns
+the accepted rows (the root and the accepted drafts, in order) and the token the target adds after
+them: a few integers per step instead of T x vocab logits. The rules are `runtime.verify`'s:
+`accept_greedy` at temperature 0, `accept_tree` otherwise. Inputs it adds to the target graph:
+
+    sample_u       [n, S] float   the uniforms of verify.uniforms_shape (zeros when greedy)
+    sample_q       [m, V] float   m = n: the processed draft distribution each row's children were
+                                  drawn from (sampled drafts); m = 0: deterministic candidates ("topk")
+    sample_params  [4] float      temperature (0 = greedy), top_k (0 = off), top_p (1 = off), and
+                                  1 when sampled drafts were drawn without replacement
+
+The target's distribution is `runtime.sampling.probabilities` (temperature, top-k, top-p). Batch 1,
+and `logits_indices` must select every row of the step; the nodes also run on other calls
+(prefill, decode), where they see the last selected rows as a tree and their outputs are ignored.
+
+Deterministic candidates are accepted in parallel: after rejecting the earlier siblings, whose
+tokens then have no mass, child x of row r is accepted when u * (1 - their mass) < p_r(x). Sampled
+drafts change the residual with each rejection (max(0, p - q), renormalised), so a Loop runs over
+the sibling rank, all rows at once: one pass for a chain. On TensorRT, TopK caps k at 3840, so
+top-p over a larger vocabulary needs the runtime's acceptance there.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
+
+F, I64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
+INPUTS = (("sample_u", F, ["rows", "slots"]), ("sample_q", F, ["draft_rows", "vocab"]), ("sample_params", F, [4]))
 
 
-def add_greedy_accept(g, logits: str, seq_len: str) -> tuple[str, str, str]:
-    """Append the acceptance to graph `g`; returns (accept_rows [n] int64, bonus_token [1] int64, and the
+def add_accept(g, logits: str, seq_len: str) -> tuple[str, str, str]:
+    """Append the acceptance to graph `g`; returns (accept_rows [k] int64, bonus_token [1] int64, and the
     step row of the last accepted node [1] int64: the row whose hidden state comes next)."""
-    f = TensorProto.FLOAT
-
-    def c(name, value, dtype=np.float32):
-        return g.const(f"accept.{name}", np.array(value, dtype))
-
-    target = g.op("ArgMax", [logits], axis=1, keepdims=0)  # [n] the target's token after each row
-    seq = g.op("Reshape", [seq_len, c("one", [1], np.int64)])
+    c = _consts(g)
+    seq = g.op("Reshape", [seq_len, c("one", [1])])
     n = g.op("Min", [g.op("Shape", [logits], end=1), seq])  # the tree: the last n tokens of the step
     first = g.op("Sub", [seq, n])
-    zero, batch0 = c("zero", [0], np.int64), c("batch0", 0, np.int64)
-    ids = g.op("Cast", [g.op("Slice", [g.op("Gather", ["input_ids", batch0], axis=0), first, seq, zero])], to=f)
-    target = g.op("Slice", [target, g.op("Sub", [g.op("Shape", [target]), n]), g.op("Shape", [target]), zero])
-    # the tree's own block of the bias (batch 0): visible[i, j] = j is i or an ancestor of i
-    start = g.op("Add", [g.op("Cast", [g.op("Slice", ["past_len", zero, c("one_b", [1], np.int64)])], to=TensorProto.INT64), first])
+    batch0 = c("batch0", 0)
+    ids = g.op("Slice", [g.op("Gather", ["input_ids", batch0], axis=0), first, seq, c("zero", [0])])
+    rows = g.op("Shape", [logits], end=1)
+    target = g.op("Slice", [logits, g.op("Sub", [rows, n]), rows, c("zero", [0])])  # [n, V]
+    vocab = g.op("Shape", [logits], start=1, end=2)
+    vrange = g.op("Range", [c("zero_s", 0), g.op("Squeeze", [vocab]), c("one_s", 1)])  # [V] 0..V-1
+
+    # the tree from its block of the bias (batch 0): visible[i, j] = j is i or an ancestor of i
+    start = g.op("Add", [g.op("Cast", [g.op("Slice", ["past_len", c("zero", [0]), c("one", [1])])], to=I64), first])
     block = g.op("Slice", ["attention_bias", g.op("Concat", [first, start], axis=0),
-                           g.op("Concat", [seq, g.op("Add", [start, n])], axis=0), c("axes", [2, 3], np.int64)])
+                           g.op("Concat", [seq, g.op("Add", [start, n])], axis=0), c("axes23", [2, 3])])
     block = g.op("Gather", [g.op("Gather", [block, batch0], axis=0), batch0], axis=0)  # [n, n]
-    anc = g.op("Cast", [g.op("Greater", [block, c("half", -0.5)])], to=f)
-    depth = g.op("Sub", [g.op("ReduceSum", [anc, c("row", [1], np.int64)], keepdims=0), c("1", 1.0)])
+    anc = g.op("Cast", [g.op("Greater", [block, c("half", -0.5, np.float32)])], to=F)
+    depth = g.op("Sub", [g.op("ReduceSum", [anc, c("one", [1])], keepdims=0), c("1f", 1.0, np.float32)])
     strict = g.op("Sub", [anc, g.op("EyeLike", [anc])])
-    one_up = g.op("Equal", [g.op("Unsqueeze", [depth, c("ax0", [0], np.int64)]),
-                            g.op("Sub", [g.op("Unsqueeze", [depth, c("ax1", [1], np.int64)]), c("1b", 1.0)])])
-    parent = g.op("Mul", [strict, g.op("Cast", [one_up], to=f)])  # [T, T] one-hot parent per row (root: none)
-    col = c("col", [1], np.int64)
-    wanted = g.op("Squeeze", [g.op("MatMul", [parent, g.op("Unsqueeze", [g.op("Cast", [target], to=f), col])]), col])
-    match = g.op("Or", [g.op("Equal", [ids, wanted]), g.op("Equal", [depth, c("0", 0.0)])])
-    # a later sibling with an earlier sibling's token is never taken (the first child wins)
-    siblings = g.op("Greater", [g.op("MatMul", [parent, g.op("Transpose", [parent])]), c("half_b", 0.5)])
-    same = g.op("Equal", [g.op("Unsqueeze", [ids, col]), g.op("Unsqueeze", [ids, c("ax0b", [0], np.int64)])])
-    ones = g.op("Expand", [c("1c", 1.0), g.op("Concat", [g.op("Shape", [anc])], axis=0)])
-    earlier = g.op("Cast", [g.op("Trilu", [ones, c("k", -1, np.int64)], upper=0)], to=TensorProto.BOOL)
-    dup = g.op("ReduceMax", [g.op("Cast", [g.op("And", [g.op("And", [siblings, same]), earlier])], to=f), col], keepdims=0)
-    ok = g.op("And", [match, g.op("Not", [g.op("Cast", [dup], to=TensorProto.BOOL)])])
-    bad = g.op("MatMul", [anc, g.op("Unsqueeze", [g.op("Cast", [g.op("Not", [ok])], to=f), col])])
-    accepted = g.op("Cast", [g.op("Equal", [g.op("Squeeze", [bad, col]), c("0b", 0.0)])], to=f)
-    best = g.op("ArgMax", [g.op("Mul", [accepted, g.op("Add", [depth, c("1d", 1.0)])])], axis=0, keepdims=1)
-    path = g.op("Gather", [anc, best], axis=0)  # [1, T]: the best row's ancestors, itself included
-    rows = g.op("Gather", [g.op("NonZero", [path]), c("dim1", 1, np.int64)], axis=0, outputs=["accept_rows"])
-    bonus = g.op("Gather", [target, best], axis=0, outputs=["bonus_token"])
-    return rows, bonus, g.op("Add", [first, best])
+    one_up = g.op("Equal", [g.op("Unsqueeze", [depth, c("zero", [0])]),
+                            g.op("Sub", [g.op("Unsqueeze", [depth, c("one", [1])]), c("1f", 1.0, np.float32)])])
+    parent = g.op("Mul", [strict, g.op("Cast", [one_up], to=F)])  # [n, n] one-hot parent per row (root: none)
+    par = g.op("ArgMax", [parent], axis=1, keepdims=0)  # [n] (root: 0, unused)
+    same_parent = g.op("Greater", [g.op("MatMul", [parent, g.op("Transpose", [parent])]), c("half_b", 0.5, np.float32)])
+    ones = g.op("Expand", [c("1f", 1.0, np.float32), g.op("Shape", [anc])])
+    earlier = g.op("Cast", [g.op("Trilu", [ones, c("below", -1)], upper=0)], to=BOOL)
+    before = g.op("And", [same_parent, earlier])  # [i, j]: j is an earlier sibling of i
+    same = g.op("Equal", [g.op("Unsqueeze", [ids, c("one", [1])]), g.op("Unsqueeze", [ids, c("zero", [0])])])
+    dup = _any(g, c, g.op("And", [before, same]))  # an earlier sibling has the same token
+    rank = g.op("Cast", [g.op("ReduceSum", [g.op("Cast", [before], to=F), c("one", [1])], keepdims=0)], to=I64)
+    last_slot = g.op("Sub", [g.op("Squeeze", [g.op("Shape", ["sample_u"], start=1, end=2)]), c("one_s", 1)])
+    rank_u = g.op("Min", [rank, last_slot])  # greedy calls pass one column of zeros: any slot will do
+    slot = g.op("Concat", [g.op("Unsqueeze", [par, c("one", [1])]), g.op("Unsqueeze", [rank_u, c("one", [1])])], axis=1)
+
+    params = "sample_params"
+    temperature = g.op("Gather", [params, c("zero_s", 0)], axis=0)
+    p = _if(g, "probs", g.op("LessOrEqual", [temperature, c("0f", 0.0, np.float32)]),
+            lambda b: [_one_hot(b, target, vrange)], lambda b: [_process(b, target, temperature, vocab)], [F])[0]
+    sampled = g.op("Greater", [g.op("Shape", ["sample_q"], end=1), c("zero", [0])])  # [1]
+    tree = (parent, par, rank, slot, ids, dup, before, vrange)
+    acc, table = _if(g, "accept", g.op("Squeeze", [sampled]), lambda b: _accept_sampled(b, p, tree),
+                     lambda b: _accept_topk(b, p, tree), [BOOL, F])
+
+    # the path: a node stays when it and its ancestors are each their parent's first accepted child
+    first_ok = g.op("And", [acc, g.op("Not", [_any(g, c, g.op("And", [before, g.op("Unsqueeze", [acc, c("zero", [0])])]))])])
+    ok = g.op("Or", [first_ok, g.op("Equal", [depth, c("0f", 0.0, np.float32)])])
+    bad = g.op("MatMul", [anc, g.op("Unsqueeze", [g.op("Cast", [g.op("Not", [ok])], to=F), c("one", [1])])])
+    accepted = g.op("Cast", [g.op("Equal", [g.op("Squeeze", [bad, c("one", [1])]), c("0f", 0.0, np.float32)])], to=F)
+    best = g.op("ArgMax", [g.op("Mul", [accepted, g.op("Add", [depth, c("1f", 1.0, np.float32)])])], axis=0, keepdims=1)
+    path = g.op("Gather", [anc, best], axis=0)  # [1, n]: the best row's ancestors, itself included
+    rows_out = g.op("Gather", [g.op("NonZero", [path]), c("one_s", 1)], axis=0, outputs=["accept_rows"])
+
+    # the final token at the last accepted row: from the residual once its children were rejected
+    row = g.op("Gather", [table, best], axis=0)  # [1, V]
+    kids = g.op("NonZero", [g.op("Squeeze", [g.op("Gather", [parent, best], axis=1), c("one", [1])])])  # [1, c]
+    kid_tokens = g.op("Gather", [ids, g.op("Squeeze", [kids, c("zero", [0])])], axis=0)
+    keep = g.op("ScatterElements", [g.op("Expand", [c("1f_row", [[1.0]], np.float32), g.op("Shape", [row])]),
+                                    g.op("Unsqueeze", [kid_tokens, c("zero", [0])]),
+                                    g.op("Expand", [c("0f_row", [[0.0]], np.float32),
+                                                    g.op("Shape", [g.op("Unsqueeze", [kid_tokens, c("zero", [0])])])])],
+                  axis=1)  # every write is 0, so repeated tokens do not matter
+    row = g.op("Where", [sampled, row, g.op("Mul", [row, keep])])  # topk: the rejected candidates lose their mass
+    u_end = g.op("Slice", [g.op("Gather", ["sample_u", best], axis=0), c("minus1", [-1]), c("big", [2**62]), c("one", [1])])
+    bonus = g.op("Reshape", [_draw(g, c, row, u_end, vrange, vocab), c("one", [1])], outputs=["bonus_token"])
+    return rows_out, bonus, g.op("Add", [first, best])
+
+
+def _consts(g):
+    def c(name, value, dtype=np.int64):
+        return g.const(f"accept.{name}", np.array(value, dtype))
+    return c
+
+
+def _any(g, c, matrix: str) -> str:
+    """Row-wise any of a bool matrix [n, n] -> [n]."""
+    return g.op("Cast", [g.op("ReduceMax", [g.op("Cast", [matrix], to=F), c("one", [1])], keepdims=0)], to=BOOL)
+
+
+def _if(g, name: str, cond: str, then, otherwise, types: list[int]) -> list[str]:
+    """An If node; `then`/`otherwise` fill a subgraph and return its output names."""
+    branches = {}
+    for key, fill in (("then_branch", then), ("else_branch", otherwise)):
+        b = g.subgraph(f"{name}.{key[:4]}")
+        outs = [b.op("Identity", [o]) for o in fill(b)]
+        branches[key] = helper.make_graph(b.nodes, f"{name}_{key}", [], [helper.make_tensor_value_info(o, t, None)
+                                                                          for o, t in zip(outs, types)],
+                                          initializer=b.initializers)
+    return g.op("If", [cond], outputs=len(types), **branches) if len(types) > 1 else [g.op("If", [cond], **branches)]
+
+
+def _one_hot(b, target: str, vrange: str) -> str:
+    """Greedy: a one-hot at each row's first maximum."""
+    return b.op("Cast", [b.op("Equal", [b.op("Unsqueeze", [vrange, b.const("ax0", np.array([0], np.int64))]),
+                                        b.op("ArgMax", [target], axis=1, keepdims=1)])], to=F)
+
+
+def _process(b, target: str, temperature: str, vocab: str) -> str:
+    """sampling.probabilities: temperature, then top-k (ties kept), softmax, then top-p, renormalised."""
+    def c(name, value, dtype=np.int64):
+        return b.const(name, np.array(value, dtype))
+
+    x = b.op("Div", [target, temperature])
+    k = b.op("Cast", [b.op("Gather", ["sample_params", c("k_at", [1])], axis=0)], to=I64)  # [1]
+    use_k = b.op("And", [b.op("Greater", [k, c("zero", [0])]), b.op("Less", [k, vocab])])
+    values, _ = b.op("TopK", [x, b.op("Where", [use_k, k, c("one", [1])])], outputs=2, axis=-1)  # k = 1 when off: cheap
+    kth = b.op("ReduceMin", [values, c("one", [1])], keepdims=1)
+    x = b.op("Where", [b.op("And", [use_k, b.op("Less", [x, kth])]), c("ninf", -np.inf, np.float32), x])
+    probs = b.op("Softmax", [x], axis=-1)
+    top_p = b.op("Gather", ["sample_params", c("p_at", [2])], axis=0)
+    use_p = b.op("Less", [top_p, c("1f", 1.0, np.float32)])
+    sorted_p, order = b.op("TopK", [probs, b.op("Where", [use_p, vocab, c("one", [1])])], outputs=2, axis=-1)
+    cum = b.op("CumSum", [sorted_p, c("one_s", 1)])
+    inside = b.op("Cast", [b.op("Less", [b.op("Sub", [cum, sorted_p]), top_p])], to=F)  # ties: lower id first
+    mask = b.op("ScatterElements", [b.op("ConstantOfShape", [b.op("Shape", [probs])],
+                                         value=helper.make_tensor("z", F, [1], [0.0])), order, inside], axis=1)
+    probs = b.op("Mul", [probs, b.op("Where", [use_p, mask, c("1f", 1.0, np.float32)])])
+    return b.op("Div", [probs, b.op("ReduceSum", [probs, c("one", [1])], keepdims=1)])
+
+
+def _accept_topk(b, p: str, tree) -> list[str]:
+    """Deterministic candidates: every child's test at once. Returns (accepted [n] bool, the table of p)."""
+    parent, par, rank, slot, ids, dup, before, vrange = tree
+
+    def c(name, value, dtype=np.int64):
+        return b.const(name, np.array(value, dtype))
+
+    pair = b.op("Concat", [b.op("Unsqueeze", [par, c("one", [1])]), b.op("Unsqueeze", [ids, c("one", [1])])], axis=1)
+    px = b.op("GatherND", [p, pair])  # [n] p at the parent of each child's token
+    counted = b.op("Cast", [b.op("And", [before, b.op("Not", [b.op("Unsqueeze", [dup, c("zero", [0])])])])], to=F)
+    gone = b.op("Squeeze", [b.op("MatMul", [counted, b.op("Unsqueeze", [px, c("one", [1])])]), c("one", [1])])
+    u = b.op("GatherND", ["sample_u", slot])
+    test = b.op("Less", [b.op("Mul", [u, b.op("Sub", [c("1f", 1.0, np.float32), gone])]), px])
+    return [b.op("And", [b.op("Not", [dup]), test]), p]
+
+
+def _accept_sampled(b, p: str, tree) -> list[str]:
+    """Sampled drafts: a Loop over the sibling rank j updates every row's residual after its j-th child
+    is rejected. Returns (accepted [n] bool, the residual of each row after all its children)."""
+    parent, par, rank, slot, ids, dup, before, vrange = tree
+
+    def c(name, value, dtype=np.int64):
+        return b.const(name, np.array(value, dtype))
+
+    trips = b.op("Cast", [b.op("ReduceMax", [b.op("ReduceSum", [parent, c("zero", [0])], keepdims=0)], keepdims=0)], to=I64)
+    body = b.subgraph("rank")
+    j, cond, p_in, q_in = "rank.j", "rank.cond", "rank.p", "rank.q"
+    bc = lambda name, value, dtype=np.int64: body.const(name, np.array(value, dtype))  # noqa: E731
+    is_j = body.op("Cast", [body.op("Equal", [rank, j])], to=F)
+    child = body.op("Mul", [body.op("Transpose", [parent]), body.op("Unsqueeze", [is_j, bc("zero", [0])])])  # [r, i]
+    x = body.op("Gather", [ids, body.op("ArgMax", [child], axis=1, keepdims=1)], axis=0)  # [n, 1] (no child: masked)
+    has = body.op("Greater", [body.op("ReduceSum", [child, bc("one", [1])], keepdims=1), bc("half", 0.5, np.float32)])
+    px = body.op("GatherElements", [p_in, x], axis=1)
+    qx = body.op("GatherElements", [q_in, x], axis=1)
+    u = body.op("Gather", ["sample_u", body.op("Unsqueeze", [j, bc("zero", [0])])], axis=1)  # [n, 1]
+    live = body.op("And", [has, body.op("Greater", [qx, bc("0f", 0.0, np.float32)])])  # q(x) = 0: no such draw
+    acc = body.op("And", [live, body.op("Less", [body.op("Mul", [u, qx]), px])])
+    rejected = body.op("And", [live, body.op("Not", [acc])])
+    residual = body.op("Relu", [body.op("Sub", [p_in, q_in])])
+    p_next = _renormalised(body, bc, residual, p_in)
+    drawn = body.op("Equal", [body.op("Unsqueeze", [vrange, bc("zero", [0])]), x])
+    q_left = body.op("Where", [drawn, bc("0f", 0.0, np.float32), q_in])
+    without = body.op("Greater", [body.op("Gather", ["sample_params", bc("three", 3)], axis=0), bc("half", 0.5, np.float32)])
+    q_next = body.op("Where", [without, _renormalised(body, bc, q_left, q_left), q_in])
+    outs = [body.op("Identity", [cond]), body.op("Where", [rejected, p_next, p_in]),
+            body.op("Where", [rejected, q_next, q_in]), body.op("Squeeze", [acc, bc("one", [1])])]
+    graph = helper.make_graph(
+        body.nodes, "rank_body",
+        [helper.make_tensor_value_info(j, I64, []), helper.make_tensor_value_info(cond, BOOL, []),
+         helper.make_tensor_value_info(p_in, F, None), helper.make_tensor_value_info(q_in, F, None)],
+        [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, (BOOL, F, F, BOOL))],
+        initializer=body.initializers)
+    residual, _, per_rank = b.op("Loop", [trips, "", p, "sample_q"], outputs=3, body=graph)  # per_rank [K, n]
+    # row K of zeros: the root's lookup, and trees with no children, stay in range
+    pad = b.op("ConstantOfShape", [b.op("Concat", [c("one", [1]), b.op("Shape", [par])], axis=0)],
+               value=helper.make_tensor("z", F, [1], [0.0]))
+    per_rank = b.op("Concat", [b.op("Cast", [per_rank], to=F), pad], axis=0)
+    index = b.op("Concat", [b.op("Unsqueeze", [rank, c("one", [1])]), b.op("Unsqueeze", [par, c("one", [1])])], axis=1)
+    return [b.op("Greater", [b.op("GatherND", [per_rank, index]), c("half", 0.5, np.float32)]), residual]
+
+
+def _renormalised(b, c, x: str, fallback: str) -> str:
+    """x / sum(x) per row, or `fallback` where x has no mass (only rounding gets there; see verify._reject)."""
+    total = b.op("ReduceSum", [x, c("one", [1])], keepdims=1)
+    return b.op("Where", [b.op("Greater", [total, c("0f", 0.0, np.float32)]), b.op("Div", [x, total]), fallback])
+
+
+def _draw(g, c, row: str, u: str, vrange: str, vocab: str) -> str:
+    """sampling.sample in the graph: the inverse-CDF draw from `row` [1, V] with u [1, 1], never a token
+    of zero probability."""
+    cdf = g.op("CumSum", [row, c("one_s", 1)])
+    total = g.op("Slice", [cdf, c("minus1", [-1]), c("big", [2**62]), c("one", [1])])
+    token = g.op("ReduceSum", [g.op("Cast", [g.op("LessOrEqual", [cdf, g.op("Mul", [u, total])])], to=I64)], keepdims=0)
+    last = g.op("ReduceMax", [g.op("Where", [g.op("Greater", [row, c("0f", 0.0, np.float32)]),
+                                             g.op("Unsqueeze", [vrange, c("zero", [0])]), c("minus1_s", -1)])],
+                keepdims=0)
+    inside = g.op("Less", [token, g.op("Squeeze", [vocab])])
+    at = g.op("Min", [token, g.op("Sub", [g.op("Squeeze", [vocab]), c("one_s", 1)])])
+    has_mass = g.op("Greater", [g.op("Gather", [g.op("Squeeze", [row, c("zero", [0])]), at], axis=0), c("0f", 0.0, np.float32)])
+    return g.op("Where", [g.op("And", [inside, has_mass]), token, last])

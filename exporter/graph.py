@@ -37,7 +37,7 @@ class GraphOptions:
     precision: str = "fp32"
     flavour: str = "ort"
     aux_layers: tuple[int, ...] = ()  # export the input of these layers (EAGLE-3 features)
-    fused_accept: bool = False  # also output the greedy acceptance of the step's tree (exporter/fused.py)
+    fused_accept: bool = False  # verify in the graph: greedy or sampling acceptance of the step's tree (exporter/fused.py)
     medusa_top_k: int = 0  # with Medusa heads: candidates per head at the accepted row (needs fused_accept)
 
     def check(self, d: Dims) -> None:
@@ -81,8 +81,9 @@ def make_model(graph: onnx.GraphProto) -> onnx.ModelProto:
 class _Graph:
     """Minimal node/initializer accumulator with unique names."""
 
-    def __init__(self, elem_type: int):
+    def __init__(self, elem_type: int, prefix: str = ""):
         self.elem_type = elem_type
+        self.prefix = prefix  # a subgraph's names start with it: names are unique across the whole model
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self._names: dict[str, tuple] = {}  # initializer name -> shape
@@ -91,7 +92,12 @@ class _Graph:
     def has(self, name: str) -> bool:
         return name in self._names
 
+    def subgraph(self, name: str) -> "_Graph":
+        """An empty graph for the body of an If or Loop node (it may use this graph's names)."""
+        return _Graph(self.elem_type, prefix=f"{self.prefix}{name}.")
+
     def const(self, name: str, array: np.ndarray, compute: bool = False) -> str:
+        name = self.prefix + name
         if name in self._names:  # a weight used twice (the LM head by the target and Medusa heads)
             if self._names[name] != tuple(array.shape):
                 raise ValueError(f"initializer {name} defined twice with different shapes")
@@ -107,9 +113,10 @@ class _Graph:
 
     def op(self, op_type: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", **attrs):
         self._count += 1
+        name = f"{self.prefix}{op_type}_{self._count}"
         if isinstance(outputs, int):
-            outputs = [f"{op_type}_{self._count}_{k}" for k in range(outputs)]
-        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=f"{op_type}_{self._count}", domain=domain, **attrs))
+            outputs = [f"{name}_{k}" for k in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, inputs, outputs, name=name, domain=domain, **attrs))
         return outputs[0] if len(outputs) == 1 else outputs
 
 
@@ -249,9 +256,10 @@ class TargetGraphBuilder:
             logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
         g.op("Identity", [logits], outputs=["logits"])
         if self.opt.fused_accept:
-            from specexport.exporter.fused import add_greedy_accept
+            from specexport.exporter.fused import INPUTS, add_accept
 
-            _, _, row = add_greedy_accept(g, "logits", seq_len)
+            inputs += [helper.make_tensor_value_info(name, t, shape) for name, t, shape in INPUTS]
+            _, _, row = add_accept(g, "logits", seq_len)
             outputs += [helper.make_tensor_value_info("accept_rows", TensorProto.INT64, ["accepted"]),
                         helper.make_tensor_value_info("bonus_token", TensorProto.INT64, [1])]
             if self.medusa is not None:

@@ -46,6 +46,12 @@ def session_options(threads: int | None = None, optimized_path: Path | None = No
     return so
 
 
+def greedy_accept_inputs(rows: int) -> dict[str, np.ndarray]:
+    """The fused acceptance's inputs for greedy decoding (exporter/fused.py): no random numbers needed."""
+    return {"sample_u": np.zeros((rows, 1), np.float32), "sample_q": np.zeros((0, 0), np.float32),
+            "sample_params": np.array([0, 0, 1, 0], np.float32)}
+
+
 class TargetSession:
     """Runs the target graph: `forward(cache, ids, positions, bias, rows)` -> logits (+ hidden states)."""
 
@@ -65,6 +71,7 @@ class TargetSession:
             raise UserError(f"cannot load graph {graph_path.name}: {str(e).splitlines()[0]}") from None
         self.layers = graph_info["layers"]
         self.outputs = [o.name for o in self.session.get_outputs()]
+        self.fused_inputs = "sample_u" in {i.name for i in self.session.get_inputs()}  # exporter/fused.py
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         i = self.info
@@ -75,9 +82,11 @@ class TargetSession:
 
     def forward(self, cache: KVCache, input_ids: np.ndarray, position_ids: np.ndarray, bias: np.ndarray,
                 logits_indices: np.ndarray, want: tuple[str, ...] = ("logits",),
-                inputs: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+                inputs: dict[str, np.ndarray] | None = None, accept: dict[str, np.ndarray] | None = None
+                ) -> dict[str, np.ndarray]:
         """One step over T new tokens; K/V land at rows [cache.length, cache.length + T). `inputs`: the
-        graph's other inputs (an EAGLE draft's `hidden`)."""
+        graph's other inputs (an EAGLE draft's `hidden`). `accept`: the fused acceptance's inputs
+        (`runtime.generate.accept_inputs`), greedy when not given."""
         b, t = input_ids.shape
         if cache.length + t > cache.capacity:
             raise ValueError(f"KV cache overflow: {cache.length} + {t} > capacity {cache.capacity}")
@@ -89,6 +98,9 @@ class TargetSession:
         io.bind_cpu_input("logits_indices", np.ascontiguousarray(logits_indices, dtype=np.int64))
         for name, value in (inputs or {}).items():
             io.bind_cpu_input(name, np.ascontiguousarray(value, dtype=self.dtype))
+        if self.fused_inputs:
+            for name, value in (accept or greedy_accept_inputs(len(logits_indices))).items():
+                io.bind_cpu_input(name, np.ascontiguousarray(value, dtype=np.float32))
         for name in want:  # rebound each run: ORT allocates them with this run's shapes
             io.bind_output(name, "cpu")
         self.session.run_with_iobinding(io)

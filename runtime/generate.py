@@ -11,7 +11,7 @@ import numpy as np
 from specexport.errors import UserError
 from specexport.runtime import tree
 from specexport.runtime.bundle import Bundle, load_bundle
-from specexport.runtime.backend import TargetSession
+from specexport.runtime.backend import TargetSession, greedy_accept_inputs
 from specexport.runtime.kvcache import KVCache
 from specexport.runtime.sampling import Sampler, SamplingParams, probabilities
 from specexport.runtime.verify import Acceptance, accept_greedy, accept_tree, accept_typical, uniforms_shape
@@ -83,7 +83,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(bundle.path)
         self.max_context = int(bundle.manifest["max_context"])
         self.first_token_alone = bool(bundle.manifest.get("runtime", {}).get("prefill_first_token_alone"))
-        self.fused_accept = "accept_rows" in self.target.outputs  # greedy acceptance inside the graph
+        self.fused_accept = "accept_rows" in self.target.outputs  # greedy and sampling acceptance inside the graph
         self.typical = None  # (threshold, alpha): Medusa's lossy typical acceptance when sampling
         self.medusa_tree = None
         self.heads = None  # the stand-alone Medusa heads graph, loaded when sampling needs it
@@ -213,7 +213,7 @@ class Engine:
             return proposers.DraftModel(self.draft, tuple(options["draft_branching"]), sampler.params, sampler.rng)
         if method == "medusa":
             heads = None
-            if not (self.fused_accept and sampler.params.greedy):
+            if not self.fused(sampler):
                 heads = self._heads_session()
             return proposers.MedusaHeads(self.medusa_tree, heads)
         if method in ("eagle", "eagle3"):
@@ -231,10 +231,11 @@ class Engine:
             proposal = proposal.truncated(room)
         tokens = [history[-1]] + proposal.tokens
         parents = [-1] + [p + 1 for p in proposal.parents]
-        fused = self.fused_accept and sampler.params.greedy
+        fused = self.fused(sampler)
         extra = proposer.wants(fused)
         if fused:  # verify and accept in one graph call: only the path and the bonus token come back
-            out = self.verify(cache, tokens, parents, want=("accept_rows", "bonus_token") + extra)
+            feeds = accept_inputs(parents, proposal, sampler)
+            out = self.verify(cache, tokens, parents, want=("accept_rows", "bonus_token") + extra, accept=feeds)
             path = out["accept_rows"].tolist()
             acceptance = Acceptance(path, [tokens[r] for r in path[1:]] + [int(out["bonus_token"][0])])
         else:
@@ -246,12 +247,20 @@ class Engine:
             proposer.observe(out, acceptance.path)
         return acceptance, len(proposal)
 
-    def verify(self, cache: KVCache, tokens: list[int], parents: list[int], want=("logits",)) -> dict:
-        """One target call over the tree (root first), every row selected; logits are [T, vocab]."""
+    def fused(self, sampler: Sampler) -> bool:
+        """Whether steps accept inside the graph: greedy always; sampling where the graph takes the random
+        numbers (bundles before it accepted greedily only), but not Medusa's typical acceptance."""
+        return self.fused_accept and (sampler.params.greedy or (self.target.fused_inputs and self.typical is None))
+
+    def verify(self, cache: KVCache, tokens: list[int], parents: list[int], want=("logits",),
+               accept: dict | None = None) -> dict:
+        """One target call over the tree (root first), every row selected; logits are [T, vocab].
+        `accept`: the fused acceptance's inputs (`accept_inputs`), greedy when not given."""
         t, past = len(tokens), cache.length
         bias = tree.attention_bias(parents, past, self.target.bias_width(cache, past, t))
         positions = past + tree.depths(parents)
-        return self.target.forward(cache, np.array([tokens]), positions[None], bias, np.arange(t), want=want)
+        return self.target.forward(cache, np.array([tokens]), positions[None], bias, np.arange(t), want=want,
+                                   accept=accept)
 
     # -- generation --------------------------------------------------------------------------
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
@@ -310,6 +319,19 @@ class Engine:
         if on_text and len(text) > emitted:
             on_text(text[emitted:])
         return Generation(out, text, reason, stats)
+
+
+def accept_inputs(parents: list[int], proposal, sampler: Sampler) -> dict[str, np.ndarray]:
+    """The fused acceptance's inputs for one step (exporter/fused.py): the same random numbers, drawn the
+    same way, as `accept` uses, so a seed gives the same tokens either way."""
+    params = sampler.params
+    if params.greedy:
+        return greedy_accept_inputs(len(parents))
+    u = sampler.rng.random(uniforms_shape(parents))
+    q = proposal.q[:len(parents)] if proposal.mode != "topk" and len(parents) > 1 else np.zeros((0, 0))
+    return {"sample_u": u, "sample_q": q,
+            "sample_params": np.array([params.temperature, params.top_k, params.top_p,
+                                       proposal.mode == "without_replacement"], np.float32)}
 
 
 def accept(tokens: list[int], parents: list[int], logits: np.ndarray, proposal, sampler: Sampler,

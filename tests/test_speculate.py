@@ -32,6 +32,8 @@ def engines(tiny_folder, tmp_path_factory):
         "ngram-logits": build(tiny_folder, root / "ngram-logits", fused=False, name="ngram", draft_length=4),
         "self1-tree": build(tiny_folder, root / "self1", name="draft", draft_model="self:1", draft_length=3,
                             draft_branching=(2, 2)),
+        "self1-tree-logits": build(tiny_folder, root / "self1-logits", fused=False, name="draft", draft_model="self:1",
+                                   draft_length=3, draft_branching=(2, 2)),
         # the target as its own draft: every draft is right, which exercises the bookkeeping fully
         "same-chain": build(tiny_folder, root / "same", name="draft", draft_model=str(tiny_folder), draft_length=4),
         "same-tree": build(tiny_folder, root / "same-tree", name="draft", draft_model=str(tiny_folder),
@@ -39,7 +41,7 @@ def engines(tiny_folder, tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("name", ["ngram", "ngram-logits", "self1-tree", "same-chain", "same-tree"])
+@pytest.mark.parametrize("name", ["ngram", "ngram-logits", "self1-tree", "self1-tree-logits", "same-chain", "same-tree"])
 def test_greedy_is_lossless(engines, name):
     engine = engines[name]
     for prompt in PROMPTS:
@@ -94,14 +96,28 @@ def test_sampling_follows_plain_sampling(engines, name, params):
 
 
 def test_the_sampling_test_catches_a_broken_rule(engines, monkeypatch):
-    """Keep a rejected candidate in the target's residual: the same test must now fail."""
+    """Keep a rejected candidate in the target's residual: the same test must now fail (the runtime's rule,
+    on a bundle that accepts outside the graph)."""
     from specexport.runtime import verify
 
-    plain = _histogram(engines["self1-tree"], "none", 1500, 100_000, {"temperature": 0.5})
+    engine = engines["self1-tree-logits"]
+    plain = _histogram(engine, "none", 1500, 100_000, {"temperature": 0.5})
     monkeypatch.setattr(verify, "_reject", lambda p, q, x, mode: (p, q))
-    spec = _histogram(engines["self1-tree"], None, 1500, 0, {"temperature": 0.5})
+    spec = _histogram(engine, None, 1500, 0, {"temperature": 0.5})
     stat, dof = chisquare.two_sample(spec, plain)
     assert stat > chisquare.threshold(dof), (stat, dof)
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.8}, {"temperature": 1.0, "top_k": 20, "top_p": 0.9}])
+def test_sampling_in_the_graph_equals_sampling_in_the_runtime(engines, params):
+    """Same seed, same random numbers: the fused graph and the runtime's rule emit the same tokens."""
+    fused, outside = engines["self1-tree"], engines["self1-tree-logits"]
+    assert fused.fused_accept and not outside.fused_accept
+    for seed, prompt in enumerate(PROMPTS):
+        sampling = SamplingParams(seed=seed, **params)
+        a = fused.generate(prompt, max_new_tokens=NEW, sampling=sampling, stop_ids=())
+        b = outside.generate(prompt, max_new_tokens=NEW, sampling=sampling, stop_ids=())
+        assert a.tokens == b.tokens and a.stats.accept_lengths == b.stats.accept_lengths, (prompt, params)
 
 
 def test_fused_acceptance_equals_the_pure_rule(tmp_path):

@@ -1,0 +1,95 @@
+"""The acceptance fused into the graph (exporter/fused.py) against the pure rules (runtime/verify.py), on
+random trees in every mode: greedy, deterministic candidates, sampled drafts with and without replacement,
+with temperature, top-k and top-p."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from specexport.exporter.fused import INPUTS, add_accept
+from specexport.exporter.graph import _Graph, make_model
+from specexport.runtime import tree
+from specexport.runtime.sampling import SamplingParams, probabilities
+from specexport.runtime.verify import accept_greedy, accept_tree, uniforms_shape
+
+V = 23
+
+
+@pytest.fixture(scope="module")
+def session():
+    """The acceptance alone, fed the logits directly (in the target graph they come from the LM head)."""
+    g = _Graph(TensorProto.FLOAT)
+    seq = g.op("Gather", [g.op("Shape", ["input_ids"]), g.const("one_i64", np.array(1, np.int64))], axis=0)
+    add_accept(g, "logits", seq)
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+              helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT, ["batch", 1, "seq", "total"]),
+              helper.make_tensor_value_info("past_len", TensorProto.INT32, ["batch"]),
+              helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["rows", V])]
+    inputs += [helper.make_tensor_value_info(name, t, shape) for name, t, shape in INPUTS]
+    outputs = [helper.make_tensor_value_info("accept_rows", TensorProto.INT64, ["accepted"]),
+               helper.make_tensor_value_info("bonus_token", TensorProto.INT64, [1])]
+    model = make_model(helper.make_graph(g.nodes, "accept", inputs, outputs, initializer=g.initializers))
+    onnx.checker.check_model(model, full_check=True)
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def run(session, tokens, parents, logits, past, u, q, params, without=False):
+    t = len(tokens)
+    feeds = {"input_ids": np.array([tokens], np.int64),
+             "attention_bias": tree.attention_bias(parents, past, past + t).astype(np.float32),
+             "past_len": np.array([past], np.int32), "logits": logits.astype(np.float32),
+             "sample_u": u.astype(np.float32),
+             "sample_q": np.zeros((0, 0), np.float32) if q is None else q.astype(np.float32),
+             "sample_params": np.array([params.temperature, params.top_k, params.top_p, without], np.float32)}
+    rows, bonus = session.run(None, feeds)
+    return rows.tolist(), int(bonus[0])
+
+
+MODES = ["greedy", "topk", "with_replacement", "without_replacement"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_graph_accepts_as_the_pure_rule(session, mode):
+    rng = np.random.default_rng(MODES.index(mode))
+    lengths = set()
+    for trial in range(80):
+        t, past = int(rng.integers(1, 11)), int(rng.integers(0, 5))
+        sampled = mode in ("with_replacement", "without_replacement")
+        chain = sampled and trial % 2 == 0  # the draft model's sampled chains, and sampled trees
+        parents = [-1] + [i - 1 if chain else int(rng.integers(0, i)) for i in range(1, t)]
+        logits = rng.normal(size=(t, V)) * 2
+        params = SamplingParams(temperature=0.0 if mode == "greedy" else float(rng.choice([0.5, 1.0, 1.5])),
+                                top_k=int(rng.choice([0, 0, 5])), top_p=float(rng.choice([1.0, 1.0, 0.8])))
+        p = probabilities(logits.astype(np.float32), params)
+        q = rng.dirichlet(np.ones(V) * 0.5, size=t) if sampled else None
+        tokens = rng.integers(0, V, t)
+        for i in range(1, t):  # many right guesses, and some repeats of an earlier sibling
+            if rng.random() < 0.5:
+                tokens[i] = int(np.argmax(p[parents[i]]))
+            elif siblings := [j for j in range(1, i) if parents[j] == parents[i]]:
+                tokens[i] = tokens[siblings[0]]
+        u = rng.random(uniforms_shape(parents)).astype(np.float32)
+        if mode == "greedy":
+            ref = accept_greedy(tokens.tolist(), parents, logits.astype(np.float32).argmax(-1))
+            u = np.zeros((t, 1))  # what the runtime passes when greedy
+        else:
+            ref = accept_tree(tokens.tolist(), parents, p, q, u, mode)
+        got = run(session, tokens.tolist(), parents, logits, past, u, q, params, mode == "without_replacement")
+        assert got == (ref.path, ref.tokens[-1]), (trial, parents, tokens.tolist())
+        lengths.add(len(ref.path))
+    assert max(lengths) >= 3  # accepted paths two drafts deep were exercised, not only rejections
+
+
+def test_the_final_draw_is_the_inverse_cdf(session):
+    """A leaf root: the bonus token is sampling.sample's draw from p, for u across [0, 1)."""
+    from specexport.runtime.sampling import sample
+
+    logits = np.full((1, V), -np.inf)
+    logits[0, [0, 2, 3]] = np.log([0.1, 0.3, 0.6])  # token 1 and the tail have no mass
+    params = SamplingParams(temperature=1.0)
+    p = probabilities(logits.astype(np.float32), params)
+    for u in (0.0, 0.05, 0.15, 0.35, 0.45, 0.99, 0.9999999):
+        got = run(session, [5], [-1], logits, 3, np.array([[u]]), None, params)
+        assert got == ([0], sample(p[0], u)), u
