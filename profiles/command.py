@@ -19,7 +19,8 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
     from tqdm import tqdm
 
     from specexport.exporter.export import AGREEMENT_PROMPTS
-    from specexport.profiles import Eagle, Measurements, Medusa, dump
+    from specexport.profiles import Eagle, Measurements, Medusa, Ngram, dump
+    from specexport.profiles import chains as ch
     from specexport.profiles import eagle as e
     from specexport.profiles import measure as m
     from specexport.profiles.detect import detect, resolve_profile
@@ -39,14 +40,19 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
     ids = [engine.encode(p) for p in (prompts or AGREEMENT_PROMPTS)]
     medusa = engine.bundle.method == "medusa"
     eagle = engine.bundle.method in ("eagle", "eagle3")
+    chain = engine.bundle.method in ("draft", "ngram")
     if eagle and engine.eagle["static"] is not None:
         engine.set_eagle(tree_spec="dynamic")  # the profile chooses a dynamic tree's settings
     proposer = engine.proposer(engine.bundle.method, Sampler(SamplingParams()))
     tokens = [t for t in m.TREE_TOKENS if t <= max_tokens]
     typical = int(np.mean([len(i) for i in ids]) + new_tokens / 2)  # the context calibration steps run at
     top_ks = [k for k in e.TOP_KS if k <= manifest["method"].get("graph_top_k", 0)]
-    total = ((len(contexts) + 2 * (medusa or eagle)) * len(tokens)
-             + len(ids) * (2 + (rounds if medusa or eagle else 0) + (len(top_ks) if eagle else 0)))
+    lengths = [k for k in ch.LENGTHS if chain and _proposal_nodes(engine, k) < max(tokens)]
+    if chain and not lengths:
+        raise UserError(f"--max-tokens {max_tokens} leaves no room for a draft on this bundle")
+    chooses = medusa or eagle or chain
+    total = ((len(contexts) + 2 * chooses) * len(tokens)
+             + len(ids) * (2 + (rounds if chooses else 0) + (len(top_ks) if eagle else 0) + chain))
     bar = tqdm(total=total, desc="profiling", unit="step", disable=quiet, file=sys.stderr, dynamic_ncols=True)
     with bar:
         measured = m.Measured(list(contexts), tokens, {c: m.verify_latency(engine, proposer, tokens, c, reps, bar.update)
@@ -102,6 +108,25 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
             measured.overhead_ms = round(float(np.mean([c["python_ms"] for c in cal.values()])), 3)
             measured.candidates = rows
             measured.chosen = max(auto, key=lambda r: r["measured_tokens_per_s"])  # presets are the yardstick
+        if chain:  # draft lengths predicted from one recorded run at the longest, then side by side
+            before = m.verify_latency(engine, proposer, tokens, typical, reps, bar.update)
+            measured.verify_ms[typical] = before
+            cal = ch.calibrate(engine, ids, new_tokens, max(lengths), bar.update)
+            rows = ch.rows(measured, cal, lengths, manifest["method"]["draft_length"], typical)
+            measured.calibration["plain_tokens_per_s"] = m.side_by_side(
+                engine, ids, new_tokens, rows, rounds, bar.update,
+                apply=lambda r: setattr(engine, "draft_length", r["choices"]["draft_length"]))
+            engine.draft_length = None
+            after = m.verify_latency(engine, proposer, tokens, typical, reps, bar.update)
+            measured.verify_ms[typical] = [round((a + b) / 2, 3) for a, b in zip(before, after)]
+            if typical not in measured.context:
+                measured.context.append(typical)
+            for r in rows:  # again with the averaged latency curve
+                again = ch.predict(measured, cal, r["depth"], typical)
+                r.update({k: again[k] for k in ("predicted_ms", "predicted_tokens_per_s")})
+            measured.overhead_ms = cal["python_ms"]
+            measured.candidates = rows
+            measured.chosen = max((r for r in rows if not r.get("preset")), key=lambda r: r["measured_tokens_per_s"])
     found = detect()
     hardware = f"{found.name} ({found.cores} cores{f', {found.memory_gb} GB' if found.kind == 'gpu' else ''})"
     chosen = measured.chosen
@@ -116,6 +141,10 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
         medusa=Medusa(tree=chosen["tree"], choices=tuple(tuple(c) for c in chosen["choices"])) if chosen and medusa
         else base_profile.medusa,
         eagle=Eagle(**chosen["choices"]) if chosen and eagle else base_profile.eagle,
+        draft=_draft_settings(manifest["method"], chosen) if chosen and engine.bundle.method == "draft"
+        else base_profile.draft,
+        ngram=Ngram(chosen["choices"]["draft_length"], manifest["method"]["max_matches"])
+        if chosen and engine.bundle.method == "ngram" else base_profile.ngram,
         limits=dataclasses.replace(base_profile.limits,
                                    max_tree_tokens=max(base_profile.limits.max_tree_tokens, chosen["tokens"] if chosen else 1)),
         measurements=Measurements(
@@ -137,6 +166,28 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
     os.replace(temp, output)
     return {"profile": new, "measured": measured, "report": report / "report.md", "images": images,
             "chosen_by": chosen_by}
+
+
+def _proposal_nodes(engine, length: int) -> int:
+    """The most draft nodes a step proposes at draft length `length` on this bundle."""
+    from specexport.runtime.sampling import Sampler, SamplingParams
+
+    before, engine.draft_length = engine.draft_length, length
+    try:
+        return engine.proposer(engine.bundle.method, Sampler(SamplingParams())).max_nodes
+    finally:
+        engine.draft_length = before
+
+
+def _draft_settings(method: dict, chosen: dict):
+    """A draft bundle's chosen length, with its tree's branching (cut to the length; trailing chain links dropped)."""
+    from specexport.profiles import Draft
+
+    length = chosen["choices"]["draft_length"]
+    branching = list(method["draft_branching"][:length])
+    while branching and branching[-1] == 1:
+        branching.pop()
+    return Draft(draft_length=length, branching=tuple(branching))
 
 
 def summary(result: dict) -> list[str]:

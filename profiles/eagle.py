@@ -29,19 +29,12 @@ class TreeRecorder:
     draft calls."""
 
     def __init__(self, inner):
-        self.inner, self.records, self.draft_s = inner, [], 0.0
+        from specexport.profiles.measure import CallTimer
+
+        self.inner, self.records = inner, []
         self.max_nodes = inner.max_nodes
-        session = inner.session
-        forward = session.forward
-
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            out = forward(*args, **kwargs)
-            self.draft_s += time.perf_counter() - start
-            return out
-
-        self._restore = lambda: setattr(session, "forward", forward)
-        session.forward = timed
+        self.draft = CallTimer(inner.session, "forward")
+        self.close = self.draft.close
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -50,9 +43,6 @@ class TreeRecorder:
         proposal = self.inner.propose(history)
         self.records.append((len(history) - 1, self.inner.last_candidates))
         return proposal
-
-    def close(self):
-        self._restore()
 
 
 def accept_length(candidates, emitted: list[int], depth: int, total: int) -> int:
@@ -74,34 +64,27 @@ def calibrate(engine, prompts: list[list[int]], new_tokens: int, top_k: int, dep
     time spent outside the target's verify calls and the draft calls."""
     from specexport.runtime.sampling import Sampler, SamplingParams
 
+    from specexport.profiles.measure import CallTimer
+
     engine.set_eagle(depth, top_k, total)
-    steps, seconds, in_verify, draft_s, samples = 0, 0.0, [0.0], 0.0, []
-    verify = engine.verify
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        out = verify(*args, **kwargs)
-        in_verify[0] += time.perf_counter() - start
-        return out
-
-    engine.verify = timed
+    steps, seconds, draft_s, samples = 0, 0.0, 0.0, []
     try:
-        for ids in prompts:
-            recorder = TreeRecorder(engine.proposer(engine.bundle.method, Sampler(SamplingParams())))
-            try:
-                result = engine.generate(ids, max_new_tokens=new_tokens, proposer=recorder)
-            finally:
-                recorder.close()
-            text = ids + result.tokens
-            samples += [(c, text[root + 1:]) for root, c in recorder.records]
-            steps += result.stats.steps
-            seconds += result.stats.seconds - result.stats.ttft_s
-            draft_s += recorder.draft_s
-            progress(1)
+        with CallTimer(engine, "verify") as in_verify:
+            for ids in prompts:
+                recorder = TreeRecorder(engine.proposer(engine.bundle.method, Sampler(SamplingParams())))
+                try:
+                    result = engine.generate(ids, max_new_tokens=new_tokens, proposer=recorder)
+                finally:
+                    recorder.close()
+                text = ids + result.tokens
+                samples += [(c, text[root + 1:]) for root, c in recorder.records]
+                steps += result.stats.steps
+                seconds += result.stats.seconds - result.stats.ttft_s
+                draft_s += recorder.draft.seconds
+                progress(1)
     finally:
-        del engine.verify
         engine.set_eagle()
-    python_ms = 1000 * max(0.0, seconds - in_verify[0] - draft_s) / max(steps, 1)
+    python_ms = 1000 * max(0.0, seconds - in_verify.seconds - draft_s) / max(steps, 1)
     return {"samples": samples, "python_ms": round(python_ms, 3), "steps": steps}
 
 

@@ -102,24 +102,39 @@ def rank_hits(records, tokens: list[int], heads: int) -> tuple[np.ndarray, np.nd
     return hits, counts
 
 
+class CallTimer:
+    """Times the calls of one object's method (patched on the instance) until `close`."""
+
+    def __init__(self, obj, name: str):
+        self.seconds, self.calls = 0.0, 0
+        method = getattr(obj, name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = method(*args, **kwargs)
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+            return out
+
+        setattr(obj, name, timed)
+        self.close = lambda: delattr(obj, name)  # back to the class's method
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def calibrate(engine, prompts: list[list[int]], new_tokens: int, progress) -> dict:
     """Greedy runs with the bundle's method: accept lengths, the per-step time outside the verification
     calls (timed around each), Medusa rank rates."""
     from specexport.runtime.sampling import Sampler, SamplingParams
 
-    lengths, seconds, steps, in_graph = [], 0.0, 0, [0.0]
+    lengths, seconds, steps = [], 0.0, 0
     heads = engine.bundle.manifest["method"].get("heads_count", 0)
     hits, counts = np.zeros((heads, RANKS)), np.zeros(heads)
-    verify = engine.verify
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        out = verify(*args, **kwargs)
-        in_graph[0] += time.perf_counter() - start
-        return out
-
-    engine.verify = timed
-    try:
+    with CallTimer(engine, "verify") as in_graph:
         for ids in prompts:
             proposer = engine.proposer(engine.bundle.method, Sampler(SamplingParams()))
             recorder = Recorder(proposer) if heads else None
@@ -132,10 +147,8 @@ def calibrate(engine, prompts: list[list[int]], new_tokens: int, progress) -> di
                 h, c = rank_hits(recorder.records, ids + result.tokens, heads)
                 hits, counts = hits + h, counts + c
             progress(1)
-    finally:
-        del engine.verify  # back to the class's method
     return {"accept_lengths": lengths, "step_ms": 1000 * seconds / max(steps, 1), "steps": steps,
-            "overhead_ms": round(1000 * max(0.0, seconds - in_graph[0]) / max(steps, 1), 3),
+            "overhead_ms": round(1000 * max(0.0, seconds - in_graph.seconds) / max(steps, 1), 3),
             "rank_rates": (hits / np.maximum(counts, 1)[:, None]).round(4).tolist() if heads else []}
 
 

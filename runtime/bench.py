@@ -37,13 +37,14 @@ def read_prompts(path: Path) -> list[dict]:
 
 def run_bench(bundle_path: Path, prompts: list[dict], max_new_tokens: int = 128, compare_hf: bool = False,
               threads: int | None = None, progress=lambda text: None, tree: str | None = None,
-              eagle: dict | None = None) -> dict:
-    """`tree` and `eagle` (depth, top_k, total_tokens): run-time overrides of the bundle's tree."""
+              overrides: dict | None = None) -> dict:
+    """`tree` and `overrides` (depth, top_k, total_tokens, draft_length): run-time overrides of the bundle's
+    proposal (Engine.configure)."""
     from specexport.runtime.generate import Engine
 
     engine = Engine.load(bundle_path, threads=threads)
     method = engine.bundle.method
-    engine.configure(tree, **(eagle or {}))
+    engine.configure(tree, **(overrides or {}))
     ids = [engine.encode(p["prompt"]) for p in prompts]
     engine.generate(ids[0], max_new_tokens=8)  # warm-up: first-run allocations and prepacking
     rows = []

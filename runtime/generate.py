@@ -89,15 +89,24 @@ class Engine:
         self.heads = None  # the stand-alone Medusa heads graph, loaded when sampling needs it
         if bundle.method == "medusa":
             self.set_tree(None)
+        self.draft_length = None  # a draft or n-gram bundle's draft length, when overridden
         self.eagle = None  # EAGLE tree settings: depth, top_k, total_tokens, static (a StaticTree or None)
         if bundle.method in ("eagle", "eagle3"):
             self.set_eagle()
 
     def configure(self, tree: str | None = None, depth: int | None = None, top_k: int | None = None,
-                  total_tokens: int | None = None) -> None:
-        """Run-time overrides of the bundle's tree: `tree` for Medusa and EAGLE (dynamic or a static tree),
-        depth / top_k / total_tokens for EAGLE's dynamic tree."""
+                  total_tokens: int | None = None, draft_length: int | None = None) -> None:
+        """Run-time overrides of the bundle's proposal: `tree` for Medusa and EAGLE (dynamic or a static tree),
+        depth / top_k / total_tokens for EAGLE's dynamic tree, draft_length for draft and n-gram bundles."""
+        from specexport.exporter.methods import MAX_DRAFT
+
         method = self.bundle.method
+        if draft_length is not None:
+            if method not in ("draft", "ngram"):
+                raise UserError(f"--draft-length applies to draft and n-gram bundles; this one is '{method}'")
+            if not 1 <= draft_length <= MAX_DRAFT:
+                raise UserError(f"--draft-length must be in 1..{MAX_DRAFT}, got {draft_length}")
+            self.draft_length = draft_length
         eagle_given = [n for n, v in (("--depth", depth), ("--draft-top-k", top_k), ("--total-tokens", total_tokens))
                        if v is not None]
         if eagle_given and self.eagle is None:
@@ -202,15 +211,16 @@ class Engine:
             return proposers.NoProposer()
         if method != options["name"]:
             raise UserError(f"this bundle was built for method '{options['name']}', not '{method}'")
+        length = self.draft_length or options.get("draft_length")
         if method == "ngram":
-            return proposers.NgramLookup(options["max_ngram"], options["min_ngram"], options["draft_length"],
-                                         options["max_matches"])
+            return proposers.NgramLookup(options["max_ngram"], options["min_ngram"], length, options["max_matches"])
         if method in ("draft", "eagle", "eagle3") and self.draft is None:
             info = self.bundle.graphs["draft"]
             self.draft = TargetSession(self.bundle.file(info["file"]), info, threads=self.threads, device=self.device,
                                        spin=False)
-        if method == "draft":
-            return proposers.DraftModel(self.draft, tuple(options["draft_branching"]), sampler.params, sampler.rng)
+        if method == "draft":  # the bundle's branching per depth, cut or extended by chain links to the length
+            branching = (tuple(options["draft_branching"]) + (1,) * length)[:length]
+            return proposers.DraftModel(self.draft, branching, sampler.params, sampler.rng)
         if method == "medusa":
             heads = None
             if not self.fused(sampler):

@@ -100,8 +100,11 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
     _print_export(manifest, output)
 
 
-def _eagle_run_options(f):
-    """Run-time overrides of an EAGLE bundle's dynamic tree (run, bench)."""
+def _run_overrides(f):
+    """Run-time overrides of a bundle's proposal: an EAGLE bundle's dynamic tree, a draft or n-gram bundle's
+    draft length (run, bench)."""
+    f = click.option("--draft-length", type=int, default=None,
+                     help="draft, ngram: draft tokens per step (the depth of a draft tree).")(f)
     f = click.option("--total-tokens", type=int, default=None, help="eagle: tokens verified per step, the root included.")(f)
     f = click.option("--draft-top-k", type=int, default=None, help="eagle: candidates expanded per level.")(f)
     f = click.option("--depth", type=int, default=None, help="eagle: draft levels per step.")(f)
@@ -305,12 +308,12 @@ def _sampling(temperature, top_k, top_p, seed):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--tree", default=None, help="medusa: run another tree than the bundle's (preset, JSON file, auto:N); "
                                            "eagle: dynamic or a static tree.")
-@_eagle_run_options
+@_run_overrides
 @click.option("--typical", is_flag=True,
               help="medusa, temperature > 0: Medusa's typical acceptance. LOSSY: the output no longer follows the "
                    "model's distribution (longer accepts in exchange).")
 def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_id, raw, threads,
-        as_json, tree, depth, draft_top_k, total_tokens, typical):
+        as_json, tree, depth, draft_top_k, total_tokens, draft_length, typical):
     """Generate from a prompt with a bundle, streaming the text, then print stats.
 
     \b
@@ -333,7 +336,7 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     params = _sampling(temperature, top_k, top_p, seed)
     engine = Engine.load(bundle, threads=threads)
-    engine.configure(tree, depth, draft_top_k, total_tokens)
+    engine.configure(tree, depth, draft_top_k, total_tokens, draft_length)
     _typical(engine, typical, params)
     stop_ids = tuple(sorted(engine.tokenizer.eos_token_ids | set(stop_id)))
     stream = None if as_json else (lambda text: click.echo(text, nl=False))
@@ -354,6 +357,8 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
 
 def _tree_note(engine) -> str:
     tree, eagle = engine.medusa_tree, engine.eagle
+    if engine.bundle.method in ("draft", "ngram"):
+        return f" (draft length {engine.draft_length or engine.bundle.manifest['method']['draft_length']})"
     if eagle is not None:
         return (f" ({eagle['tree']} tree: depth {eagle['depth']}, top-k {eagle['top_k']}, "
                 f"{eagle['total_tokens']} tokens)")
@@ -380,8 +385,9 @@ def _typical(engine, typical, params) -> None:
 @click.option("--threads", type=int, default=None)
 @click.option("--tree", default=None, help="medusa: run another tree than the bundle's (preset, JSON file, auto:N); "
                                            "eagle: dynamic or a static tree.")
-@_eagle_run_options
-def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, tree, depth, draft_top_k, total_tokens):
+@_run_overrides
+def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, tree, depth, draft_top_k, total_tokens,
+          draft_length):
     """Benchmark a bundle's method against plain decoding on the same engine (greedy, batch 1).
 
     \b
@@ -396,7 +402,8 @@ def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, t
     prompts = read_prompts(prompts_file)
     result = run_bench(bundle, prompts, max_new_tokens=max_new_tokens, compare_hf=compare_hf, threads=threads,
                        progress=lambda text: click.echo(text, err=True), tree=tree,
-                       eagle={"depth": depth, "top_k": draft_top_k, "total_tokens": total_tokens})
+                       overrides={"depth": depth, "top_k": draft_top_k, "total_tokens": total_tokens,
+                                  "draft_length": draft_length})
     click.echo("\n".join(summary_lines(result)))
     if json_out:
         json_out.write_text(json.dumps(result, indent=2) + "\n")

@@ -132,3 +132,73 @@ def test_profile_command_measures_chooses_and_reports(tiny_folder, tmp_path):
     assert manifest["method"]["tree"] == [list(c) for c in profile.medusa.choices]
     again = CliRunner().invoke(main, ["profile", str(tmp_path / "b"), "--output", str(out)])
     assert again.exit_code == 1 and "already exists" in again.output
+
+
+def test_draft_lengths_replay_from_a_longer_proposal():
+    """Hand-worked: a proposal cut to depth K, and the accept length of each cut against the emitted tokens."""
+    from specexport.profiles.chains import accept_length, cut
+
+    tokens, parents = [5, 6, 7, 9, 8], [-1, 0, 1, -1, 3]  # 5-6-7 and 9-8 below the root
+    assert cut(parents, 1) == [0, 3] and cut(parents, 2) == [0, 1, 3, 4] and cut(parents, 3) == [0, 1, 2, 3, 4]
+    emitted = [5, 6, 4, 4]
+    assert [accept_length(tokens, parents, cut(parents, k), emitted) for k in (1, 2, 3)] == [2, 3, 3]
+    assert accept_length(tokens, parents, cut(parents, 3), [9, 8, 1]) == 3
+    assert accept_length(tokens, parents, cut(parents, 3), [1]) == 1
+
+
+def test_a_short_proposal_is_the_start_of_a_long_one(tiny_folder, tmp_path):
+    """The premise of the replay: on the same history, draft length K proposes the first K levels of draft length 8
+    (a draft model's tree, prompt lookup's chain)."""
+    from specexport.exporter.export import ExportOptions, export_bundle
+    from specexport.exporter.graph import GraphOptions
+    from specexport.exporter.methods import MethodOptions
+    from specexport.profiles.chains import cut
+    from specexport.runtime.generate import Engine
+    from specexport.runtime.sampling import Sampler, SamplingParams
+
+    for method in (MethodOptions(name="draft", draft_model="self:1", draft_length=3, draft_branching=(2,)),
+                   MethodOptions(name="ngram", draft_length=4, max_matches=1)):
+        out = tmp_path / method.name
+        export_bundle(str(tiny_folder), out, ExportOptions(graph=GraphOptions(fused_accept=True), max_context=128,
+                                                           validate=False, method=method), quiet=True)
+        engine = Engine.load(out, threads=1)
+        history = engine.encode("abcab abcab abc", chat=False)
+        proposals = {}
+        for k in (1, 2, 5, 8):
+            engine.draft_length = k
+            proposer = engine.proposer(method.name, Sampler(SamplingParams()))
+            proposer.start(len(history), 128)
+            proposals[k] = proposer.propose(history)
+        longest = proposals[8]
+        assert len(longest) > 2, method.name
+        for k in (1, 2, 5):
+            keep = cut(longest.parents, k)
+            assert proposals[k].tokens == [longest.tokens[i] for i in keep], (method.name, k)
+
+
+def test_profile_command_chooses_a_draft_length(tiny_folder, tmp_path):
+    from specexport.exporter.export import ExportOptions, export_bundle
+    from specexport.exporter.graph import GraphOptions
+    from specexport.exporter.methods import MethodOptions
+
+    export_bundle(str(tiny_folder), tmp_path / "b", ExportOptions(
+        graph=GraphOptions(fused_accept=True), max_context=160, validate=False,
+        method=MethodOptions(name="ngram", draft_length=3, max_matches=1)), quiet=True)
+    out = tmp_path / "measured.toml"
+    result = CliRunner().invoke(main, ["profile", str(tmp_path / "b"), "--output", str(out), "--base", "cpu-2core",
+                                       "--new-tokens", "12", "--max-tokens", "8", "--contexts", "16", "--reps", "2",
+                                       "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "chosen draft length" in result.output and "prediction error" in result.output
+    profile = load_profile(out)
+    lengths = [int(line.split("draft length ")[1].split()[0].rstrip(")")) for line in result.output.splitlines()
+               if line.startswith("  draft length")]
+    assert profile.ngram.draft_length in lengths and profile.ngram.max_matches == 1
+    assert "## Trees side by side" in (tmp_path / "measured-report" / "report.md").read_text()
+    run = CliRunner().invoke(main, ["run", str(tmp_path / "b"), "--prompt", "abab", "--max-new-tokens", "4",
+                                    "--draft-length", "2"])
+    assert run.exit_code == 0 and "(draft length 2)" in run.output, run.output
+    for bad, message in ((["--draft-length", "0"], "--draft-length must be in 1..64"),
+                         (["--depth", "2"], "--depth applies to EAGLE bundles")):
+        wrong = CliRunner().invoke(main, ["run", str(tmp_path / "b"), "--prompt", "ab"] + bad)
+        assert wrong.exit_code == 1 and message in wrong.output, wrong.output
