@@ -5,12 +5,16 @@
 2. The method's acceptance on calibration prompts (greedy): the accept-length histogram, the proposer's cost
    per step, and for Medusa how often head d's rank-r candidate is the token the target emits d + 1 places
    after the step's root.
-3. For Medusa, the tree for every node budget from those rates (greedy expected-acceptance construction), its
-   expected accept length E[tau], and the predicted tokens/s E[tau] / (verify(T) + per-step overhead), verify(T)
-   measured at the calibration's typical context; the best budget wins. Then every candidate tree (the chosen one and the presets that fit) runs side by side on the
-   prompts, so the report shows predicted against measured; the latency curve is measured again after those
-   runs and the predictions use the mean of both (a shared machine drifts). Rates are decode rates: tokens after the first
-   over the time after the first (the prompt's prefill is the same for every tree).
+3. For Medusa, the tree for every node budget from those rates (greedy expected-acceptance construction), and
+   its accept length replayed on the recorded steps: the path of the emitted tokens' ranks, as far as the tree
+   has it (exact on those steps, where the rates' product assumes the heads independent). The predicted
+   tokens/s is tau / (verify(T) + per-step overhead), verify(T) measured at the calibration's typical context;
+   the best budget wins. Then every candidate tree (the chosen one and the presets that fit) runs side by side
+   on the prompts, so the report shows predicted against measured; the latency curve is measured again after
+   those runs and the predictions use the mean of both (a shared machine drifts). Rates are decode rates:
+   tokens after the first over the time after the first (the prompt's prefill is the same for every tree).
+4. Draft-model and n-gram bundles get their draft length the same way (profiles/chains.py), EAGLE its depth,
+   top-k and total tokens (profiles/eagle.py).
 """
 
 from __future__ import annotations
@@ -87,6 +91,23 @@ class Recorder:
         return self.inner.propose(history)
 
 
+def replayed_accept_length(choices, samples) -> float:
+    """Mean tokens a greedy step emits with the tree `choices` (rank paths) over recorded steps: each sample is
+    (candidates [heads, ranks], the tokens the target emitted after the step's root). The heads' candidates are
+    distinct per head, so the step follows the path of the emitted tokens' ranks while the tree has it."""
+    tree = {tuple(c) for c in choices}
+    lengths = []
+    for candidates, emitted in samples:
+        path = ()
+        for d, token in enumerate(emitted[:len(candidates)]):
+            rank = np.flatnonzero(candidates[d] == token)
+            if not rank.size or path + (int(rank[0]),) not in tree:
+                break
+            path += (int(rank[0]),)
+        lengths.append(len(path) + 1)
+    return float(np.mean(lengths))
+
+
 def rank_hits(records, tokens: list[int], heads: int) -> tuple[np.ndarray, np.ndarray]:
     """hits[d, r]: steps where head d's rank-r candidate is the emitted token d + 1 after the root; counts[d]."""
     hits, counts = np.zeros((heads, RANKS)), np.zeros(heads)
@@ -131,7 +152,7 @@ def calibrate(engine, prompts: list[list[int]], new_tokens: int, progress) -> di
     calls (timed around each), Medusa rank rates."""
     from specexport.runtime.sampling import Sampler, SamplingParams
 
-    lengths, seconds, steps = [], 0.0, 0
+    lengths, seconds, steps, samples = [], 0.0, 0, []
     heads = engine.bundle.manifest["method"].get("heads_count", 0)
     hits, counts = np.zeros((heads, RANKS)), np.zeros(heads)
     with CallTimer(engine, "verify") as in_graph:
@@ -144,18 +165,23 @@ def calibrate(engine, prompts: list[list[int]], new_tokens: int, progress) -> di
             steps += result.stats.steps
             if recorder is not None:
                 # the root of the step that proposed at history length n is token n - 1 of prompt + output
-                h, c = rank_hits(recorder.records, ids + result.tokens, heads)
+                text = ids + result.tokens
+                h, c = rank_hits(recorder.records, text, heads)
                 hits, counts = hits + h, counts + c
+                samples += [(candidates, text[root + 1:root + 1 + heads]) for root, candidates in recorder.records]
             progress(1)
     return {"accept_lengths": lengths, "step_ms": 1000 * seconds / max(steps, 1), "steps": steps,
             "overhead_ms": round(1000 * max(0.0, seconds - in_graph.seconds) / max(steps, 1), 3),
-            "rank_rates": (hits / np.maximum(counts, 1)[:, None]).round(4).tolist() if heads else []}
+            "rank_rates": (hits / np.maximum(counts, 1)[:, None]).round(4).tolist() if heads else [],
+            "samples": samples}
 
 
 def predict(measured: Measured, row: dict, context: int) -> dict:
     """Fill a candidate row's expected tau and predicted step ms and tokens/s (in place; returns it)."""
     tree = make_tree(row["choices"])
-    tau = expected_accept_length(tree, measured.rank_rates)
+    samples = measured.calibration.get("samples")
+    tau = (replayed_accept_length(tree.choices, samples) if samples
+           else expected_accept_length(tree, measured.rank_rates))
     ms = measured.verify_at(tree.size, context) + measured.overhead_ms
     row.update(tokens=tree.size, depth=tree.depth, expected_tau=round(tau, 3), predicted_ms=round(ms, 3),
                predicted_tokens_per_s=round(1000 * tau / ms, 2))

@@ -202,3 +202,16 @@ def test_profile_command_chooses_a_draft_length(tiny_folder, tmp_path):
                          (["--depth", "2"], "--depth applies to EAGLE bundles")):
         wrong = CliRunner().invoke(main, ["run", str(tmp_path / "b"), "--prompt", "ab"] + bad)
         assert wrong.exit_code == 1 and message in wrong.output, wrong.output
+
+
+def test_medusa_accept_length_replays_recorded_steps():
+    """Hand-worked: head d's candidates by rank, the tokens emitted after the root, and trees of rank paths."""
+    import numpy as np
+
+    from specexport.profiles.measure import replayed_accept_length
+
+    candidates = np.array([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
+    samples = [(candidates, [11, 20, 32]), (candidates, [10, 99, 30]), (candidates, [12, 20])]
+    assert replayed_accept_length([(0,), (1,), (1, 0), (1, 0, 2)], samples) == (4 + 2 + 1) / 3
+    assert replayed_accept_length([(0,), (0, 0)], samples) == (1 + 2 + 1) / 3
+    assert replayed_accept_length([(2,), (2, 0), (2, 0, 0)], samples) == (1 + 1 + 3) / 3
