@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 from specexport.errors import UserError
-from specexport.exporter.training import (CLIP_NORM, HELDOUT, SAVE_EVERY_S, WARMUP_STEPS, TokenStream, checkpoint_dir,
-                                          eval_sequences, learning_rate, load_checkpoint, load_frozen_target, logger,
-                                          prepare_output, save_checkpoint, sharegpt_split, torch_threads, write_json)
+from specexport.exporter.training import (run_steps, CLIP_NORM, HELDOUT, WARMUP_STEPS, TokenStream, checkpoint_dir,
+                                          eval_sequences, load_checkpoint, load_frozen_target, logger,
+                                          prepare_output, sharegpt_split, torch_threads, write_json)
 
 EVAL_SEQUENCES = 100  # held-out sequences for the before/after agreement
 MICRO_ELEMENTS = 2**25  # logits elements per micro-batch: one [tokens, vocab] fp32 tensor of 128 MB
@@ -93,12 +93,11 @@ def distill_loss(draft_logits, target_logits, top_k: int | None = None):
     return neg_entropy - (p * log_q).sum()
 
 
-def train_step(draft, target, optimizer, ids, lr: float, micro: int, top_k: int | None) -> float:
-    """One optimizer step on a batch [B, T] in micro-batches of `micro` rows; returns the mean KL per token."""
+def train_step(draft, target, optimizer, ids, micro: int, top_k: int | None) -> float:
+    """One optimizer step (at the rate already set) on a batch [B, T] in micro-batches of `micro` rows; returns
+    the mean KL per token."""
     import torch
 
-    for group in optimizer.param_groups:
-        group["lr"] = lr
     total = 0.0
     for chunk in ids.split(micro):
         with torch.no_grad():
@@ -249,35 +248,14 @@ def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: floa
 
 def _train_loop(draft, target, optimizer, stream, state, output, *, minutes, steps, batch, lr, micro, top_k,
                 save_every, quiet) -> None:
-    """Steps until `steps` or `minutes` of training time (counted across resumes), checkpointing as it goes."""
-    from tqdm import tqdm
+    def step(number: int):
+        start = time.monotonic()
+        ids = stream.batch(batch)
+        loss = train_step(draft, target, optimizer, ids, micro, top_k)
+        shown = {"tok_s": f"{ids.numel() / (time.monotonic() - start):.0f}"}
+        return loss, shown, {"tokens": state["tokens"] + ids.numel(), "data": stream.position}
 
-    budget = minutes * 60
-    warmup = max(1, min(WARMUP_STEPS, steps // 10)) if steps else WARMUP_STEPS
-    by_steps = steps is not None
-    bar = tqdm(total=steps if by_steps else round(budget), initial=state["step"] if by_steps else round(state["seconds"]),
-               unit="step" if by_steps else "s", desc="training", disable=quiet, file=sys.stderr, dynamic_ncols=True)
-    saved_at, last_save = state["step"], time.monotonic()
     draft.train()
-    with bar:
-        while (not by_steps or state["step"] < steps) and state["seconds"] < budget:
-            start = time.monotonic()
-            ids = stream.batch(batch)
-            progress = state["step"] / steps if by_steps else state["seconds"] / budget
-            loss = train_step(draft, target, optimizer, ids, learning_rate(lr, state["step"], progress, warmup),
-                              micro, top_k)
-            if not math.isfinite(loss):
-                raise UserError(f"training diverged (loss {loss} at step {state['step']}); try a lower --lr")
-            seconds = time.monotonic() - start
-            state.update(step=state["step"] + 1, tokens=state["tokens"] + ids.numel(),
-                         seconds=state["seconds"] + seconds, data=stream.position)
-            state["losses"].append(round(loss, 5))
-            bar.update(1 if by_steps else round(state["seconds"]) - bar.n)
-            bar.set_postfix(step=state["step"], loss=f"{loss:.4f}", tok_s=f"{ids.numel() / seconds:.0f}")
-            due = state["step"] % save_every == 0 if save_every else time.monotonic() - last_save >= SAVE_EVERY_S
-            if due:
-                save_checkpoint(output, trainable(draft), optimizer, state)
-                saved_at, last_save = state["step"], time.monotonic()
+    run_steps(step, trainable(draft), optimizer, state, output, minutes=minutes, steps=steps, lr=lr,
+              warmup=WARMUP_STEPS, save_every=save_every, desc="training", quiet=quiet)
     draft.eval()
-    if saved_at != state["step"] or checkpoint_dir(output) is None:
-        save_checkpoint(output, trainable(draft), optimizer, state)

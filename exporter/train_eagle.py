@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.exporter.training import (SAVE_EVERY_S, WARMUP_STEPS, checkpoint_dir, learning_rate, load_checkpoint,
-                                          load_frozen_target, logger, prepare_output, save_checkpoint, sharegpt_split,
+from specexport.exporter.training import (run_steps, WARMUP_STEPS, checkpoint_dir, load_checkpoint,
+                                          load_frozen_target, logger, prepare_output, sharegpt_split,
                                           torch_threads, write_json)
 
 DECAY = 0.8  # loss weight of unrolled step i: DECAY ** i
@@ -454,41 +454,20 @@ def bf16_matmuls() -> bool:
 def _train_loop(module, params, optimizer, data, t2d, state, output, *, minutes, steps, batch, lr, seed, save_every,
                 ttt_steps, max_len, quiet) -> None:
     import torch
-    from tqdm import tqdm
 
     bf16 = bf16_matmuls()
-    budget = minutes * 60
-    by_steps = steps is not None
-    warmup = max(1, min(WARMUP_STEPS * 5, steps // 10)) if steps else WARMUP_STEPS * 5
-    bar = tqdm(total=steps if by_steps else round(budget), initial=state["step"] if by_steps else round(state["seconds"]),
-               unit="step" if by_steps else "s", desc="draft", disable=quiet, file=sys.stderr, dynamic_ncols=True)
-    saved_at, last_save = state["step"], time.monotonic()
     trainable = list(params.values())
     count = len(data["lengths"])
-    with bar:
-        while (not by_steps or state["step"] < steps) and state["seconds"] < budget:
-            start = time.monotonic()
-            rng = np.random.default_rng([seed, state["step"]])
-            rows = rng.choice(count, min(batch, count), replace=False)
-            progress = state["step"] / steps if by_steps else state["seconds"] / budget
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(lr, state["step"], progress, warmup)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss, parts = draft_loss(module, make_batch(data, rows, t2d, ttt_steps, max_len), ttt_steps)
-            loss.backward()
-            torch.nn.utils.clip_grad_value_(trainable, CLIP)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            value = loss.item()
-            if not math.isfinite(value):
-                raise UserError(f"training diverged (loss {value} at step {state['step']}); try a lower --lr")
-            state.update(step=state["step"] + 1, seconds=state["seconds"] + time.monotonic() - start)
-            state["losses"].append(round(value, 5))
-            bar.update(1 if by_steps else round(state["seconds"]) - bar.n)
-            bar.set_postfix(step=state["step"], loss=f"{value:.3f}", ce=" ".join(f"{c:.2f}" for c in parts))
-            due = state["step"] % save_every == 0 if save_every else time.monotonic() - last_save >= SAVE_EVERY_S
-            if due:
-                save_checkpoint(output, params, optimizer, state)
-                saved_at, last_save = state["step"], time.monotonic()
-    if saved_at != state["step"] or checkpoint_dir(output) is None:
-        save_checkpoint(output, params, optimizer, state)
+
+    def step(number: int):
+        rows = np.random.default_rng([seed, number]).choice(count, min(batch, count), replace=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, parts = draft_loss(module, make_batch(data, rows, t2d, ttt_steps, max_len), ttt_steps)
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(trainable, CLIP)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item(), {"ce": " ".join(f"{c:.2f}" for c in parts)}, {}
+
+    run_steps(step, params, optimizer, state, output, minutes=minutes, steps=steps, lr=lr, warmup=WARMUP_STEPS * 5,
+              save_every=save_every, desc="draft", quiet=quiet)

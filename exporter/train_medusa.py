@@ -32,9 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.exporter.training import (CLIP_NORM, HELDOUT, SAVE_EVERY_S, WARMUP_STEPS, TokenStream, checkpoint_dir,
-                                          learning_rate, load_checkpoint, load_frozen_target, logger, prepare_output,
-                                          save_checkpoint, sharegpt_split, torch_threads, write_json)
+from specexport.exporter.training import (run_steps, CLIP_NORM, HELDOUT, WARMUP_STEPS, TokenStream, checkpoint_dir,
+                                          load_checkpoint, load_frozen_target, logger, prepare_output,
+                                          sharegpt_split, torch_threads, write_json)
 
 DECAY = 0.8  # loss weight of head k: DECAY ** k
 DATA_KINDS = ("self", "sharegpt")
@@ -450,43 +450,20 @@ def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = 
 
 def _train_loop(params, lm_head, optimizer, hidden, labels, subset, state, output, *, minutes, steps, batch, lr,
                 seed, save_every, quiet) -> None:
-    """Steps until `steps` or `minutes` of training time (counted across resumes), checkpointing as it goes."""
     import torch
-    from tqdm import tqdm
 
-    budget = minutes * 60
-    warmup = max(1, min(WARMUP_STEPS, steps // 10)) if steps else WARMUP_STEPS
-    by_steps = steps is not None
-    bar = tqdm(total=steps if by_steps else round(budget), initial=state["step"] if by_steps else round(state["seconds"]),
-               unit="step" if by_steps else "s", desc="heads", disable=quiet, file=sys.stderr, dynamic_ncols=True)
-    saved_at, last_save = state["step"], time.monotonic()
     trainable = list(params.values())
-    with bar:
-        while (not by_steps or state["step"] < steps) and state["seconds"] < budget:
-            start = time.monotonic()
-            rng = np.random.default_rng([seed, state["step"]])
-            pick = torch.from_numpy(rng.integers(0, len(labels), min(batch, len(labels))))
-            h, y = hidden[pick].float(), labels[pick]
-            rows = torch.unique(torch.cat([subset, y[y >= 0]]))
-            progress = state["step"] / steps if by_steps else state["seconds"] / budget
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(lr, state["step"], progress, warmup)
-            loss, parts = medusa_loss(params, lm_head, h, y, rows)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(trainable, CLIP_NORM)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            value = loss.item()
-            if not math.isfinite(value):
-                raise UserError(f"training diverged (loss {value} at step {state['step']}); try a lower --lr")
-            state.update(step=state["step"] + 1, rows=state["rows"] + len(pick),
-                         seconds=state["seconds"] + time.monotonic() - start)
-            state["losses"].append(round(value, 5))
-            bar.update(1 if by_steps else round(state["seconds"]) - bar.n)
-            bar.set_postfix(step=state["step"], loss=f"{value:.3f}", ce=" ".join(f"{c:.2f}" for c in parts))
-            due = state["step"] % save_every == 0 if save_every else time.monotonic() - last_save >= SAVE_EVERY_S
-            if due:
-                save_checkpoint(output, params, optimizer, state)
-                saved_at, last_save = state["step"], time.monotonic()
-    if saved_at != state["step"] or checkpoint_dir(output) is None:
-        save_checkpoint(output, params, optimizer, state)
+
+    def step(number: int):
+        rng = np.random.default_rng([seed, number])
+        pick = torch.from_numpy(rng.integers(0, len(labels), min(batch, len(labels))))
+        h, y = hidden[pick].float(), labels[pick]
+        loss, parts = medusa_loss(params, lm_head, h, y, torch.unique(torch.cat([subset, y[y >= 0]])))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, CLIP_NORM)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item(), {"ce": " ".join(f"{c:.2f}" for c in parts)}, {"rows": state["rows"] + len(pick)}
+
+    run_steps(step, params, optimizer, state, output, minutes=minutes, steps=steps, lr=lr, warmup=WARMUP_STEPS,
+              save_every=save_every, desc="heads", quiet=quiet)

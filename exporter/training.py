@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from specexport.errors import UserError
@@ -205,6 +206,43 @@ def learning_rate(base: float, step: int, progress: float, warmup: int) -> float
     """Linear warmup over `warmup` steps, then cosine decay to a tenth of `base` as progress goes 0 -> 1."""
     warm = min(1.0, (step + 1) / warmup)
     return base * warm * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def run_steps(step, params: dict, optimizer, state: dict, output: Path, *, minutes: float, steps: int | None,
+              lr: float, warmup: int, save_every: int, desc: str, quiet: bool) -> None:
+    """The loop every trainer shares: optimizer steps until `steps` or `minutes` of training time (counted across
+    resumes), the learning-rate schedule (warmup of at most `warmup` steps, cosine), a progress bar, and
+    checkpoints every `save_every` steps (0: every SAVE_EVERY_S seconds) and at the end.
+
+    `step(number)` runs optimizer step `number` at the rate already set and returns (loss, what the bar shows,
+    updates to `state`); draws seeded by the number make a resumed run repeat an uninterrupted one."""
+    from tqdm import tqdm
+
+    budget = minutes * 60
+    by_steps = steps is not None
+    warmup = max(1, min(warmup, steps // 10)) if by_steps else warmup
+    bar = tqdm(total=steps if by_steps else round(budget), initial=state["step"] if by_steps else round(state["seconds"]),
+               unit="step" if by_steps else "s", desc=desc, disable=quiet, file=sys.stderr, dynamic_ncols=True)
+    saved_at, last_save = state["step"], time.monotonic()
+    with bar:
+        while (not by_steps or state["step"] < steps) and state["seconds"] < budget:
+            start = time.monotonic()
+            progress = state["step"] / steps if by_steps else state["seconds"] / budget
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(lr, state["step"], progress, warmup)
+            loss, shown, updates = step(state["step"])
+            if not math.isfinite(loss):
+                raise UserError(f"training diverged (loss {loss} at step {state['step']}); try a lower --lr")
+            state.update(updates, step=state["step"] + 1, seconds=state["seconds"] + time.monotonic() - start)
+            state["losses"].append(round(loss, 5))
+            bar.update(1 if by_steps else round(state["seconds"]) - bar.n)
+            bar.set_postfix(step=state["step"], loss=f"{loss:.4f}", **shown)
+            due = state["step"] % save_every == 0 if save_every else time.monotonic() - last_save >= SAVE_EVERY_S
+            if due:
+                save_checkpoint(output, params, optimizer, state)
+                saved_at, last_save = state["step"], time.monotonic()
+    if saved_at != state["step"] or checkpoint_dir(output) is None:
+        save_checkpoint(output, params, optimizer, state)
 
 
 

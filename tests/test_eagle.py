@@ -18,7 +18,7 @@ from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.methods import MethodOptions
 from specexport.runtime import tree
-from specexport.runtime.eagle_tree import CandidateTree, StaticTree, check_dynamic, parse_static
+from specexport.runtime.eagle_tree import CandidateTree, check_dynamic, parse_static
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import SamplingParams
 
