@@ -34,7 +34,7 @@ class ProposalRecorder:
 
     def propose(self, history):
         proposal = self.inner.propose(history)
-        self.records.append((len(history) - 1, list(proposal.tokens), list(proposal.parents)))
+        self.records.append((len(history) - 1, (list(proposal.tokens), list(proposal.parents))))
         return proposal
 
     def close(self):
@@ -67,45 +67,25 @@ def accept_length(tokens: list[int], parents: list[int], keep: list[int], emitte
 def calibrate(engine, prompts: list[list[int]], new_tokens: int, length: int, progress) -> dict:
     """Greedy runs at draft length `length`: the recorded proposals with what the target emitted, the mean draft
     call, and the per-step time outside the target's verify calls and the draft calls."""
-    from specexport.runtime.sampling import Sampler, SamplingParams
+    from specexport.profiles.measure import recorded_runs
 
-    from specexport.profiles.measure import CallTimer
-
-    before = engine.draft_length
-    engine.draft_length = length
-    steps, seconds, draft_s, calls, samples = 0, 0.0, 0.0, 0, []
+    before, engine.draft_length = engine.draft_length, length
     try:
-        with CallTimer(engine, "verify") as in_verify:
-            for ids in prompts:
-                recorder = ProposalRecorder(engine.proposer(engine.bundle.method, Sampler(SamplingParams())))
-                try:
-                    result = engine.generate(ids, max_new_tokens=new_tokens, proposer=recorder)
-                finally:
-                    recorder.close()
-                text = ids + result.tokens
-                samples += [(tokens, parents, text[root + 1:]) for root, tokens, parents in recorder.records]
-                steps += result.stats.steps
-                seconds += result.stats.seconds - result.stats.ttft_s
-                if recorder.draft is not None:
-                    draft_s, calls = draft_s + recorder.draft.seconds, calls + recorder.draft.calls
-                progress(1)
+        return recorded_runs(engine, prompts, new_tokens, ProposalRecorder, progress)
     finally:
         engine.draft_length = before
-    python_ms = 1000 * max(0.0, seconds - in_verify.seconds - draft_s) / max(steps, 1)
-    return {"samples": samples, "python_ms": round(python_ms, 3), "steps": steps,
-            "draft_call_ms": round(1000 * draft_s / calls, 3) if calls else 0.0, "draft_model": calls > 0}
 
 
 def predict(measured, cal: dict, length: int, context: int, name: str | None = None) -> dict:
     """Draft length `length`: its accept length and step time on the calibration's steps, and tokens/s."""
     taus, verify_ms, sizes = [], [], []
-    for tokens, parents, emitted in cal["samples"]:
+    for (tokens, parents), emitted in cal["samples"]:
         keep = cut(parents, length)
         taus.append(accept_length(tokens, parents, keep, emitted))
         verify_ms.append(measured.verify_at(len(keep) + 1, context))
         sizes.append(len(keep) + 1)
     tau = float(np.mean(taus))
-    ms = float(np.mean(verify_ms)) + (length * cal["draft_call_ms"] if cal["draft_model"] else 0.0) + cal["python_ms"]
+    ms = float(np.mean(verify_ms)) + length * cal["draft_call_ms"] + cal["python_ms"]  # n-gram: no draft calls
     return {"tree": name or f"draft length {length}", "short": f"K={length}" + ("\n(bundle)" if name else ""),
             "tokens": max(sizes), "depth": length, "choices": {"draft_length": length},
             "expected_tau": round(tau, 3), "predicted_ms": round(ms, 3), "predicted_tokens_per_s": round(1000 * tau / ms, 2)}

@@ -62,30 +62,13 @@ def accept_length(candidates, emitted: list[int], depth: int, total: int) -> int
 def calibrate(engine, prompts: list[list[int]], new_tokens: int, top_k: int, depth: int, total: int, progress) -> dict:
     """Greedy runs at (depth, top_k, total): the recorded trees with what the target emitted, and the per-step
     time spent outside the target's verify calls and the draft calls."""
-    from specexport.runtime.sampling import Sampler, SamplingParams
-
-    from specexport.profiles.measure import CallTimer
+    from specexport.profiles.measure import recorded_runs
 
     engine.set_eagle(depth, top_k, total)
-    steps, seconds, draft_s, samples = 0, 0.0, 0.0, []
     try:
-        with CallTimer(engine, "verify") as in_verify:
-            for ids in prompts:
-                recorder = TreeRecorder(engine.proposer(engine.bundle.method, Sampler(SamplingParams())))
-                try:
-                    result = engine.generate(ids, max_new_tokens=new_tokens, proposer=recorder)
-                finally:
-                    recorder.close()
-                text = ids + result.tokens
-                samples += [(c, text[root + 1:]) for root, c in recorder.records]
-                steps += result.stats.steps
-                seconds += result.stats.seconds - result.stats.ttft_s
-                draft_s += recorder.draft.seconds
-                progress(1)
+        return recorded_runs(engine, prompts, new_tokens, TreeRecorder, progress)
     finally:
         engine.set_eagle()
-    python_ms = 1000 * max(0.0, seconds - in_verify.seconds - draft_s) / max(steps, 1)
-    return {"samples": samples, "python_ms": round(python_ms, 3), "steps": steps}
 
 
 def draft_latency(engine, context: int, reps: int) -> list[float]:

@@ -147,6 +147,33 @@ class CallTimer:
         self.close()
 
 
+def recorded_runs(engine, prompts: list[list[int]], new_tokens: int, recorder, progress) -> dict:
+    """Greedy runs of the bundle's method with each proposer wrapped by `recorder(proposer)`, which keeps
+    `records` [(root position, what the step proposed)], times the draft's calls in `draft` (a CallTimer or
+    None) and has `close`. Returns the samples (what a step proposed, the tokens the target emitted after its
+    root), the mean draft call, and the time per step outside the target's verify calls and the draft's."""
+    from specexport.runtime.sampling import Sampler, SamplingParams
+
+    steps, seconds, draft_s, calls, samples = 0, 0.0, 0.0, 0, []
+    with CallTimer(engine, "verify") as in_verify:
+        for ids in prompts:
+            wrapped = recorder(engine.proposer(engine.bundle.method, Sampler(SamplingParams())))
+            try:
+                result = engine.generate(ids, max_new_tokens=new_tokens, proposer=wrapped)
+            finally:
+                wrapped.close()
+            text = ids + result.tokens
+            samples += [(proposed, text[root + 1:]) for root, proposed in wrapped.records]
+            steps += result.stats.steps
+            seconds += result.stats.seconds - result.stats.ttft_s
+            if wrapped.draft is not None:
+                draft_s, calls = draft_s + wrapped.draft.seconds, calls + wrapped.draft.calls
+            progress(1)
+    python_ms = 1000 * max(0.0, seconds - in_verify.seconds - draft_s) / max(steps, 1)
+    return {"samples": samples, "python_ms": round(python_ms, 3), "steps": steps,
+            "draft_call_ms": round(1000 * draft_s / calls, 3) if calls else 0.0}
+
+
 def calibrate(engine, prompts: list[list[int]], new_tokens: int, progress) -> dict:
     """Greedy runs with the bundle's method: accept lengths, the per-step time outside the verification
     calls (timed around each), Medusa rank rates."""
