@@ -4,7 +4,10 @@ For each temperature, N generations of a few tokens are sampled with the bundle'
 plain decoding (different seeds); the joint of the tokens after the first (those come from
 speculative steps) is compared by a two-sample chi-square test at a 1e-4 tail.
 
-    python scripts/check_sampling.py BUNDLE [--n 600] [--tokens 3] [--temperatures 0.7,1.0]
+    python scripts/check_sampling.py BUNDLE [--n 600] [--tokens 3] [--temperatures 0.7,1.0] [--outside-graph]
+
+--outside-graph accepts with the runtime's rule on the step's logits instead of inside the graph (the same
+random numbers, so the same tokens up to float32 rounding).
 """
 
 from __future__ import annotations
@@ -38,10 +41,13 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=3)
     ap.add_argument("--temperatures", default="0.7,1.0")
     ap.add_argument("--prompt", default=PROMPT)
+    ap.add_argument("--outside-graph", action="store_true", help="accept with the runtime's rule, not in the graph")
     args = ap.parse_args()
     engine = Engine.load(args.bundle, verify=False)
+    engine.fused_accept &= not args.outside_graph
     print(f"{engine.bundle.manifest['model']['name']} {engine.bundle.precision}, method {engine.bundle.method}, "
-          f"{args.n} samples each, tokens 2..{args.tokens}")
+          f"{args.n} samples each, tokens 2..{args.tokens}, accepted {'outside' if not engine.fused_accept else 'in'} "
+          "the graph")
     failed = False
     for temperature in (float(t) for t in args.temperatures.split(",")):
         spec, tau = histogram(engine, args.prompt, None, args.n, args.tokens, temperature, 0)
