@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.exporter.training import (run_steps, WARMUP_STEPS, checkpoint_dir, load_checkpoint,
+from specexport.exporter.training import (run_steps, ChunkFolder, WARMUP_STEPS, checkpoint_dir, load_checkpoint,
                                           load_frozen_target, logger, prepare_output, sharegpt_split,
                                           torch_threads, write_json)
 
@@ -63,28 +61,16 @@ def sequence_features(model, sequences: list[list[int]], prompt_lens: list[int],
     return result
 
 
-class FeatureChunks:
-    """OUTPUT/features/chunk_NNNNN.safetensors: tokens, starts, prompt_lens, features (fp16), argmax."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
-
-    def chunks(self) -> list[Path]:
-        return sorted(self.folder.glob("chunk_*.safetensors"))
+class FeatureChunks(ChunkFolder):
+    """Chunks of sequences: tokens, starts, lengths, prompt_lens, features (fp16), argmax."""
 
     def write(self, name: str, sequences, prompt_lens, feats) -> int:
-        from safetensors.numpy import save_file
-
         lengths = [len(s) for s in sequences]
-        data = {"tokens": np.concatenate([np.asarray(s, np.int64) for s in sequences]),
-                "starts": np.cumsum([0] + lengths[:-1]).astype(np.int64), "lengths": np.asarray(lengths, np.int64),
-                "prompt_lens": np.asarray(prompt_lens, np.int64),
-                "features": np.ascontiguousarray(np.concatenate([f for f, _ in feats])),
-                "argmax": np.concatenate([a for _, a in feats])}
-        temp = self.folder / f"{name}.tmp"
-        save_file(data, str(temp))
-        os.replace(temp, self.folder / f"{name}.safetensors")
+        self.save(name, {"tokens": np.concatenate([np.asarray(s, np.int64) for s in sequences]),
+                         "starts": np.cumsum([0] + lengths[:-1]).astype(np.int64),
+                         "lengths": np.asarray(lengths, np.int64), "prompt_lens": np.asarray(prompt_lens, np.int64),
+                         "features": np.ascontiguousarray(np.concatenate([f for f, _ in feats])),
+                         "argmax": np.concatenate([a for _, a in feats])})
         return int(sum(lengths))
 
     @staticmethod
@@ -106,18 +92,14 @@ class FeatureChunks:
 
 def build_features(model, tokenizer, train_set, heldout, cache: FeatureChunks, settings: dict, log, quiet: bool) -> None:
     """Fill the cache up to `samples` training sequences and the held-out set (resuming after existing chunks)."""
-    from tqdm import tqdm
-
     from specexport.exporter.train_medusa import eos_and_pad, feature_groups, greedy_continuations
 
-    samples, new_tokens = settings["samples"], settings["new_tokens"]
+    new_tokens = settings["new_tokens"]
     aux, version = tuple(settings["aux_layers"]), settings["version"]
     eos, pad = eos_and_pad(model, tokenizer)
 
-    def groups(source, count, seed):
-        return feature_groups(tokenizer, source, count, seed, settings)
-
-    def run(name, group):
+    def write(name, groups):
+        group = [x for g in groups for x in g]
         if settings["data"] == "self":
             made = greedy_continuations(model, group, new_tokens, eos, pad)
             sequences = [p + t.tolist() for p, (t, _) in zip(group, made)]
@@ -126,18 +108,9 @@ def build_features(model, tokenizer, train_set, heldout, cache: FeatureChunks, s
             sequences, prompt_lens = group, [1] * len(group)
         return cache.write(name, sequences, prompt_lens, sequence_features(model, sequences, prompt_lens, aux, version))
 
-    if not (cache.folder / "heldout.safetensors").is_file():
-        log(f"held-out features ({EVAL_SAMPLES} sequences) ...")
-        groups_held = list(groups(heldout, EVAL_SAMPLES, settings["seed"] + 1))
-        merged = [x for g in groups_held for x in g]
-        run("heldout", merged)
-    done = len(cache.chunks())
-    bar = tqdm(total=samples, unit="seq", desc="features", disable=quiet, file=sys.stderr, dynamic_ncols=True)
-    with bar:
-        for index, group in enumerate(groups(train_set, samples, settings["seed"])):
-            if index >= done:
-                bar.set_postfix(tokens=run(f"chunk_{index:05d}", group))
-            bar.update(len(group))
+    cache.fill(feature_groups(tokenizer, heldout, EVAL_SAMPLES, settings["seed"] + 1, settings),
+               feature_groups(tokenizer, train_set, settings["samples"], settings["seed"], settings),
+               settings["samples"], write, log, quiet)
 
 
 # --------------------------------------------------------------------------------------------------- model

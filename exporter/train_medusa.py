@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.exporter.training import (run_steps, CLIP_NORM, HELDOUT, WARMUP_STEPS, TokenStream, checkpoint_dir,
+from specexport.exporter.training import (run_steps, ChunkFolder, CLIP_NORM, HELDOUT, WARMUP_STEPS, TokenStream, checkpoint_dir,
                                           load_checkpoint, load_frozen_target, logger, prepare_output,
                                           sharegpt_split, torch_threads, write_json)
 
@@ -127,26 +125,15 @@ def label_rows(tokens: np.ndarray, hidden: np.ndarray, heads: int) -> tuple[np.n
     return hidden[:rows], labels, tokens[:rows]
 
 
-class FeatureCache:
-    """OUTPUT/features/: chunk_NNNNN.safetensors (hidden fp16, labels, tokens) and heldout.safetensors."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
-
-    def chunks(self) -> list[Path]:
-        return sorted(self.folder.glob("chunk_*.safetensors"))
+class FeatureCache(ChunkFolder):
+    """Chunks of (hidden fp16, labels, next) rows: chunk_NNNNN.safetensors and heldout.safetensors."""
 
     def write(self, name: str, sequences: list[tuple[np.ndarray, np.ndarray]], heads: int) -> int:
-        from safetensors.numpy import save_file
-
         parts = [label_rows(t, h, heads) for t, h in sequences]
         hidden = np.concatenate([p[0] for p in parts]) if parts else np.zeros((0, 0), np.float16)
         labels = np.concatenate([p[1] for p in parts]) if parts else np.zeros((0, heads), np.int64)
         nxt = np.concatenate([p[2] for p in parts]) if parts else np.zeros((0,), np.int64)
-        temp = self.folder / f"{name}.tmp"
-        save_file({"hidden": np.ascontiguousarray(hidden), "labels": labels, "next": nxt}, str(temp))
-        os.replace(temp, self.folder / f"{name}.safetensors")
+        self.save(name, {"hidden": np.ascontiguousarray(hidden), "labels": labels, "next": nxt})
         return len(labels)
 
     @staticmethod
@@ -163,31 +150,20 @@ class FeatureCache:
 def build_features(model, tokenizer, train_set, heldout, cache: FeatureCache, settings: dict, log, quiet: bool) -> None:
     """Fill the feature cache up to `samples` training sequences and the held-out set (resuming after the
     chunks already there)."""
-    from tqdm import tqdm
-
-    heads, samples, new_tokens = settings["heads"], settings["samples"], settings["new_tokens"]
+    heads, new_tokens = settings["heads"], settings["new_tokens"]
     eos, pad = eos_and_pad(model, tokenizer)
-
-    def groups(source, count, seed):
-        return feature_groups(tokenizer, source, count, seed, settings)
 
     def run(group):
         if settings["data"] == "self":
             return greedy_continuations(model, group, new_tokens, eos, pad)
         return teacher_forced(model, group)
 
-    if not (cache.folder / "heldout.safetensors").is_file():
-        log(f"held-out features ({EVAL_SAMPLES} sequences) ...")
-        cache.write("heldout", [s for group in groups(heldout, EVAL_SAMPLES, settings["seed"] + 1) for s in run(group)],
-                    heads)
-    done = len(cache.chunks())
-    bar = tqdm(total=samples, unit="seq", desc="features", disable=quiet, file=sys.stderr, dynamic_ncols=True)
-    with bar:
-        for index, group in enumerate(groups(train_set, samples, settings["seed"])):
-            if index >= done:
-                rows = cache.write(f"chunk_{index:05d}", run(group), heads)
-                bar.set_postfix(rows=rows)
-            bar.update(len(group))
+    def write(name, groups):
+        return cache.write(name, [s for group in groups for s in run(group)], heads)
+
+    cache.fill(feature_groups(tokenizer, heldout, EVAL_SAMPLES, settings["seed"] + 1, settings),
+               feature_groups(tokenizer, train_set, settings["samples"], settings["seed"], settings),
+               settings["samples"], write, log, quiet)
 
 
 def feature_groups(tokenizer, source, count: int, seed: int, settings: dict):

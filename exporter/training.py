@@ -301,6 +301,46 @@ def load_checkpoint(folder: Path, params: dict, optimizer) -> dict:
 
 
 
+# ------------------------------------------------------------------------------------------------ features
+
+
+class ChunkFolder:
+    """OUTPUT/features/: the target's features for a trainer, as safetensors chunks (chunk_NNNNN, heldout), each
+    written whole (a temporary file, then renamed), so an interrupted run resumes after its last complete chunk."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def chunks(self) -> list[Path]:
+        return sorted(self.folder.glob("chunk_*.safetensors"))
+
+    def save(self, name: str, arrays: dict) -> None:
+        from safetensors.numpy import save_file
+
+        temp = self.folder / f"{name}.tmp"
+        save_file(arrays, str(temp))
+        os.replace(temp, self.folder / f"{name}.safetensors")
+
+    def fill(self, heldout_groups, train_groups, samples: int, write, log, quiet: bool) -> None:
+        """Write the held-out chunk once, then a chunk per training group (`samples` sequences in all), skipping
+        the chunks already there. `write(name, groups)` makes and saves one chunk and returns what the progress
+        bar shows of it."""
+        from tqdm import tqdm
+
+        if not (self.folder / "heldout.safetensors").is_file():
+            groups = list(heldout_groups)
+            log(f"held-out features ({sum(map(len, groups))} sequences) ...")
+            write("heldout", groups)
+        done = len(self.chunks())
+        bar = tqdm(total=samples, unit="seq", desc="features", disable=quiet, file=sys.stderr, dynamic_ncols=True)
+        with bar:
+            for index, group in enumerate(train_groups):
+                if index >= done:
+                    bar.set_postfix(made=write(f"chunk_{index:05d}", [group]))
+                bar.update(len(group))
+
+
 # ---------------------------------------------------------------------------------------------------- output
 
 

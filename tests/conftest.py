@@ -94,3 +94,11 @@ def save_folder(model, folder: Path) -> Path:
 def tiny_folder(tmp_path_factory):
     """A tiny random Llama saved as an HF folder with its tokenizer (bos 0, eos 1)."""
     return save_folder(tiny_model("llama"), tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def sharegpt(tmp_path_factory):
+    """A small ShareGPT file for the trainers' tests (60 training conversations)."""
+    from test_train_draft import write_sharegpt
+
+    return write_sharegpt(tmp_path_factory.mktemp("data") / "sharegpt.json", train=60)

@@ -237,13 +237,6 @@ TRAIN = dict(samples=48, new_tokens=32, prompt_tokens=64, batch=8, lr=3e-3, thre
 
 
 @pytest.fixture(scope="module")
-def sharegpt(tmp_path_factory):
-    from test_train_draft import write_sharegpt
-
-    return write_sharegpt(tmp_path_factory.mktemp("data") / "sharegpt.json", train=60)
-
-
-@pytest.fixture(scope="module")
 def trained(tiny_folder, sharegpt, tmp_path_factory):
     """An EAGLE-3 draft trained on the tiny model's own continuations (seconds): (training.json, folder)."""
     from specexport.exporter.train_eagle import train_eagle

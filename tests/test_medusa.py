@@ -198,13 +198,6 @@ TRAIN = dict(heads=3, samples=60, new_tokens=32, prompt_tokens=64, batch=512, lr
 
 
 @pytest.fixture(scope="module")
-def sharegpt(tmp_path_factory):
-    from test_train_draft import write_sharegpt
-
-    return write_sharegpt(tmp_path_factory.mktemp("data") / "sharegpt.json", train=60)
-
-
-@pytest.fixture(scope="module")
 def trained(tiny_folder, sharegpt, tmp_path_factory):
     """Heads trained on the tiny model's own greedy continuations (seconds): (training.json, folder)."""
     from specexport.exporter.train_medusa import train_medusa
