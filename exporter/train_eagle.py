@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.exporter.training import (run_steps, ChunkFolder, WARMUP_STEPS, checkpoint_dir, load_checkpoint,
+from specexport.exporter.training import (run_steps, ChunkFolder, check_settings, WARMUP_STEPS, checkpoint_dir, load_checkpoint,
                                           load_frozen_target, logger, prepare_output, sharegpt_split,
                                           torch_threads, write_json)
 
@@ -287,24 +287,13 @@ def accuracy(module, data: dict, t2d: np.ndarray, steps: int, max_len: int, hot:
 
 def _check_args(version, data, samples, new_tokens, prompt_tokens, minutes, steps, batch, lr, draft_vocab, ttt_steps,
                 save_every, feature_batch, vocab):
-    checks = [
+    check_settings([
         (version in (1, 3), f"EAGLE version must be 1 or 3, got {version}"),
         (data in ("self", "sharegpt"), f"--data-kind must be self or sharegpt, got {data!r}"),
-        (samples >= 1, f"--samples must be >= 1, got {samples}"),
-        (new_tokens >= 2, f"--new-tokens must be >= 2, got {new_tokens}"),
-        (prompt_tokens >= 1, f"--prompt-tokens must be >= 1, got {prompt_tokens}"),
-        (minutes > 0, f"--minutes must be > 0, got {minutes}"),
-        (steps is None or steps >= 0, f"--steps must be >= 0, got {steps}"),
-        (batch >= 1, f"--batch must be >= 1, got {batch}"),
-        (lr > 0 and math.isfinite(lr), f"--lr must be > 0, got {lr}"),
         (1 <= draft_vocab <= vocab, f"--draft-vocab must be in 1..{vocab}, got {draft_vocab}"),
         (1 <= ttt_steps <= 16, f"--ttt-steps must be in 1..16, got {ttt_steps}"),
-        (save_every is None or save_every >= 1, f"--save-every must be >= 1, got {save_every}"),
-        (feature_batch >= 1, f"--feature-batch must be >= 1, got {feature_batch}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise UserError(message)
+    ], samples=samples, new_tokens=new_tokens, prompt_tokens=prompt_tokens, minutes=minutes, steps=steps, batch=batch,
+        lr=lr, save_every=save_every, feature_batch=feature_batch)
 
 
 def train_eagle(model_spec: str, output: Path, *, version: int = 3, data: str = "self", samples: int = 1024,

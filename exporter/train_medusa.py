@@ -23,14 +23,13 @@ training.json; OUTPUT/checkpoint/ holds the trained weights and AdamW moments (s
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.exporter.training import (run_steps, ChunkFolder, CLIP_NORM, HELDOUT, WARMUP_STEPS, TokenStream, checkpoint_dir,
+from specexport.exporter.training import (run_steps, ChunkFolder, check_settings, CLIP_NORM, HELDOUT, WARMUP_STEPS, TokenStream, checkpoint_dir,
                                           load_checkpoint, load_frozen_target, logger, prepare_output,
                                           sharegpt_split, torch_threads, write_json)
 
@@ -296,24 +295,13 @@ def vocab_subset(labels: np.ndarray, size: int, vocab: int):
 
 def _check_args(heads, style, data, samples, new_tokens, prompt_tokens, minutes, steps, batch, lr, subset,
                 save_every, feature_batch):
-    checks = [
+    check_settings([
         (1 <= heads <= 16, f"--heads must be 1..16, got {heads}"),
         (style in STYLES, f"--head-style must be one of {', '.join(STYLES)}, got {style!r}"),
         (data in DATA_KINDS, f"--data must be one of {', '.join(DATA_KINDS)}, got {data!r}"),
-        (samples >= 1, f"--samples must be >= 1, got {samples}"),
-        (new_tokens >= 2, f"--new-tokens must be >= 2, got {new_tokens}"),
-        (prompt_tokens >= 1, f"--prompt-tokens must be >= 1, got {prompt_tokens}"),
-        (minutes > 0, f"--minutes must be > 0, got {minutes}"),
-        (steps is None or steps >= 0, f"--steps must be >= 0, got {steps}"),
-        (batch >= 1, f"--batch must be >= 1, got {batch}"),
-        (lr > 0 and math.isfinite(lr), f"--lr must be > 0, got {lr}"),
         (subset >= 1, f"--vocab-subset must be >= 1, got {subset}"),
-        (save_every is None or save_every >= 1, f"--save-every must be >= 1, got {save_every}"),
-        (feature_batch >= 1, f"--feature-batch must be >= 1, got {feature_batch}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise UserError(message)
+    ], samples=samples, new_tokens=new_tokens, prompt_tokens=prompt_tokens, minutes=minutes, steps=steps, batch=batch,
+        lr=lr, save_every=save_every, feature_batch=feature_batch)
 
 
 def _same_settings(made: dict, settings: dict, where: Path) -> None:

@@ -202,6 +202,25 @@ def eval_sequences(tokenizer, heldout: list[dict], seq_len: int, count: int) -> 
     return [s for s in sequences if len(s) >= 2]
 
 
+def check_settings(checks: list[tuple[bool, str]], *, samples, new_tokens, prompt_tokens, minutes, steps, batch, lr,
+                   save_every, feature_batch) -> None:
+    """One line for the first bad setting: the trainer's own `checks`, then those the feature trainers share."""
+    checks = checks + [
+        (samples >= 1, f"--samples must be >= 1, got {samples}"),
+        (new_tokens >= 2, f"--new-tokens must be >= 2, got {new_tokens}"),
+        (prompt_tokens >= 1, f"--prompt-tokens must be >= 1, got {prompt_tokens}"),
+        (minutes > 0, f"--minutes must be > 0, got {minutes}"),
+        (steps is None or steps >= 0, f"--steps must be >= 0, got {steps}"),
+        (batch >= 1, f"--batch must be >= 1, got {batch}"),
+        (lr > 0 and math.isfinite(lr), f"--lr must be > 0, got {lr}"),
+        (save_every is None or save_every >= 1, f"--save-every must be >= 1, got {save_every}"),
+        (feature_batch >= 1, f"--feature-batch must be >= 1, got {feature_batch}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(message)
+
+
 def learning_rate(base: float, step: int, progress: float, warmup: int) -> float:
     """Linear warmup over `warmup` steps, then cosine decay to a tenth of `base` as progress goes 0 -> 1."""
     warm = min(1.0, (step + 1) / warmup)
