@@ -57,10 +57,8 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
     with bar:
         measured = m.Measured(list(contexts), tokens, {c: m.verify_latency(engine, proposer, tokens, c, reps, bar.update)
                                                        for c in contexts})
-        if medusa:  # the heads' share: the same step with and without the candidates requested
-            plain_proposer = engine.proposer("none", Sampler(SamplingParams()))
-            without = m.verify_latency(engine, plain_proposer, [16], contexts[0], reps, lambda n: None)[0]
-            measured.heads_ms = round(max(0.0, measured.verify_at(16) - without), 3)
+        if medusa:  # the heads' share of a fused step, timed on their stand-alone graph
+            measured.heads_ms = m.heads_latency(engine, reps)
         cal = m.calibrate(engine, ids, new_tokens, bar.update)
         measured.overhead_ms = cal["overhead_ms"]
         measured.rank_rates = cal["rank_rates"]
@@ -136,8 +134,8 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
         engine=dataclasses.replace(base_profile.engine, backend="onnxruntime", precision=manifest["precision"],
                                    flavour=manifest["flavour"],
                                    execution_provider=engine.target.session.get_providers()[0]),
-        source=f"measured by specexport profile on {datetime.date.today()} on {hardware}: bundle "
-               f"{manifest['model']['name']} {manifest['precision']} {engine.bundle.method}",
+        source=_source(base_profile, hardware, f"{engine.bundle.method} on {datetime.date.today()} (bundle "
+                                              f"{manifest['model']['name']} {manifest['precision']})"),
         medusa=Medusa(tree=chosen["tree"], choices=tuple(tuple(c) for c in chosen["choices"])) if chosen and medusa
         else base_profile.medusa,
         eagle=Eagle(**chosen["choices"]) if chosen and eagle else base_profile.eagle,
@@ -166,6 +164,16 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
     os.replace(temp, output)
     return {"profile": new, "measured": measured, "report": report / "report.md", "images": images,
             "chosen_by": chosen_by}
+
+
+def _source(base, hardware: str, entry: str) -> str:
+    """Where a measured profile's numbers come from: this run's method, after the base's measurements of the
+    other methods on the same hardware (so profiling each method in turn, each on the last one's output, keeps
+    them all)."""
+    prefix = f"measured by specexport profile on {hardware}: "
+    method = entry.split(" ", 1)[0]
+    earlier = base.source.removeprefix(prefix).split("; ") if base.measured and base.source.startswith(prefix) else []
+    return prefix + "; ".join([e for e in earlier if e.split(" ", 1)[0] != method] + [entry])
 
 
 def _proposal_nodes(engine, length: int) -> int:

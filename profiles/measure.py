@@ -75,6 +75,21 @@ def verify_latency(engine, proposer, tree_tokens, context: int, reps: int, progr
     return out
 
 
+def heads_latency(engine, reps: int) -> float:
+    """Median ms of the Medusa heads on one row: the bundle's stand-alone heads graph, the same computation the
+    fused step adds at its accepted row."""
+    session = engine._heads_session()
+    info = session.get_inputs()[0]
+    hidden = np.zeros((1, info.shape[-1]), np.float16 if info.type == "tensor(float16)" else np.float32)
+    session.run(None, {info.name: hidden})  # warm-up
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        session.run(None, {info.name: hidden})
+        times.append(time.perf_counter() - start)
+    return round(float(np.median(times)) * 1000, 3)
+
+
 class Recorder:
     """Wraps a Medusa proposer: keeps each step's candidates with the position of the step's root."""
 

@@ -79,7 +79,8 @@ def markdown(measured, meta: dict, images: list[str]) -> str:
         out.append("- EAGLE draft call (ms by nodes fed): "
                    + ", ".join(f"{t}: {ms:.2f}" for t, ms in measured.draft_ms.items()))
     if measured.heads_ms:
-        out.append(f"- Medusa heads inside the fused step: {measured.heads_ms:.2f} ms")
+        out.append(f"- Medusa heads on one row (their stand-alone graph; inside the fused step and its latency curve): "
+                   f"{measured.heads_ms:.2f} ms")
     if measured.calibration.get("plain_tokens_per_s"):
         out.append(f"- plain decoding: {measured.calibration['plain_tokens_per_s']:.1f} tokens/s (decode rate)")
     out += ["", "## Verification latency (ms)", ""]

@@ -215,3 +215,23 @@ def test_medusa_accept_length_replays_recorded_steps():
     assert replayed_accept_length([(0,), (1,), (1, 0), (1, 0, 2)], samples) == (4 + 2 + 1) / 3
     assert replayed_accept_length([(0,), (0, 0)], samples) == (1 + 2 + 1) / 3
     assert replayed_accept_length([(2,), (2, 0), (2, 0, 0)], samples) == (1 + 1 + 3) / 3
+
+
+def test_a_measured_profile_keeps_the_other_methods_sources():
+    import dataclasses
+
+    from specexport.profiles.command import _source
+    from specexport.profiles.detect import resolve_profile
+
+    base, _ = resolve_profile("cpu-8core")
+    first = _source(base, "CPU X (2 cores)", "medusa on 2026-01-01 (bundle m int8)")
+    assert first == "measured by specexport profile on CPU X (2 cores): medusa on 2026-01-01 (bundle m int8)"
+    measured = dataclasses.replace(base, measured=True, source=first)
+    second = _source(measured, "CPU X (2 cores)", "eagle3 on 2026-01-02 (bundle m int8)")
+    assert second.endswith("medusa on 2026-01-01 (bundle m int8); eagle3 on 2026-01-02 (bundle m int8)")
+    again = _source(dataclasses.replace(base, measured=True, source=second), "CPU X (2 cores)",
+                    "medusa on 2026-01-03 (bundle m int8)")
+    assert again.endswith("eagle3 on 2026-01-02 (bundle m int8); medusa on 2026-01-03 (bundle m int8)")
+    assert "medusa on 2026-01-01" not in again
+    other = _source(dataclasses.replace(base, measured=True, source=second), "GPU Y (80 GB)", "draft on 2026-01-04 (b)")
+    assert other == "measured by specexport profile on GPU Y (80 GB): draft on 2026-01-04 (b)"
