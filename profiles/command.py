@@ -125,6 +125,8 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
             measured.overhead_ms = cal["python_ms"]
             measured.candidates = rows
             measured.chosen = max((r for r in rows if not r.get("preset")), key=lambda r: r["measured_tokens_per_s"])
+    if measured.candidates:
+        m.anchor(measured, measured.candidates, typical)
     found = detect()
     hardware = f"{found.name} ({found.cores} cores{f', {found.memory_gb} GB' if found.kind == 'gpu' else ''})"
     chosen = measured.chosen
@@ -199,6 +201,8 @@ def _draft_settings(method: dict, chosen: dict):
 
 
 def summary(result: dict) -> list[str]:
+    from specexport.profiles import measure as m
+
     measured = result["measured"]
     lines = []
     first = measured.context[0]
@@ -209,10 +213,13 @@ def summary(result: dict) -> list[str]:
                  f"overhead {measured.overhead_ms:.2f} ms, plain decoding {cal['plain_tokens_per_s']:.1f} tokens/s")
     for r in sorted(measured.candidates, key=lambda r: -r.get("measured_tokens_per_s", 0)):
         lines.append(f"  {r['tree']:<18} {r['tokens']:>3} tokens  E[tau] {r['expected_tau']:.2f}  tau {r['measured_tau']:.2f}  "
-                     f"predicted {r['predicted_tokens_per_s']:6.1f}  measured {r['measured_tokens_per_s']:6.1f} tokens/s")
+                     f"predicted {r['predicted_tokens_per_s']:6.1f} ({r['anchored_tokens_per_s']:6.1f} at the run's plain rate)  "
+                     f"measured {r['measured_tokens_per_s']:6.1f} tokens/s")
     if measured.chosen:
         c = measured.chosen
-        err = (c["predicted_tokens_per_s"] / c["measured_tokens_per_s"] - 1) * 100 if c["measured_tokens_per_s"] else 0
-        lines.append(f"chosen {c['tree']} ({c['tokens']} tokens): prediction error {err:+.1f}%")
+        curve, anchored = m.errors(c)
+        lines.append(f"chosen {c['tree']} ({c['tokens']} tokens): prediction error {curve:+.1f}%, {anchored:+.1f}% at the "
+                     f"run's plain rate (speedup predicted {c['predicted_speedup']:.2f}x, measured "
+                     f"{c['measured_speedup']:.2f}x)")
     lines.append(f"report: {result['report']}")
     return lines

@@ -278,6 +278,27 @@ def side_by_side(engine, prompts: list[list[int]], new_tokens: int, rows: list[d
     return round(tokens / seconds, 2) if seconds else 0.0
 
 
+def anchor(measured: Measured, rows: list[dict], context: int) -> None:
+    """Each row's predicted speedup over plain decoding (both predicted from the latency curve: plain decoding is
+    its T=1 point), its measured speedup (both measured side by side), and the prediction at the run's measured
+    plain rate (in place). A shared machine's speed drifts between the curve and the runs; the ratios do not."""
+    plain = measured.calibration.get("plain_tokens_per_s") or 0.0
+    curve_plain = 1000 / measured.verify_at(1, context)
+    for r in rows:
+        r["predicted_speedup"] = round(r["predicted_tokens_per_s"] / curve_plain, 3)
+        r["measured_speedup"] = round(r["measured_tokens_per_s"] / plain, 3) if plain else 0.0
+        r["anchored_tokens_per_s"] = round(r["predicted_speedup"] * plain, 2)
+
+
+def errors(row: dict) -> tuple[float, float]:
+    """(% error of the predicted tokens/s, % error at the run's plain rate) against the measured tokens/s."""
+    measured = row.get("measured_tokens_per_s") or 0.0
+    if not measured:
+        return 0.0, 0.0
+    return ((row["predicted_tokens_per_s"] / measured - 1) * 100,
+            (row.get("anchored_tokens_per_s", row["predicted_tokens_per_s"]) / measured - 1) * 100)
+
+
 def plain_speed(engine, prompts: list[list[int]], new_tokens: int) -> float:
     """Plain decoding's tokens/s after the first token."""
     tokens = seconds = 0.0
