@@ -59,7 +59,10 @@ def plots(measured, folder: Path) -> list[str]:
         ax.set_xlabel("tree")
         ax.set_ylabel("tokens/s")
         ax.set_title("Predicted vs measured tokens/s")
-        ax.legend(loc="lower center", ncol=2, fontsize=7)
+        top = max(max(r["predicted_tokens_per_s"], r.get("anchored_tokens_per_s", 0), r["measured_tokens_per_s"])
+                  for r in rows)
+        ax.set_ylim(0, top * 1.3)  # room above the bars for the legend
+        ax.legend(loc="upper center", ncol=2, fontsize=7)
         names.append(_save(fig, folder / "predicted_vs_measured.png"))
     return names
 
