@@ -10,8 +10,8 @@ from specexport.exporter.methods import MethodOptions
 from specexport.runtime import tree
 from specexport.runtime.backend import TargetSession
 from specexport.runtime.generate import Engine
-from specexport.runtime.sampling import SamplingParams
-from specexport.runtime.verify import accept_greedy
+from specexport.runtime.sampling import SamplingParams, probabilities
+from specexport.runtime.verify import accept_greedy, accept_tree, uniforms_shape
 
 PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat", "x", "abcabcabcabc"]
 NEW = 24
@@ -121,7 +121,8 @@ def test_sampling_in_the_graph_equals_sampling_in_the_runtime(engines, params):
 
 
 def test_fused_acceptance_equals_the_pure_rule(tmp_path):
-    """The in-graph greedy acceptance returns accept_greedy's path and bonus on random trees (both flavours)."""
+    """The in-graph acceptance returns accept_greedy's path and bonus on random trees, and accept_tree's when
+    sampling (both flavours: ONNX Runtime's ops, and standard ONNX for TensorRT)."""
     from conftest import tiny_model
 
     model = tiny_model("llama")
@@ -151,4 +152,13 @@ def test_fused_acceptance_equals_the_pure_rule(tmp_path):
             out = session.forward(cache, tokens, positions, bias, np.arange(t),
                                   want=("logits", "accept_rows", "bonus_token"))
             ref = accept_greedy(tokens[0].tolist(), parents, out["logits"].argmax(-1))
+            assert (out["accept_rows"].tolist(), int(out["bonus_token"][0])) == (ref.path, ref.tokens[-1])
+            # the same call sampling (deterministic candidates, temperature 1, top-p 0.95): verify.accept_tree's answer
+            u = rng.random(uniforms_shape(parents)).astype(np.float32)
+            feeds = {"sample_u": u, "sample_q": np.zeros((0, 0), np.float32),
+                     "sample_params": np.array([1.0, 0, 0.95, 0], np.float32)}
+            out = session.forward(cache, tokens, positions, bias, np.arange(t),
+                                  want=("logits", "accept_rows", "bonus_token"), accept=feeds)
+            p = probabilities(out["logits"], SamplingParams(temperature=1.0, top_p=0.95))
+            ref = accept_tree(tokens[0].tolist(), parents, p, None, u, "topk")
             assert (out["accept_rows"].tolist(), int(out["bonus_token"][0])) == (ref.path, ref.tokens[-1])
