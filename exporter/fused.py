@@ -103,6 +103,7 @@ def add_accept(g, logits: str, seq_len: str) -> tuple[str, str, str]:
 
 
 def _consts(g):
+    """c(name, value, dtype=int64): a named constant of graph `g` (defined once, shared by name)."""
     def c(name, value, dtype=np.int64):
         return g.const(f"accept.{name}", np.array(value, dtype))
     return c
@@ -133,8 +134,7 @@ def _one_hot(b, target: str, vrange: str) -> str:
 
 def _process(b, target: str, temperature: str, vocab: str) -> str:
     """sampling.probabilities: temperature, then top-k (ties kept), softmax, then top-p, renormalised."""
-    def c(name, value, dtype=np.int64):
-        return b.const(name, np.array(value, dtype))
+    c = _consts(b)
 
     x = b.op("Div", [target, temperature])
     k = b.op("Cast", [b.op("Gather", ["sample_params", c("k_at", [1])], axis=0)], to=I64)  # [1]
@@ -158,8 +158,7 @@ def _accept_topk(b, p: str, tree) -> list[str]:
     """Deterministic candidates: every child's test at once. Returns (accepted [n] bool, the table of p)."""
     parent, par, rank, slot, ids, dup, before, vrange = tree
 
-    def c(name, value, dtype=np.int64):
-        return b.const(name, np.array(value, dtype))
+    c = _consts(b)
 
     pair = b.op("Concat", [b.op("Unsqueeze", [par, c("one", [1])]), b.op("Unsqueeze", [ids, c("one", [1])])], axis=1)
     px = b.op("GatherND", [p, pair])  # [n] p at the parent of each child's token
@@ -175,13 +174,12 @@ def _accept_sampled(b, p: str, tree) -> list[str]:
     is rejected. Returns (accepted [n] bool, the residual of each row after all its children)."""
     parent, par, rank, slot, ids, dup, before, vrange = tree
 
-    def c(name, value, dtype=np.int64):
-        return b.const(name, np.array(value, dtype))
+    c = _consts(b)
 
     trips = b.op("Cast", [b.op("ReduceMax", [b.op("ReduceSum", [parent, c("zero", [0])], keepdims=0)], keepdims=0)], to=I64)
     body = b.subgraph("rank")
     j, cond, p_in, q_in = "rank.j", "rank.cond", "rank.p", "rank.q"
-    bc = lambda name, value, dtype=np.int64: body.const(name, np.array(value, dtype))  # noqa: E731
+    bc = _consts(body)
     is_j = body.op("Cast", [body.op("Equal", [rank, j])], to=F)
     child = body.op("Mul", [body.op("Transpose", [parent]), body.op("Unsqueeze", [is_j, bc("zero", [0])])])  # [r, i]
     x = body.op("Gather", [ids, body.op("ArgMax", [child], axis=1, keepdims=1)], axis=0)  # [n, 1] (no child: masked)

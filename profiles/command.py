@@ -63,27 +63,22 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
         measured.overhead_ms = cal["overhead_ms"]
         measured.rank_rates = cal["rank_rates"]
         measured.calibration = cal
-        if not medusa:
+        if not chooses:  # the others measure plain decoding side by side with their settings
             measured.calibration["plain_tokens_per_s"] = m.plain_speed(engine, ids, new_tokens)
         bar.update(len(ids))
         if medusa:  # predictions use the curve at the calibration's context, measured before and after the runs
-            before = m.verify_latency(engine, proposer, tokens, typical, reps, bar.update)
-            measured.verify_ms[typical] = before
+            before = m.typical_curve(engine, proposer, measured, typical, reps, bar.update)
             ranked = m.choose_tree(measured, max_tokens, typical)
             rows = [{**ranked[0]}] + [r for r in m.preset_rows(measured, max_tokens, len(measured.rank_rates),
                                                                 typical) if r["choices"] != ranked[0]["choices"]]
             measured.calibration["plain_tokens_per_s"] = m.side_by_side(engine, ids, new_tokens, rows, rounds,
                                                                         bar.update)
-            after = m.verify_latency(engine, proposer, tokens, typical, reps, bar.update)
-            measured.verify_ms[typical] = [round((a + b) / 2, 3) for a, b in zip(before, after)]
-            if typical not in measured.context:
-                measured.context.append(typical)
+            m.typical_curve(engine, proposer, measured, typical, reps, bar.update, before)
             for row in rows:
                 m.predict(measured, row, typical)
             measured.candidates, measured.chosen = rows, rows[0]
         if eagle:  # predictions from recorded trees, then the finalists side by side; the best measured wins
-            before = m.verify_latency(engine, proposer, tokens, typical, reps, bar.update)
-            measured.verify_ms[typical] = before
+            before = m.typical_curve(engine, proposer, measured, typical, reps, bar.update)
             draft_ms = e.draft_latency(engine, typical, reps)
             deepest = max(e.DEPTHS)
             cal = {k: e.calibrate(engine, ids, new_tokens, k, deepest, min(max_tokens, k + (deepest - 1) * k * k + 1),
@@ -94,10 +89,7 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
                 engine, ids, new_tokens, rows, rounds, bar.update,
                 apply=lambda r: engine.set_eagle(r["depth"], r["top_k"], r["tokens"]))
             engine.set_eagle()
-            after = m.verify_latency(engine, proposer, tokens, typical, reps, bar.update)
-            measured.verify_ms[typical] = [round((a + b) / 2, 3) for a, b in zip(before, after)]
-            if typical not in measured.context:
-                measured.context.append(typical)
+            m.typical_curve(engine, proposer, measured, typical, reps, bar.update, before)
             for r in rows:  # the predictions again, with the averaged latency curve
                 c = r["choices"]
                 again = e.predict(measured, cal[c["top_k"]], draft_ms, c["depth"], c["top_k"], c["total_tokens"], typical)
@@ -107,18 +99,14 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
             measured.candidates = rows
             measured.chosen = max(auto, key=lambda r: r["measured_tokens_per_s"])  # presets are the yardstick
         if chain:  # draft lengths predicted from one recorded run at the longest, then side by side
-            before = m.verify_latency(engine, proposer, tokens, typical, reps, bar.update)
-            measured.verify_ms[typical] = before
+            before = m.typical_curve(engine, proposer, measured, typical, reps, bar.update)
             cal = ch.calibrate(engine, ids, new_tokens, max(lengths), bar.update)
             rows = ch.rows(measured, cal, lengths, manifest["method"]["draft_length"], typical)
             measured.calibration["plain_tokens_per_s"] = m.side_by_side(
                 engine, ids, new_tokens, rows, rounds, bar.update,
                 apply=lambda r: setattr(engine, "draft_length", r["choices"]["draft_length"]))
             engine.draft_length = None
-            after = m.verify_latency(engine, proposer, tokens, typical, reps, bar.update)
-            measured.verify_ms[typical] = [round((a + b) / 2, 3) for a, b in zip(before, after)]
-            if typical not in measured.context:
-                measured.context.append(typical)
+            m.typical_curve(engine, proposer, measured, typical, reps, bar.update, before)
             for r in rows:  # again with the averaged latency curve
                 again = ch.predict(measured, cal, r["depth"], typical)
                 r.update({k: again[k] for k in ("predicted_ms", "predicted_tokens_per_s")})

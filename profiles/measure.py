@@ -138,6 +138,19 @@ def rank_hits(records, tokens: list[int], heads: int) -> tuple[np.ndarray, np.nd
     return hits, counts
 
 
+def typical_curve(engine, proposer, measured: Measured, context: int, reps: int, progress,
+                  before: list[float] | None = None) -> list[float]:
+    """The latency curve at the calibration's typical context, kept in `measured` (returned). Called again after
+    the side-by-side runs with the first curve as `before`: the mean of both is kept (a shared machine drifts)."""
+    curve = verify_latency(engine, proposer, measured.tree_tokens, context, reps, progress)
+    if before is not None:
+        curve = [round((a + b) / 2, 3) for a, b in zip(before, curve)]
+        if context not in measured.context:
+            measured.context.append(context)
+    measured.verify_ms[context] = curve
+    return curve
+
+
 class CallTimer:
     """Times the calls of one object's method (patched on the instance) until `close`."""
 

@@ -99,22 +99,30 @@ def test_build_with_a_profile_records_it(tiny_folder, tmp_path):
     assert bad.exit_code == 1 and "unknown profile 'tpu-v9'" in bad.output and not (tmp_path / "c").exists()
 
 
+def _profile(tiny_folder, tmp_path, method, contexts: str):
+    """Build a tiny bundle (tmp_path/b) with `method`, profile it quickly: (the CLI result, the profile written)."""
+    from specexport.exporter.export import ExportOptions, export_bundle
+    from specexport.exporter.graph import GraphOptions
+
+    export_bundle(str(tiny_folder), tmp_path / "b", ExportOptions(graph=GraphOptions(fused_accept=True),
+                                                                  max_context=160, validate=False, method=method),
+                  quiet=True)
+    out = tmp_path / "measured.toml"
+    result = CliRunner().invoke(main, ["profile", str(tmp_path / "b"), "--output", str(out), "--base", "cpu-2core",
+                                       "--new-tokens", "12", "--max-tokens", "8", "--contexts", contexts, "--reps", "2",
+                                       "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    return result, out
+
+
 def test_profile_command_measures_chooses_and_reports(tiny_folder, tmp_path):
     from test_medusa import random_heads, write_heads
 
-    from specexport.exporter.export import ExportOptions, export_bundle
-    from specexport.exporter.graph import GraphOptions
     from specexport.exporter.methods import MethodOptions
 
     heads = write_heads(tmp_path / "heads", random_heads())
-    export_bundle(str(tiny_folder), tmp_path / "b", ExportOptions(
-        graph=GraphOptions(), max_context=160, validate=False,
-        method=MethodOptions(name="medusa", heads=str(heads), tree="chain_3")), quiet=True)
-    out = tmp_path / "measured.toml"
-    result = CliRunner().invoke(main, ["profile", str(tmp_path / "b"), "--output", str(out), "--base", "cpu-2core",
-                                       "--new-tokens", "12", "--max-tokens", "8", "--contexts", "16,64", "--reps", "2",
-                                       "--threads", "1"])
-    assert result.exit_code == 0, result.output
+    result, out = _profile(tiny_folder, tmp_path, MethodOptions(name="medusa", heads=str(heads), tree="chain_3"),
+                           "16,64")
     assert "chosen auto:" in result.output and "prediction error" in result.output
     profile = load_profile(out)
     assert profile.measured and profile.name == "measured" and profile.medusa.choices
@@ -177,18 +185,9 @@ def test_a_short_proposal_is_the_start_of_a_long_one(tiny_folder, tmp_path):
 
 
 def test_profile_command_chooses_a_draft_length(tiny_folder, tmp_path):
-    from specexport.exporter.export import ExportOptions, export_bundle
-    from specexport.exporter.graph import GraphOptions
     from specexport.exporter.methods import MethodOptions
 
-    export_bundle(str(tiny_folder), tmp_path / "b", ExportOptions(
-        graph=GraphOptions(fused_accept=True), max_context=160, validate=False,
-        method=MethodOptions(name="ngram", draft_length=3, max_matches=1)), quiet=True)
-    out = tmp_path / "measured.toml"
-    result = CliRunner().invoke(main, ["profile", str(tmp_path / "b"), "--output", str(out), "--base", "cpu-2core",
-                                       "--new-tokens", "12", "--max-tokens", "8", "--contexts", "16", "--reps", "2",
-                                       "--threads", "1"])
-    assert result.exit_code == 0, result.output
+    result, out = _profile(tiny_folder, tmp_path, MethodOptions(name="ngram", draft_length=3, max_matches=1), "16")
     assert "chosen draft length" in result.output and "prediction error" in result.output
     profile = load_profile(out)
     lengths = [int(line.split("draft length ")[1].split()[0].rstrip(")")) for line in result.output.splitlines()
