@@ -63,28 +63,13 @@ def build_draft_graph(builder, draft):
     """The draft graph on a TargetGraphBuilder made with draft_dims/draft_weights (one layer)."""
     from specexport.exporter.graph import make_model
 
-    g, d, c, w = builder.g, builder.d, draft.config, draft.weights
+    g, c, w = builder.g, draft.config, draft.weights
     et = builder.opt.compute_type
-    cap = "capacity"
-    inputs = [
-        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-        helper.make_tensor_value_info("hidden", et, ["batch", "seq", c.hidden]),
-        helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
-        helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT, ["batch", 1, "seq", "total" if builder.ort else cap]),
-        helper.make_tensor_value_info("past_len", TensorProto.INT32, ["batch"]),
-        helper.make_tensor_value_info("logits_indices", TensorProto.INT64, ["rows"]),
-    ]
-    outputs = [helper.make_tensor_value_info("hidden_out", et, ["batch", "seq", c.hidden]),
-               helper.make_tensor_value_info("draft_logp", TensorProto.FLOAT, ["rows", EAGLE_TOP_K]),
-               helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["rows", EAGLE_TOP_K])]
-    for kv in ("key", "value"):
-        shape = ["batch", d.kv_heads, cap, d.head_dim]
-        inputs.append(helper.make_tensor_value_info(f"past_key_values.0.{kv}", et, shape))
-        outputs.append(helper.make_tensor_value_info(f"present.0.{kv}", et, shape))
-
-    cos = g.const("rope.cos", builder.rope[0], compute=True)
-    sin = g.const("rope.sin", builder.rope[1], compute=True)
-    bias = "attention_bias" if et == TensorProto.FLOAT else g.op("Cast", ["attention_bias"], to=et)
+    inputs, outputs = builder.step_io(1, (helper.make_tensor_value_info("hidden", et, ["batch", "seq", c.hidden]),))
+    outputs[:0] = [helper.make_tensor_value_info("hidden_out", et, ["batch", "seq", c.hidden]),
+                   helper.make_tensor_value_info("draft_logp", TensorProto.FLOAT, ["rows", EAGLE_TOP_K]),
+                   helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["rows", EAGLE_TOP_K])]
+    cos, sin, bias = builder.step_constants()
     lengths = builder._attention_lengths(builder._seq_len())
     embed = g.const("embed", builder.w["embed"], compute=builder.opt.precision in ("fp32", "fp16", "bf16"))
     emb = g.op("Gather", [embed, "input_ids"])

@@ -201,28 +201,12 @@ class TargetGraphBuilder:
     def build(self, on_layer=lambda i: None) -> onnx.ModelProto:
         d, g, w = self.d, self.g, self.w
         et = self.opt.compute_type
-        cap = "capacity"
-        inputs = [
-            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
-            helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT, ["batch", 1, "seq", "total" if self.ort else cap]),
-            helper.make_tensor_value_info("past_len", TensorProto.INT32, ["batch"]),
-            helper.make_tensor_value_info("logits_indices", TensorProto.INT64, ["rows"]),
-        ]
-        outputs = [
-            helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["rows", d.vocab]),
-            helper.make_tensor_value_info("hidden_states", et, ["batch", "seq", d.hidden]),
-        ]
-        outputs += [helper.make_tensor_value_info(f"layer_input.{i}", et, ["batch", "seq", d.hidden]) for i in self.opt.aux_layers]
-        for i in range(d.layers):
-            for kv in ("key", "value"):
-                shape = ["batch", d.kv_heads, cap, d.head_dim]
-                inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kv}", et, shape))
-                outputs.append(helper.make_tensor_value_info(f"present.{i}.{kv}", et, shape))
-
-        cos = g.const("rope.cos", self.rope[0], compute=True)
-        sin = g.const("rope.sin", self.rope[1], compute=True)
-        bias = "attention_bias" if et == TensorProto.FLOAT else g.op("Cast", ["attention_bias"], to=et)
+        inputs, outputs = self.step_io(d.layers)
+        outputs[:0] = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["rows", d.vocab]),
+                       helper.make_tensor_value_info("hidden_states", et, ["batch", "seq", d.hidden])]
+        outputs[2:2] = [helper.make_tensor_value_info(f"layer_input.{i}", et, ["batch", "seq", d.hidden])
+                        for i in self.opt.aux_layers]
+        cos, sin, bias = self.step_constants()
         seq_len = self._seq_len()
         attn_args = self._attention_lengths(seq_len)
 
@@ -270,6 +254,33 @@ class TargetGraphBuilder:
                                                              [1, self.medusa.count, self.opt.medusa_top_k]))
 
         return make_model(helper.make_graph(g.nodes, "target", inputs, outputs, initializer=g.initializers))
+
+    def step_io(self, layers: int, extra: tuple = ()) -> tuple[list, list]:
+        """The inputs every step graph takes (ids, `extra`, positions, attention bias, past lengths, the rows to
+        project) and the KV cache of `layers` layers, bound as past inputs and present outputs."""
+        et, cap = self.opt.compute_type, "capacity"
+        inputs = [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]), *extra,
+            helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
+            helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT,
+                                          ["batch", 1, "seq", "total" if self.ort else cap]),
+            helper.make_tensor_value_info("past_len", TensorProto.INT32, ["batch"]),
+            helper.make_tensor_value_info("logits_indices", TensorProto.INT64, ["rows"]),
+        ]
+        outputs = []
+        for i in range(layers):
+            for kv in ("key", "value"):
+                shape = ["batch", self.d.kv_heads, cap, self.d.head_dim]
+                inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kv}", et, shape))
+                outputs.append(helper.make_tensor_value_info(f"present.{i}.{kv}", et, shape))
+        return inputs, outputs
+
+    def step_constants(self) -> tuple[str, str, str]:
+        """The rotary tables and the attention bias in the compute type."""
+        g, et = self.g, self.opt.compute_type
+        cos = g.const("rope.cos", self.rope[0], compute=True)
+        sin = g.const("rope.sin", self.rope[1], compute=True)
+        return cos, sin, ("attention_bias" if et == TensorProto.FLOAT else g.op("Cast", ["attention_bias"], to=et))
 
     def lm_head(self, rows: str) -> str:
         """Logits of hidden rows [n, hidden] (compute type); the weights are created once and shared."""

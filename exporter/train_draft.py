@@ -27,9 +27,9 @@ import time
 from pathlib import Path
 
 from specexport.errors import UserError
-from specexport.exporter.training import (run_steps, CLIP_NORM, HELDOUT, WARMUP_STEPS, TokenStream, checkpoint_dir,
-                                          eval_sequences, load_checkpoint, load_frozen_target, logger,
-                                          prepare_output, sharegpt_split, torch_threads, write_json)
+from specexport.exporter.training import (CLIP_NORM, HELDOUT, WARMUP_STEPS, TokenStream, checkpoint_dir,
+                                          eval_sequences, load_checkpoint, load_frozen_target, logger, prepare_output,
+                                          run_steps, same_settings, sharegpt_split, torch_threads, write_json)
 
 EVAL_SEQUENCES = 100  # held-out sequences for the before/after agreement
 MICRO_ELEMENTS = 2**25  # logits elements per micro-batch: one [tokens, vocab] fp32 tensor of 128 MB
@@ -205,11 +205,7 @@ def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: floa
         if resume:
             folder = checkpoint_dir(output)
             state = load_checkpoint(folder, trainable(draft), optimizer)
-            changed = [k for k in RESUME_KEYS if state["settings"].get(k) != settings[k]]
-            if changed:
-                k = changed[0]
-                raise UserError(f"the checkpoint in {folder} was made with {k}={state['settings'].get(k)!r}, "
-                                f"not {settings[k]!r}; pass the same settings, or --overwrite to start again")
+            same_settings(state["settings"], settings, RESUME_KEYS, folder)
             log(f"resuming at step {state['step']} ({state['tokens']} tokens, {state['seconds'] / 60:.1f} min)")
         else:
             state = {"settings": settings, "step": 0, "tokens": 0, "seconds": 0.0,

@@ -18,7 +18,6 @@ LM head small. The result is saved in the published layout (model.safetensors + 
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -26,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.exporter.training import (run_steps, ChunkFolder, check_settings, WARMUP_STEPS, checkpoint_dir, load_checkpoint,
-                                          load_frozen_target, logger, prepare_output, sharegpt_split,
-                                          torch_threads, write_json)
+from specexport.exporter.training import (WARMUP_STEPS, ChunkFolder, check_settings, checkpoint_dir, feature_folder,
+                                          load_checkpoint, load_frozen_target, logger, run_record, run_steps,
+                                          sharegpt_split, torch_threads, write_record)
 
 DECAY = 0.8  # loss weight of unrolled step i: DECAY ** i
 EAGLE1_FEATURE_WEIGHT, EAGLE1_TOKEN_WEIGHT = 1.0, 0.1  # EAGLE-1: SmoothL1 on features + CE on tokens
@@ -304,7 +303,6 @@ def train_eagle(model_spec: str, output: Path, *, version: int = 3, data: str = 
                 threads: int | None = None, quiet: bool = False) -> dict:
     """An EAGLE draft for `model_spec` into `output`; returns what it writes to training.json."""
     import torch
-
     from specexport.exporter.arch import dims_from_config
     from specexport.exporter.eagle import DraftModule, default_aux_layers, save_draft
     from specexport.exporter.sources import load_config, resolve
@@ -326,19 +324,10 @@ def train_eagle(model_spec: str, output: Path, *, version: int = 3, data: str = 
                 "prompt_tokens": prompt_tokens, "batch": batch, "lr": lr, "seed": seed, "draft_vocab": draft_vocab,
                 "ttt_steps": ttt_steps, "aux_layers": list(aux), "feature_batch": feature_batch,
                 "data_file": data_name, "conversations": len(train_set)}
-    features = output / "features"
-    if resume and (features / "settings.json").is_file():
-        made = json.loads((features / "settings.json").read_text())
-        # the features depend on these; more samples only add chunks after the cached ones
-        changed = [k for k in RESUME_KEYS if k not in ("batch", "lr", "ttt_steps", "draft_vocab", "samples")
-                   and made.get(k) != settings[k]]
-        if changed:
-            raise UserError(f"{features} was made with {changed[0]}={made.get(changed[0])!r}, not "
-                            f"{settings[changed[0]]!r}; pass the same settings, or --overwrite to start again")
-    else:
-        prepare_output(output, resume, overwrite)
-        features.mkdir(parents=True, exist_ok=True)
-        write_json(features / "settings.json", settings)
+    # the features depend on these; more samples only add chunks after the cached ones
+    features = feature_folder(output, settings, [k for k in RESUME_KEYS if k not in
+                                                 ("batch", "lr", "ttt_steps", "draft_vocab", "samples")],
+                              resume, overwrite)
 
     log = logger(quiet)
     with torch_threads(threads):
@@ -376,7 +365,6 @@ def train_eagle(model_spec: str, output: Path, *, version: int = 3, data: str = 
         _train_loop(module, params, optimizer, train, t2d, state, output, minutes=minutes, steps=steps, batch=batch,
                     lr=lr, seed=seed, save_every=save_every, ttt_steps=ttt_steps, max_len=max_len, quiet=quiet)
         table = accuracy(module, held, t2d, ttt_steps, max_len, hot)
-        losses = state["losses"]
         summary = {
             "method": f"eagle{version}" if version == 3 else "eagle",
             "target": {"model": model_spec, "name": source.name, "vocab_size": dims.vocab, "hidden_size": dims.hidden,
@@ -385,20 +373,13 @@ def train_eagle(model_spec: str, output: Path, *, version: int = 3, data: str = 
                          "bf16_autocast": bf16_matmuls()},
             "data": {"train_sequences": int(len(train["lengths"])), "train_tokens": int(len(train["tokens"])),
                      "heldout_sequences": int(len(held["lengths"])), "draft_vocab_coverage": round(coverage, 4)},
-            "feature_seconds": round(feature_seconds, 1),
-            "steps": state["step"],
-            "seconds": round(state["seconds"], 1),
-            "final_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4) if losses else None,
-            "losses": losses,
-            "accuracy": table,
+            **run_record(state, feature_seconds, table, last=20),
         }
         save_draft(module.to_draft(), output, {"accuracy": table, "base_model": model_spec,
                                                "draft_vocab_coverage": round(coverage, 4)})
-        write_json(output / "training.json", summary)
-        log("held-out accuracy against the target's greedy tokens:")
-        for row in table:
-            log(f"  step {row['step']} ({row['predicts']}): top-1 {row['top1']:.1%}  top-5 {row['top5']:.1%}  "
-                f"whole chain right {row['chain']:.1%}  ({row['positions']} positions)")
+        write_record(output, summary, log, "held-out accuracy against the target's greedy tokens:",
+                     (f"step {row['step']} ({row['predicts']}): top-1 {row['top1']:.1%}  top-5 {row['top5']:.1%}  "
+                      f"whole chain right {row['chain']:.1%}  ({row['positions']} positions)" for row in table))
         return summary
 
 

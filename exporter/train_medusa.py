@@ -22,16 +22,16 @@ training.json; OUTPUT/checkpoint/ holds the trained weights and AdamW moments (s
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.exporter.training import (run_steps, ChunkFolder, check_settings, CLIP_NORM, HELDOUT, WARMUP_STEPS, TokenStream, checkpoint_dir,
-                                          load_checkpoint, load_frozen_target, logger, prepare_output,
-                                          sharegpt_split, torch_threads, write_json)
+from specexport.exporter.training import (CLIP_NORM, HELDOUT, WARMUP_STEPS, ChunkFolder, TokenStream, check_settings,
+                                          checkpoint_dir, feature_folder, load_checkpoint, load_frozen_target, logger,
+                                          run_record, run_steps, same_settings, sharegpt_split, torch_threads,
+                                          write_record)
 
 DECAY = 0.8  # loss weight of head k: DECAY ** k
 DATA_KINDS = ("self", "sharegpt")
@@ -304,14 +304,6 @@ def _check_args(heads, style, data, samples, new_tokens, prompt_tokens, minutes,
         lr=lr, save_every=save_every, feature_batch=feature_batch)
 
 
-def _same_settings(made: dict, settings: dict, where: Path) -> None:
-    changed = [k for k in RESUME_KEYS if made.get(k) != settings[k]]
-    if changed:
-        k = changed[0]
-        raise UserError(f"{where} was made with {k}={made.get(k)!r}, not {settings[k]!r}; "
-                        "pass the same settings, or --overwrite to start again")
-
-
 def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = "shared", data: str = "self",
                  samples: int = 1536, new_tokens: int = 128, prompt_tokens: int = 128, minutes: float = 20.0,
                  steps: int | None = None, batch: int = 2048, lr: float = 1e-3, seed: int = 0,
@@ -325,7 +317,6 @@ def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = 
     training (and at most `steps` steps when given; the schedule follows `steps` when given, else the clock).
     """
     import torch
-
     from specexport.exporter.medusa import MedusaHeads, save_heads
     from specexport.exporter.sources import load_config, resolve
 
@@ -339,13 +330,7 @@ def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = 
                 "new_tokens": new_tokens, "prompt_tokens": prompt_tokens, "batch": batch, "lr": lr, "seed": seed,
                 "vocab_subset": vocab_subset_size, "feature_batch": feature_batch, "data_file": data_name,
                 "conversations": len(train_set), "heldout": HELDOUT}
-    features = output / "features"
-    if resume and (features / "settings.json").is_file():
-        _same_settings(json.loads((features / "settings.json").read_text()), settings, features)
-    else:
-        prepare_output(output, resume, overwrite)
-        features.mkdir(parents=True, exist_ok=True)
-        write_json(features / "settings.json", settings)
+    features = feature_folder(output, settings, RESUME_KEYS, resume, overwrite)
 
     log = logger(quiet)
     with torch_threads(threads):
@@ -360,7 +345,7 @@ def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = 
         if resume and checkpoint_dir(output) is not None:
             folder = checkpoint_dir(output)
             state = load_checkpoint(folder, params, optimizer)
-            _same_settings(state["settings"], settings, folder)
+            same_settings(state["settings"], settings, RESUME_KEYS, folder)
             log(f"resuming at step {state['step']} ({state['seconds'] / 60:.1f} min of head training)")
         cache = FeatureCache(features)
         started = time.monotonic()
@@ -387,28 +372,20 @@ def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = 
              for k in range(heads)],
             [params[f"{k}.1.weight"].detach().numpy() for k in range(heads)] if style == "own" else None,
             vocab_subset=subset.numpy())
-        losses = state["losses"]
         summary = {
             "method": "medusa",
             "target": {"model": model_spec, "name": source.name, "vocab_size": vocab, "hidden_size": hidden_size},
             "settings": {**settings, "minutes": minutes, "steps": steps, "threads": torch.get_num_threads(),
                          "save_every": save_every},
             "rows": {"train": len(labels), "heldout": len(held_labels)},
-            "feature_seconds": round(feature_seconds, 1),
-            "steps": state["step"],
-            "seconds": round(state["seconds"], 1),
-            "final_loss": round(sum(losses[-10:]) / len(losses[-10:]), 4) if losses else None,
-            "losses": losses,
-            "accuracy": table,
+            **run_record(state, feature_seconds, table, last=10),
         }
         summary["base_lm_head_top1_on_heldout"] = base  # 1.0 (up to near-ties) for self-distilled data
         save_heads(result, output, {"vocab_size": vocab, "base_model": model_spec, "accuracy": table,
                                     "training": {k: summary["settings"][k] for k in ("data", "samples", "style", "heads")}})
-        write_json(output / "training.json", summary)
-        log("held-out accuracy (full vocabulary):")
-        for row in table:
-            log(f"  head {row['head']} ({row['predicts']}): top-1 {row['top1']:.1%}  top-5 {row['top5']:.1%}  "
-                f"({row['rows']} rows)")
+        write_record(output, summary, log, "held-out accuracy (full vocabulary):",
+                     (f"head {row['head']} ({row['predicts']}): top-1 {row['top1']:.1%}  top-5 {row['top5']:.1%}  "
+                      f"({row['rows']} rows)" for row in table))
         return summary
 
 

@@ -268,6 +268,23 @@ def run_steps(step, params: dict, optimizer, state: dict, output: Path, *, minut
 # ------------------------------------------------------------------------------------------------ checkpoint
 
 
+def run_record(state: dict, feature_seconds: float, table: list[dict], last: int) -> dict:
+    """The part of training.json every feature-cached trainer writes: time, steps, the loss curve and its mean over
+    the `last` steps, and the held-out accuracy table."""
+    losses = state["losses"]
+    return {"feature_seconds": round(feature_seconds, 1), "steps": state["step"], "seconds": round(state["seconds"], 1),
+            "final_loss": round(sum(losses[-last:]) / len(losses[-last:]), 4) if losses else None, "losses": losses,
+            "accuracy": table}
+
+
+def write_record(output: Path, summary: dict, log, title: str, lines) -> None:
+    """OUTPUT/training.json, and the accuracy table's `lines` under `title` on the log."""
+    write_json(output / "training.json", summary)
+    log(title)
+    for line in lines:
+        log(f"  {line}")
+
+
 def replace_folder(temp: Path, folder: Path) -> None:
     """Put `temp` at `folder`; a crash at any point leaves `folder` or `folder.old` whole."""
     old = folder.with_name(folder.name + ".old")
@@ -367,6 +384,28 @@ def write_json(path: Path, data: dict) -> None:
     temp = path.with_name(path.name + ".tmp")
     temp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(temp, path)
+
+
+def same_settings(made: dict, settings: dict, keys, where: Path) -> None:
+    """One clear error when files being resumed were made with other settings (the first of `keys` that differs)."""
+    changed = [k for k in keys if made.get(k) != settings[k]]
+    if changed:
+        k = changed[0]
+        raise UserError(f"{where} was made with {k}={made.get(k)!r}, not {settings[k]!r}; "
+                        "pass the same settings, or --overwrite to start again")
+
+
+def feature_folder(output: Path, settings: dict, keys, resume: bool, overwrite: bool) -> Path:
+    """OUTPUT/features: on a resume with cached features, checked to be made with the same `keys`; otherwise a
+    fresh folder (OUTPUT prepared as `prepare_output` says) with the settings written in it."""
+    features = output / "features"
+    if resume and (features / "settings.json").is_file():
+        same_settings(json.loads((features / "settings.json").read_text()), settings, keys, features)
+    else:
+        prepare_output(output, resume, overwrite)
+        features.mkdir(parents=True, exist_ok=True)
+        write_json(features / "settings.json", settings)
+    return features
 
 
 def prepare_output(output: Path, resume: bool, overwrite: bool) -> None:

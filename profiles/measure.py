@@ -54,6 +54,17 @@ def step_outputs(engine, proposer) -> tuple[str, ...]:
     return (("accept_rows", "bonus_token") if fused else ("logits",)) + proposer.wants(fused)
 
 
+def median_ms(call, reps: int) -> float:
+    """Median milliseconds of `call()` over `reps` runs, after one warm-up run (a shape's first run is slower)."""
+    call()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times)) * 1000
+
+
 def verify_latency(engine, proposer, tree_tokens, context: int, reps: int, progress) -> list[float]:
     """Median ms of one verification call of T chained tokens after `context` tokens, per T."""
     rng = np.random.default_rng(0)
@@ -64,13 +75,7 @@ def verify_latency(engine, proposer, tree_tokens, context: int, reps: int, progr
     out = []
     for t in tree_tokens:
         tokens, parents = rng.integers(3, vocab, t).tolist(), [-1] + list(range(t - 1))
-        engine.verify(cache, tokens, parents, want=want)  # warm-up: this shape's first run
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            engine.verify(cache, tokens, parents, want=want)
-            times.append(time.perf_counter() - start)
-        out.append(round(float(np.median(times)) * 1000, 3))
+        out.append(round(median_ms(lambda: engine.verify(cache, tokens, parents, want=want), reps), 3))
         progress(1)
     return out
 
@@ -81,13 +86,7 @@ def heads_latency(engine, reps: int) -> float:
     session = engine._heads_session()
     info = session.get_inputs()[0]
     hidden = np.zeros((1, info.shape[-1]), np.float16 if info.type == "tensor(float16)" else np.float32)
-    session.run(None, {info.name: hidden})  # warm-up
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        session.run(None, {info.name: hidden})
-        times.append(time.perf_counter() - start)
-    return round(float(np.median(times)) * 1000, 3)
+    return round(median_ms(lambda: session.run(None, {info.name: hidden}), reps), 3)
 
 
 class Recorder:

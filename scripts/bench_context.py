@@ -11,23 +11,12 @@ a graph with concat-style past/present would add to every step.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 
+from specexport.profiles.measure import median_ms
 from specexport.runtime import tree
 from specexport.runtime.generate import Engine
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
 
 
 def main() -> None:

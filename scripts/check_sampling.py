@@ -16,22 +16,10 @@ import argparse
 
 from specexport import chisquare
 from specexport.runtime.generate import Engine
-from specexport.runtime.sampling import SamplingParams
 
 # text to copy, so that prompt lookup and drafts are often right and the speculative path is exercised
 PROMPT = ("Repeat this sentence three times: The quick brown fox jumps over the lazy dog while the cat "
           "sleeps in the warm afternoon sun.")
-
-
-def histogram(engine: Engine, prompt: str, method: str | None, n: int, tokens: int, temperature: float, seed0: int):
-    counts, tau = {}, []
-    for i in range(n):
-        result = engine.generate(prompt, max_new_tokens=tokens, stop_ids=(), method=method,
-                                 sampling=SamplingParams(temperature=temperature, seed=seed0 + i))
-        key = tuple(result.tokens[1:])
-        counts[key] = counts.get(key, 0) + 1
-        tau += result.stats.accept_lengths
-    return counts, sum(tau) / max(len(tau), 1)
 
 
 def main() -> None:
@@ -50,8 +38,11 @@ def main() -> None:
           "the graph")
     failed = False
     for temperature in (float(t) for t in args.temperatures.split(",")):
-        spec, tau = histogram(engine, args.prompt, None, args.n, args.tokens, temperature, 0)
-        plain, _ = histogram(engine, args.prompt, "none", args.n, args.tokens, temperature, 10**6)
+        spec, lengths = chisquare.sampled_counts(engine, args.prompt, None, args.n, 0, args.tokens,
+                                                 temperature=temperature)
+        plain, _ = chisquare.sampled_counts(engine, args.prompt, "none", args.n, 10**6, args.tokens,
+                                            temperature=temperature)
+        tau = sum(lengths) / max(len(lengths), 1)
         stat, dof = chisquare.two_sample(spec, plain)
         limit = chisquare.threshold(dof) if dof > 0 else float("inf")
         ok = stat < limit

@@ -6,20 +6,11 @@ next to one target step, on this machine. Random weights (the cost does not depe
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 
-
-def median_ms(fn, reps=50):
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return float(np.median(times)) * 1000
+from specexport.profiles.measure import median_ms
 
 
 def main():
@@ -58,7 +49,7 @@ def main():
                 call = lambda: session.forward(cache, np.zeros((1, t), np.int64), (args.context + np.arange(t))[None], bias,
                                                np.arange(t), want=("hidden_out", "draft_logp", "draft_tokens"),
                                                inputs={"hidden": np.zeros((1, t, dims.hidden), np.float32)})
-                rows.append((size, t, median_ms(call)))
+                rows.append((size, t, median_ms(call, 50)))
     print(f"{args.model} {args.precision}, context {args.context}: one EAGLE-3 draft call (median ms)")
     for size, t, ms in rows:
         print(f"  draft vocabulary {size:>6}  {t} node(s): {ms:6.2f} ms")

@@ -37,3 +37,19 @@ def two_sample(a: dict, b: dict, min_count: int = 10) -> tuple[float, int]:
     observed = np.array(rows, dtype=float)
     expected = observed.sum(1, keepdims=True) * observed.sum(0, keepdims=True) / observed.sum()
     return statistic(observed, expected), len(rows) - 1
+
+
+def sampled_counts(engine, prompt: str, method: str | None, n: int, seed0: int, tokens: int = 3,
+                   **sampling) -> tuple[dict, list[int]]:
+    """Counts of the tokens after the first (they come from speculative steps) over `n` generations seeded
+    seed0, seed0 + 1, ..., and every step's accept length. `sampling` holds SamplingParams fields."""
+    from specexport.runtime.sampling import SamplingParams
+
+    counts, lengths = {}, []
+    for i in range(n):
+        result = engine.generate(prompt, max_new_tokens=tokens, stop_ids=(), method=method,
+                                 sampling=SamplingParams(seed=seed0 + i, **sampling))
+        key = tuple(result.tokens[1:])
+        counts[key] = counts.get(key, 0) + 1
+        lengths += result.stats.accept_lengths
+    return counts, lengths

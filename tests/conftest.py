@@ -102,3 +102,19 @@ def sharegpt(tmp_path_factory):
     from test_train_draft import write_sharegpt
 
     return write_sharegpt(tmp_path_factory.mktemp("data") / "sharegpt.json", train=60)
+
+
+@pytest.fixture(scope="session")
+def lossless():
+    """check(engine, prompts, new_tokens): asserts that greedy speculative decoding emits plain decoding's tokens
+    on every prompt, and returns the speculative results (for their stats)."""
+    def check(engine, prompts, new_tokens):
+        results = []
+        for prompt in prompts:
+            plain = engine.generate(prompt, max_new_tokens=new_tokens, stop_ids=(), method="none")
+            spec = engine.generate(prompt, max_new_tokens=new_tokens, stop_ids=())
+            assert spec.tokens == plain.tokens, prompt
+            results.append(spec)
+        return results
+
+    return check

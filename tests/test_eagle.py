@@ -20,7 +20,6 @@ from specexport.exporter.methods import MethodOptions
 from specexport.runtime import tree
 from specexport.runtime.eagle_tree import CandidateTree, check_dynamic, parse_static
 from specexport.runtime.generate import Engine
-from specexport.runtime.sampling import SamplingParams
 
 from conftest import TINY, TOKENIZER_VOCAB
 
@@ -298,16 +297,12 @@ def eagle_engine(tiny_folder, trained, tmp_path_factory):
 @pytest.mark.parametrize("settings", [{}, {"depth": 1, "top_k": 1, "total_tokens": 2},
                                       {"depth": 4, "top_k": 4, "total_tokens": 20}, {"tree_spec": "chain_5"},
                                       {"tree_spec": "eagle1_25"}])
-def test_greedy_eagle_is_lossless(eagle_engine, settings):
+def test_greedy_eagle_is_lossless(eagle_engine, settings, lossless):
     eagle_engine.set_eagle(**settings)
     try:
-        taus = []
-        for prompt in ["The sea wind over blue waves.", "A ship and calm night stars.", "x", "Far away quiet water."]:
-            plain = eagle_engine.generate(prompt, max_new_tokens=40, stop_ids=(), method="none")
-            spec = eagle_engine.generate(prompt, max_new_tokens=40, stop_ids=())
-            assert spec.tokens == plain.tokens, prompt
-            taus.append(spec.stats.tau)
-        assert max(taus) > 1.2  # drafts were accepted
+        runs = lossless(eagle_engine, ["The sea wind over blue waves.", "A ship and calm night stars.", "x",
+                                       "Far away quiet water."], 40)
+        assert max(r.stats.tau for r in runs) > 1.2  # drafts were accepted
     finally:
         eagle_engine.set_eagle()
 
@@ -327,21 +322,11 @@ def test_eagle_1_end_to_end(tiny_folder, sharegpt, tmp_path):
             engine.generate(prompt, max_new_tokens=30, stop_ids=(), method="none").tokens
 
 
-def _first_tokens(engine, method, n, seed0, temperature=0.4):
-    counts, accepted = {}, 0
-    for i in range(n):
-        out = engine.generate("the cat", max_new_tokens=3, stop_ids=(), method=method,
-                              sampling=SamplingParams(temperature=temperature, seed=seed0 + i))
-        counts[tuple(out.tokens[1:3])] = counts.get(tuple(out.tokens[1:3]), 0) + 1
-        accepted += out.stats.accepted
-    return counts, accepted
-
-
 def test_eagle_sampling_follows_plain_sampling(eagle_engine):
-    spec, accepted = _first_tokens(eagle_engine, None, 1500, 0)
-    plain, _ = _first_tokens(eagle_engine, "none", 1500, 100_000)
+    spec, lengths = chisquare.sampled_counts(eagle_engine, "the cat", None, 1500, 0, temperature=0.4)
+    plain, _ = chisquare.sampled_counts(eagle_engine, "the cat", "none", 1500, 100_000, temperature=0.4)
     stat, dof = chisquare.two_sample(spec, plain)
-    assert accepted > 50  # the speculative path was exercised
+    assert sum(lengths) - len(lengths) > 50  # the speculative path was exercised
     assert dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)
 
 

@@ -266,38 +266,22 @@ def test_training_bad_input(tiny_folder, sharegpt, tmp_path):
           "--heads does not apply to --method draft")
 
 
-def test_greedy_medusa_is_lossless(medusa_engine):
-    taus = []
-    for prompt in ["The sea wind over blue waves.", "A ship and calm night stars.", "x", "Far away quiet water."]:
-        plain = medusa_engine.generate(prompt, max_new_tokens=40, stop_ids=(), method="none")
-        spec = medusa_engine.generate(prompt, max_new_tokens=40, stop_ids=())
-        assert spec.tokens == plain.tokens, prompt
-        taus.append(spec.stats.tau)
-    assert max(taus) > 1.0  # the heads' candidates were accepted somewhere
+def test_greedy_medusa_is_lossless(medusa_engine, lossless):
+    runs = lossless(medusa_engine, ["The sea wind over blue waves.", "A ship and calm night stars.", "x",
+                                    "Far away quiet water."], 40)
+    assert max(r.stats.tau for r in runs) > 1.0  # the heads' candidates were accepted somewhere
     medusa_engine.set_tree("chain_3")
     try:
-        plain = medusa_engine.generate("x", max_new_tokens=20, stop_ids=(), method="none")
-        assert medusa_engine.generate("x", max_new_tokens=20, stop_ids=()).tokens == plain.tokens
+        lossless(medusa_engine, ["x"], 20)
     finally:
         medusa_engine.set_tree(None)
 
 
-def _first_tokens(engine, method, n, seed0, temperature=0.4):
-    """Histogram of generated tokens 2-3 (they come from speculative steps) and the drafts accepted."""
-    counts, accepted = {}, 0
-    for i in range(n):
-        out = engine.generate("the cat", max_new_tokens=3, stop_ids=(), method=method,
-                              sampling=SamplingParams(temperature=temperature, seed=seed0 + i))
-        counts[tuple(out.tokens[1:3])] = counts.get(tuple(out.tokens[1:3]), 0) + 1
-        accepted += out.stats.accepted
-    return counts, accepted
-
-
 def test_medusa_sampling_follows_plain_sampling(medusa_engine):
-    spec, accepted = _first_tokens(medusa_engine, None, 1500, 0)
-    plain, _ = _first_tokens(medusa_engine, "none", 1500, 100_000)
+    spec, lengths = chisquare.sampled_counts(medusa_engine, "the cat", None, 1500, 0, temperature=0.4)
+    plain, _ = chisquare.sampled_counts(medusa_engine, "the cat", "none", 1500, 100_000, temperature=0.4)
     stat, dof = chisquare.two_sample(spec, plain)
-    assert accepted > 50  # the speculative path was exercised, not plain sampling in disguise
+    assert sum(lengths) - len(lengths) > 50  # the speculative path was exercised, not plain sampling in disguise
     assert dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)
 
 

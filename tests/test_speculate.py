@@ -42,12 +42,8 @@ def engines(tiny_folder, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["ngram", "ngram-logits", "self1-tree", "self1-tree-logits", "same-chain", "same-tree"])
-def test_greedy_is_lossless(engines, name):
-    engine = engines[name]
-    for prompt in PROMPTS:
-        plain = engine.generate(prompt, max_new_tokens=NEW, stop_ids=(), method="none")
-        spec = engine.generate(prompt, max_new_tokens=NEW, stop_ids=())
-        assert spec.tokens == plain.tokens, (name, prompt)
+def test_greedy_is_lossless(engines, name, lossless):
+    for spec in lossless(engines[name], PROMPTS, NEW):
         assert sum(spec.stats.accept_lengths) >= NEW - 1  # every emitted token after the first came from a step
         assert spec.stats.steps == len(spec.stats.accept_lengths)
 
@@ -73,23 +69,13 @@ def test_stop_inside_an_accepted_run(engines):
     assert engine.generate("hello", max_new_tokens=7, stop_ids=()).tokens == plain.tokens[:7]
 
 
-def _histogram(engine, method, n, seed0, params):
-    counts = {}
-    for i in range(n):
-        sampling = SamplingParams(temperature=params["temperature"], top_p=params.get("top_p", 1.0), seed=seed0 + i)
-        tokens = engine.generate("the cat", max_new_tokens=3, sampling=sampling, stop_ids=(), method=method).tokens
-        key = tuple(tokens[1:3])  # tokens 2 and 3 come from speculative steps
-        counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
 @pytest.mark.parametrize("name, params", [("same-chain", {"temperature": 0.5}),  # sampled chain, q = p
                                           ("self1-tree", {"temperature": 0.5, "top_p": 0.9}),  # top-k tree
                                           ("ngram", {"temperature": 0.5})])
 def test_sampling_follows_plain_sampling(engines, name, params):
     engine = engines[name]
-    spec = _histogram(engine, None, 1500, 0, params)
-    plain = _histogram(engine, "none", 1500, 100_000, params)
+    spec = chisquare.sampled_counts(engine, "the cat", None, 1500, 0, **params)[0]
+    plain = chisquare.sampled_counts(engine, "the cat", "none", 1500, 100_000, **params)[0]
     stat, dof = chisquare.two_sample(spec, plain)
     assert dof >= 3
     assert stat < chisquare.threshold(dof), (stat, dof)
@@ -101,9 +87,9 @@ def test_the_sampling_test_catches_a_broken_rule(engines, monkeypatch):
     from specexport.runtime import verify
 
     engine = engines["self1-tree-logits"]
-    plain = _histogram(engine, "none", 1500, 100_000, {"temperature": 0.5})
+    plain = chisquare.sampled_counts(engine, "the cat", "none", 1500, 100_000, temperature=0.5)[0]
     monkeypatch.setattr(verify, "_reject", lambda p, q, x, mode: (p, q))
-    spec = _histogram(engine, None, 1500, 0, {"temperature": 0.5})
+    spec = chisquare.sampled_counts(engine, "the cat", None, 1500, 0, temperature=0.5)[0]
     stat, dof = chisquare.two_sample(spec, plain)
     assert stat > chisquare.threshold(dof), (stat, dof)
 
