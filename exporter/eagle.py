@@ -111,6 +111,8 @@ def _read_config(folder: Path, keys: set[str], target_layers: int | None) -> Dra
     hidden = int(_number(config, "hidden_size", where))
     heads = int(_number(config, "num_attention_heads", where))
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"{where}: rope_scaling / rope_parameters must be an object, got {rope!r:.40}")
     theta = config.get("rope_theta", rope.get("rope_theta", 10000.0))
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise UserError(f"{where}: only plain RoPE is supported in a draft, got {rope.get('rope_type', rope.get('type'))}")
@@ -185,6 +187,9 @@ def load_draft(path: str | Path, target_layers: int | None = None) -> EagleDraft
     """An EAGLE-1/2/3 draft from a folder (config.json + model.safetensors or pytorch_model.bin), strictly:
     every tensor mapped, every shape checked, the d2t map in range."""
     folder = Path(path)
+    if folder.is_file() and folder.name not in WEIGHT_FILES:
+        raise UserError(f"EAGLE draft {path} is a file; give the draft's folder (config.json and "
+                        f"{' or '.join(WEIGHT_FILES)})")
     if folder.is_file():
         folder = folder.parent
     if not folder.is_dir():

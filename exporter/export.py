@@ -65,6 +65,7 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
     from specexport.runtime.bundle import staged_output, write_manifest
 
     options.method.check()
+    _check_runnable(options)
     has_draft = options.method.name == "draft"
     has_medusa = options.method.name == "medusa"
     has_eagle = options.method.name in methods.EAGLE_METHODS
@@ -78,8 +79,14 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
     max_context = _max_context(options.max_context, dims)
     if options.profile is not None and options.max_context is None:
         max_context = min(max_context, options.profile["limits"]["max_context"])
-    if has_draft:
-        methods.parse_self_draft(options.method.draft_model, dims.layers)  # fail early on a bad self:N
+    if has_draft and methods.parse_self_draft(options.method.draft_model, dims.layers) is None:
+        try:  # fail early on a draft that is not a model or has another vocabulary size
+            draft_vocab = sources.load_config(sources.resolve(options.method.draft_model)).vocab_size
+        except UserError as e:
+            raise UserError(f"--draft-model: {e}") from None
+        if draft_vocab != dims.vocab:
+            raise UserError(f"draft model {options.method.draft_model} has a different vocabulary than the target "
+                            f"({draft_vocab} vs {dims.vocab} tokens); a draft must share the target's tokenizer")
     method_manifest = options.method.manifest()
     graph_options, heads = options.graph, None
     if has_medusa:  # fail early on bad heads or a bad tree
@@ -232,6 +239,19 @@ def _io(values) -> list[dict]:
         }
         for v in values
     ]
+
+
+def _check_runnable(options: ExportOptions) -> None:
+    """bf16 graphs do not run on ONNX Runtime's CPU provider (no bf16 MatMul): say so before any work, when this
+    export would have to run one (the build's optimization always runs on the CPU; validation runs on CUDA where
+    this onnxruntime has it)."""
+    if options.graph.precision != "bf16" or not (options.optimize or options.validate):
+        return
+    import onnxruntime as ort
+
+    if options.optimize or "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise UserError("bf16 graphs do not run on ONNX Runtime's CPU provider: use fp16 for GPUs, or write the bf16 "
+                        "graph with `specexport export --precision bf16 --no-validate` (for TensorRT)")
 
 
 def _optimize(folder: Path, graph_info: dict) -> None:

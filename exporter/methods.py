@@ -58,7 +58,7 @@ class MethodOptions:
 
             check_dynamic(self.depth, self.top_k, self.total_tokens, EAGLE_TOP_K)
             if self.eagle_tree != "dynamic" and parse_static(self.eagle_tree).max_rank >= EAGLE_TOP_K:
-                raise UserError(f"--eagle-tree ranks must be below {EAGLE_TOP_K}")
+                raise UserError(f"--tree ranks must be below {EAGLE_TOP_K} (the draft graph returns that many candidates)")
         if self.heads and self.name != "medusa":
             raise UserError("--heads is only used with --method medusa")
         if self.name == "ngram" and not (1 <= self.min_ngram <= self.max_ngram <= 16 and 1 <= self.max_matches <= 16):

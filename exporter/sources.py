@@ -78,6 +78,8 @@ def cached_snapshot(repo_id: str) -> Path | None:
 
 def resolve(spec: str) -> ModelSource:
     """A path, an alias, or an `org/name` in the local Hugging Face cache, in that order."""
+    if not spec.strip():
+        raise UserError("the model is empty: give a folder, a .gguf file, an HF cache id or an alias")
     path = Path(spec).expanduser()
     if path.exists():
         return _from_path(path)

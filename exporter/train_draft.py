@@ -19,7 +19,6 @@ numbers besides the data order, which follows from the seed, so a resumed run re
 from __future__ import annotations
 
 import copy
-import math
 import os
 import shutil
 import sys
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 
 from specexport.errors import UserError
-from specexport.exporter.training import (CLIP_NORM, HELDOUT, WARMUP_STEPS, TokenStream, checkpoint_dir,
+from specexport.exporter.training import (CLIP_NORM, check_settings, HELDOUT, WARMUP_STEPS, TokenStream, checkpoint_dir,
                                           eval_sequences, load_checkpoint, load_frozen_target, logger, prepare_output,
                                           run_steps, same_settings, sharegpt_split, torch_threads, write_json)
 
@@ -146,19 +145,11 @@ def write_model(output: Path, draft, target, tokenizer) -> None:
 
 
 def _check_args(layers, minutes, steps, batch, seq_len, lr, top_k, save_every):
-    checks = [
+    check_settings([
         (layers >= 1, f"--layers must be >= 1, got {layers}"),
-        (minutes > 0, f"--minutes must be > 0, got {minutes}"),
-        (steps is None or steps >= 0, f"--steps must be >= 0, got {steps}"),
-        (batch >= 1, f"--batch must be >= 1, got {batch}"),
         (seq_len >= 2, f"--seq-len must be >= 2, got {seq_len}"),
-        (lr > 0 and math.isfinite(lr), f"--lr must be > 0, got {lr}"),
         (top_k is None or top_k >= 1, f"--top-k must be >= 1, got {top_k}"),
-        (save_every is None or save_every >= 1, f"--save-every must be >= 1, got {save_every}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise UserError(message)
+    ], minutes=minutes, steps=steps, batch=batch, lr=lr, save_every=save_every)
 
 
 def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: float = 30.0, steps: int | None = None,
@@ -180,9 +171,11 @@ def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: floa
     output = Path(output)
     _check_args(layers, minutes, steps, batch, seq_len, lr, top_k, save_every)
     source = resolve(model_spec)
-    target_layers = load_config(source).num_hidden_layers
-    if layers >= target_layers:
-        raise UserError(f"--layers must be below the target's {target_layers} layers, got {layers}")
+    config = load_config(source)
+    if layers >= config.num_hidden_layers:
+        raise UserError(f"--layers must be below the target's {config.num_hidden_layers} layers, got {layers}")
+    if top_k and top_k > config.vocab_size:
+        raise UserError(f"--top-k must be at most the vocabulary size {config.vocab_size}, got {top_k}")
     train_set, heldout, data_name = sharegpt_split(data_path)
     prepare_output(output, resume, overwrite)
     settings = {"model": model_spec, "layers": layers, "batch": batch, "seq_len": seq_len, "lr": lr, "seed": seed,
@@ -197,8 +190,6 @@ def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: floa
         params = trainable(draft)
         optimizer = torch.optim.AdamW(params.values(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
         vocab = target.config.vocab_size
-        if top_k and top_k > vocab:
-            raise UserError(f"--top-k must be at most the vocabulary size {vocab}, got {top_k}")
         micro = max(d for d in range(1, batch + 1) if batch % d == 0 and (d == 1 or d * seq_len * vocab <= MICRO_ELEMENTS))
         held = eval_sequences(tokenizer, heldout, seq_len, EVAL_SEQUENCES)
 
@@ -223,7 +214,7 @@ def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: floa
         losses = state["losses"]
         summary = {
             "method": "draft",
-            "target": {"model": model_spec, "name": source.name, "layers": target_layers},
+            "target": {"model": model_spec, "name": source.name, "layers": config.num_hidden_layers},
             "draft": {"layers": layers, "trained": f"layers 0-{layers - 1} and the final norm",
                       "frozen": "embeddings and LM head (the target's)"},
             "settings": {**settings, "minutes": minutes, "steps": steps, "micro_batch": micro,

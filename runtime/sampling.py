@@ -6,12 +6,14 @@ The functions are pure (random numbers are arguments) so that verification can r
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from specexport.errors import UserError
+
+
+MAX_TEMPERATURE = 1000.0  # far past any useful setting; keeps the graph's float32 sampling parameters finite
 
 
 @dataclass(frozen=True)
@@ -24,12 +26,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise UserError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # also false for NaN
+            raise UserError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if self.top_k < 0:
             raise UserError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:  # also false for NaN
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise UserError(f"seed must be an integer in [0, 2^63), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -17,7 +17,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers.processors import TemplateProcessing
 
-from specexport.errors import UserError
+from specexport.errors import UserError, first_line
 
 # The special-token names transformers passes to chat templates (its special_tokens_map).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -57,7 +57,7 @@ class Tokenizer:
         try:
             backend = tokenizers.Tokenizer.from_file(str(file))
         except Exception as e:  # the tokenizers library raises plain Exception
-            raise UserError(f"cannot read {file}: {_first_line(e)}") from e
+            raise UserError(f"cannot read {file}: {first_line(e)}") from e
         config = _read_json(folder / "tokenizer_config.json")
         template_file = folder / "chat_template.jinja"
         if template_file.is_file():
@@ -91,7 +91,7 @@ class Tokenizer:
                 {**self.special_tokens, **variables, "messages": messages, "add_generation_prompt": add_generation_prompt}
             )
         except jinja2.TemplateError as e:
-            raise UserError(f"chat template: {_first_line(e)}") from e
+            raise UserError(f"chat template: {first_line(e)}") from e
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> list[int]:
         """Token ids of the rendered chat; the template supplies any BOS, so none is added."""
@@ -155,7 +155,7 @@ def _compile(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
-        raise UserError(f"chat template does not parse: {_first_line(e)} (line {e.lineno})") from e
+        raise UserError(f"chat template does not parse: {first_line(e)} (line {e.lineno})") from e
 
 
 def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
@@ -185,11 +185,7 @@ def _read_json(file: Path) -> dict:
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise UserError(f"cannot read {file}: {_first_line(e)}") from e
+        raise UserError(f"cannot read {file}: {first_line(e)}") from e
     if not isinstance(data, dict):
         raise UserError(f"cannot read {file}: expected a JSON object")
     return data
-
-
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -32,6 +31,25 @@ class Command(click.Command):
 
 class Group(click.Group):
     command_class = Command
+
+    def main(self, *args, **kwargs):
+        """A usage error (an unknown option, a value of the wrong type, a bad choice) is one line too."""
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.NoArgsIsHelpError as e:  # the bare command: its help, as Click prints it
+            click.echo(e.ctx.get_help(), err=True)
+            sys.exit(e.exit_code)
+        except click.UsageError as e:
+            where = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            click.echo(f"Error: {e.format_message()}{where}", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            e.show()
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("interrupted", err=True)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
 
 
 def _export_options(f):
@@ -251,34 +269,46 @@ def info(bundle):
     from specexport.runtime.bundle import load_bundle
 
     b = load_bundle(bundle)
-    m = b.manifest
+    m, meth = b.manifest, b.manifest["method"]
+
+    def get(d, *keys):  # descriptive fields: shown as "?" where an edited manifest lacks them
+        for k in keys:
+            if not isinstance(d, dict) or k not in d:
+                return "?"
+            d = d[k]
+        return d
+
     model = m["model"]
     click.echo(f"bundle       {b.path}")
-    click.echo(f"model        {model['name']} ({model['model_type']}, {model['layers']} layers, hidden {model['hidden']}, "
-               f"heads {model['heads']}/{model['kv_heads']}, vocab {model['vocab']})")
-    click.echo(f"method       {m['method']['name']}")
-    if m.get("profile"):
+    click.echo(f"model        {model['name']} ({get(model, 'model_type')}, {get(model, 'layers')} layers, hidden "
+               f"{get(model, 'hidden')}, heads {get(model, 'heads')}/{get(model, 'kv_heads')}, vocab {model['vocab']})")
+    click.echo(f"method       {meth['name']}")
+    if isinstance(m.get("profile"), dict):
         p = m["profile"]
-        click.echo(f"profile      {p['name']} ({p['description']}; {'measured' if p['measured'] else 'not measured'}; "
-                   f"chosen by {p.get('chosen')})")
-    if m["method"]["name"] == "medusa":
-        meth = m["method"]
-        click.echo(f"heads        {meth['heads_count']} ({meth['head_style']} LM head) from {meth['heads']}; tree "
-                   f"'{meth['tree_spec']}': {len(meth['tree']) + 1} tokens per step, depth {max(map(len, meth['tree']))}")
-    if m["method"]["name"] in ("eagle", "eagle3"):
-        meth = m["method"]
+        click.echo(f"profile      {get(p, 'name')} ({get(p, 'description')}; "
+                   f"{'measured' if p.get('measured') else 'not measured'}; chosen by {get(p, 'chosen')})")
+    if meth["name"] == "medusa":
+        depth = max((len(r) for r in meth["tree"] if isinstance(r, list)), default=0)
+        click.echo(f"heads        {meth['heads_count']} ({get(meth, 'head_style')} LM head) from {get(meth, 'heads')}; "
+                   f"tree '{get(meth, 'tree_spec')}': {len(meth['tree']) + 1} tokens per step, depth {depth}")
+    if meth["name"] in ("eagle", "eagle3"):
         version = "EAGLE-3" if meth["version"] == 3 else "EAGLE-1/2"
-        aux = f", features from the inputs of layers {meth['aux_layers']}" if meth["aux_layers"] else ""
-        click.echo(f"draft        {version} from {meth['draft']}: draft vocabulary {meth['draft_vocab']}{aux}")
-        click.echo(f"tree         {meth['tree']}: depth {meth['depth']}, top-k {meth['top_k']}, "
+        aux = f", features from the inputs of layers {meth['aux_layers']}" if meth.get("aux_layers") else ""
+        click.echo(f"draft        {version} from {get(meth, 'draft')}: draft vocabulary {get(meth, 'draft_vocab')}{aux}")
+        click.echo(f"tree         {get(meth, 'tree')}: depth {meth['depth']}, top-k {meth['top_k']}, "
                    f"{meth['total_tokens']} tokens per step (up to {meth['graph_top_k']} candidates per node in the graph)")
     click.echo(f"precision    {m['precision']} ({m['flavour']} ops), context {m['max_context']}")
     for name, g in m["graphs"].items():
-        click.echo(f"graph        {name}: {g['file']} ({len(g['inputs'])} inputs, {len(g['outputs'])} outputs)")
+        click.echo(f"graph        {name}: {get(g, 'file')} ({len(get(g, 'inputs'))} inputs, {len(get(g, 'outputs'))} "
+                   "outputs)")
     size = sum(f["bytes"] for f in m["files"].values())
     click.echo(f"files        {len(m['files'])} ({size / 1e6:.1f} MB), checksums ok")
-    click.echo("tools        " + ", ".join(f"{k} {v}" for k, v in m.get("tools", {}).items()))
-    lines = numerics_lines(m)
+    tools = m.get("tools") if isinstance(m.get("tools"), dict) else {}
+    click.echo("tools        " + ", ".join(f"{k} {v}" for k, v in tools.items()))
+    try:
+        lines = numerics_lines(m)
+    except (KeyError, TypeError, AttributeError, ValueError, StopIteration):
+        lines = ["  (not readable in this manifest)"]
     if lines:
         click.echo("numerics")
         click.echo("\n".join(lines))
@@ -287,8 +317,6 @@ def info(bundle):
 def _sampling(temperature, top_k, top_p, seed):
     from specexport.runtime.sampling import SamplingParams
 
-    if temperature is not None and math.isnan(temperature):
-        raise UserError("--temperature must be a number >= 0, got nan")
     return SamplingParams(temperature=temperature or 0.0, top_k=top_k, top_p=top_p, seed=seed)
 
 
@@ -338,6 +366,9 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
     engine = Engine.load(bundle, threads=threads)
     engine.configure(tree, depth, draft_top_k, total_tokens, draft_length)
     _typical(engine, typical, params)
+    vocab = engine.bundle.manifest["model"]["vocab"]
+    if any(not 0 <= t < vocab for t in stop_id):
+        raise UserError(f"--stop-id must be a token id in 0..{vocab - 1}")
     stop_ids = tuple(sorted(engine.tokenizer.eos_token_ids | set(stop_id)))
     stream = None if as_json else (lambda text: click.echo(text, nl=False))
     result = engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=params, stop=tuple(stop),
@@ -399,6 +430,8 @@ def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, t
 
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if json_out is not None and (json_out.is_dir() or not json_out.parent.is_dir()):
+        raise UserError(f"--json {json_out}: " + ("is a folder" if json_out.is_dir() else "its folder does not exist"))
     prompts = read_prompts(prompts_file)
     result = run_bench(bundle, prompts, max_new_tokens=max_new_tokens, compare_hf=compare_hf, threads=threads,
                        progress=lambda text: click.echo(text, err=True), tree=tree,
@@ -406,7 +439,9 @@ def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, t
                                   "draft_length": draft_length})
     click.echo("\n".join(summary_lines(result)))
     if json_out:
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        from specexport.exporter.training import write_json
+
+        write_json(json_out, result)
         click.echo(f"results written to {json_out}")
 
 

@@ -21,7 +21,9 @@ def make_bundle(folder):
     (folder / "decoder.onnx.data").write_bytes(b"\0" * 3000)
     (folder / "tokenizer").mkdir(exist_ok=True)
     (folder / "tokenizer" / "tokenizer.json").write_text("{}")
-    return write_manifest(folder, {"method": {"name": "eagle"}, "precision": "int8", "graphs": {"decoder": {"file": "decoder.onnx"}}})
+    return write_manifest(folder, {"model": {"name": "tiny", "vocab": 16}, "method": {"name": "none"}, "precision": "int8",
+                                   "flavour": "ort", "max_context": 64, "graphs": {"target": {"file": "decoder.onnx"}},
+                                   "tokenizer": {"files": ["tokenizer/tokenizer.json"]}})
 
 
 def edit_manifest(folder, **changes):
@@ -45,8 +47,8 @@ def test_round_trip(tmp_path):
     bundle = load_bundle(tmp_path / "b")
     assert isinstance(bundle, Bundle)
     assert bundle.manifest == written
-    assert (bundle.method, bundle.precision) == ("eagle", "int8")
-    assert bundle.graphs == {"decoder": {"file": "decoder.onnx"}}
+    assert (bundle.method, bundle.precision) == ("none", "int8")
+    assert bundle.graphs == {"target": {"file": "decoder.onnx"}}
     assert bundle.file("decoder.onnx").read_bytes() == b"graph bytes"
 
 
@@ -104,7 +106,7 @@ def test_checksum_mismatch(tmp_path):
     (tmp_path / "decoder.onnx").write_bytes(b"graph BYTES")  # same size
     with pytest.raises(UserError, match=r"file decoder.onnx changed since export \(sha256 mismatch\)"):
         load_bundle(tmp_path)
-    assert load_bundle(tmp_path, verify=False).method == "eagle"
+    assert load_bundle(tmp_path, verify=False).method == "none"
 
 
 def test_errors_are_one_line(tmp_path):
@@ -120,7 +122,7 @@ def test_staged_output_success(tmp_path):
         assert work.parent == dest.parent and work.name.startswith(".bundle.partial-")
         assert not dest.exists()
         make_bundle(work)
-    assert load_bundle(dest).method == "eagle"
+    assert load_bundle(dest).method == "none"
     assert [p.name for p in dest.parent.iterdir()] == ["bundle"]
 
 
@@ -135,6 +137,13 @@ def test_staged_output_cleans_up(tmp_path, error):
             raise error()
     assert [p.name for p in tmp_path.iterdir()] == ["bundle"]
     assert (dest / MANIFEST).read_text() == before
+
+
+def test_staged_output_removes_the_folders_it_made(tmp_path):
+    with pytest.raises(RuntimeError):
+        with staged_output(tmp_path / "a" / "b" / "bundle"):
+            raise RuntimeError()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_staged_output_refuses_existing_before_any_work(tmp_path):

@@ -214,6 +214,21 @@ def test_overwrite_replaces_a_bundle(tiny_folder, tmp_path):
 # ---- bad input: export ----------------------------------------------------------------------------
 
 
+def test_overwrite_replaces_only_a_bundle(tiny_folder, tmp_path, monkeypatch):
+    precious = tmp_path / "notes"
+    precious.mkdir()
+    (precious / "thesis.txt").write_text("years of work")
+    fails("export", "--model", tiny_folder, "--output", precious, "--overwrite", "--no-validate",
+          match="is not a specexport bundle; --overwrite replaces only that", alone=False)
+    assert (precious / "thesis.txt").read_text() == "years of work"
+    monkeypatch.chdir(precious)
+    fails("export", "--model", tiny_folder, "--output", ".", "--overwrite", "--no-validate",
+          match="is the current folder or holds it", alone=False)
+    (tmp_path / "a-file").write_text("x")
+    fails("export", "--model", tiny_folder, "--output", tmp_path / "a-file" / "b", "--no-validate",
+          match="a-file is a file, not a folder", alone=False)
+
+
 def test_missing_model_path(tmp_path):
     fails("export", "--model", tmp_path / "nowhere" / "model", "--output", tmp_path / "out" / "b",
           match=f"unknown model '{tmp_path}/nowhere/model': not a path, not an alias")
@@ -387,6 +402,29 @@ def test_bundle_unknown_schema_version(bundle, tmp_path):
     fails("info", future, match="schema_version 99")
 
 
+@pytest.mark.parametrize("edit, match", [
+    (lambda m: m.pop("model"), "model.name is missing"),
+    (lambda m: m["model"].pop("vocab"), "model.vocab is missing"),
+    (lambda m: m.update(model="abc"), "model.name is missing"),
+    (lambda m: m.pop("method"), "method.name is missing"),
+    (lambda m: m["method"].update(name="beam"), "unknown method 'beam'"),
+    (lambda m: m.update(max_context="big"), "max_context must be a positive integer, not 'big'"),
+    (lambda m: m.update(max_context=0), "max_context must be a positive integer"),
+    (lambda m: m.update(graphs=[]), "graphs.target.file is missing"),
+    (lambda m: m.pop("files"), "files is missing"),
+    (lambda m: m.update(files=[]), "files must map each file to its bytes and sha256"),
+    (lambda m: m["files"].pop("tokenizer.json"), "'tokenizer.json' is used but not listed under files"),
+    (lambda m: m.update(profile="x"), "profile must be an object"),
+])
+def test_malformed_manifest(bundle, tmp_path, edit, match):
+    edited = copy(bundle, tmp_path / "edited")
+    manifest = json.loads((edited / "manifest.json").read_text())
+    edit(manifest)
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    fails("run", edited, "--prompt", "hi", match=match)
+    fails("info", edited, match=match)
+
+
 def test_not_a_bundle(tiny_folder):
     fails("run", tiny_folder, "--prompt", "hi", match="is not a specexport bundle (no manifest.json)")
 
@@ -410,11 +448,43 @@ def test_max_new_tokens(bundle, tmp_path, value):
     fails("bench", bundle, "--prompts", prompts, "--max-new-tokens", value, match="--max-new-tokens must be >= 1")
 
 
-@pytest.mark.parametrize("value, match", [("-0.5", "temperature must be a finite number >= 0, got -0.5"),
-                                          ("nan", "--temperature must be a number >= 0, got nan"),
-                                          ("inf", "temperature must be a finite number >= 0, got inf")])
-def test_bad_temperature(bundle, value, match):
-    fails("run", bundle, "--prompt", "hi", "--temperature", value, match=match)
+@pytest.mark.parametrize("value", ["-0.5", "nan", "inf", "1e308"])
+def test_bad_temperature(bundle, value):
+    fails("run", bundle, "--prompt", "hi", "--temperature", value, match="temperature must be in [0, 1000], got")
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--temperature", "0.7", "--seed", "-1"], "seed must be an integer in [0, 2^63), got -1"),
+    (["--stop", ""], "stop strings must not be empty"),
+    (["--threads", "0"], "threads must be >= 1, got 0"),
+    (["--stop-id", "259"], "--stop-id must be a token id in 0..258"),
+    (["--stop-id", "-1"], "--stop-id must be a token id in 0..258"),
+])
+def test_bad_run_options(bundle, args, match):
+    fails("run", bundle, "--prompt", "hi", *args, match=match)
+
+
+def test_prompt_with_undecodable_bytes(bundle, tmp_path):
+    # what a shell passes on for bytes that are not UTF-8 (Python decodes them to lone surrogates)
+    fails("run", bundle, "--prompt", "caf\udce9", match="the prompt is not valid UTF-8 text")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "x", "prompt": "ok \\ud800"}\n')
+    fails("bench", bundle, "--prompts", prompts, match="prompt 'x': the prompt is not valid UTF-8 text")
+    prompts.write_bytes(b"\xff\xfe{}")
+    fails("bench", bundle, "--prompts", prompts, match="is not UTF-8 text")
+
+
+def test_usage_errors_are_one_line(bundle):
+    fails("run", bundle, "--prompt", "hi", "--max-new-tokens", "abc", code=2,
+          match="'abc' is not a valid integer. (see '")
+    fails("no-such-command", code=2, match="No such command")
+
+
+def test_bench_json_path_is_checked_before_running(bundle, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    fails("bench", bundle, "--prompts", prompts, "--json", tmp_path, match="is a folder")
+    fails("bench", bundle, "--prompts", prompts, "--json", tmp_path / "no" / "r.json", match="its folder does not exist")
 
 
 @pytest.mark.parametrize("value", ["0", "1.5", "-1", "nan"])

@@ -160,7 +160,8 @@ def test_trained_output_keeps_the_targets_embeddings(target, data, tmp_path):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(layers=0), "--layers must be >= 1"),
     (dict(layers=4), "below the target's 4 layers"),
-    (dict(minutes=0), "--minutes must be > 0"),
+    (dict(minutes=0), "--minutes must be a finite number > 0"),
+    (dict(minutes=float("inf")), "--minutes must be a finite number > 0"),
     (dict(batch=0), "--batch must be >= 1"),
     (dict(steps=-1), "--steps must be >= 0"),
     (dict(resume=True), "nothing to resume"),
@@ -172,11 +173,11 @@ def test_bad_input(target, data, tmp_path, kwargs, match):
 
 
 def test_existing_output_needs_resume_or_overwrite(target, data, tmp_path):
-    (tmp_path / "draft").mkdir()
-    (tmp_path / "draft" / "notes.txt").write_text("mine")
+    train(target, data, tmp_path / "draft", steps=1)
+    (tmp_path / "draft" / "notes.txt").write_text("left in the old output")
     with pytest.raises(UserError, match="already exists"):
         train(target, data, tmp_path / "draft", steps=1)
-    train(target, data, tmp_path / "draft", steps=1, overwrite=True)
+    train(target, data, tmp_path / "draft", steps=1, overwrite=True)  # a training output: replaced whole
     assert not (tmp_path / "draft" / "notes.txt").exists()
 
 
@@ -210,3 +211,17 @@ def test_cli_trains_and_fails_in_one_line(target, data, tmp_path):
     result = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "d")])
     assert result.exit_code == 1 and result.output.strip().splitlines()[-1].startswith("Error: ")
     assert "Traceback" not in result.output and "already exists" in result.output
+
+
+def test_overwrite_checks_settings_first_and_replaces_only_training_output(target, data, tmp_path):
+    args = ["train", "--method", "draft", "--model", str(target), "--data", str(data), "--layers", "1",
+            "--steps", "1", "--batch", "2", "--seq-len", "16", "--threads", "1", "--overwrite"]
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "thesis.txt").write_text("years of work")
+    result = CliRunner().invoke(main, [*args, "--output", str(mine), "--top-k", "99999999"])
+    assert result.exit_code == 1 and "--top-k must be at most the vocabulary size" in result.output
+    result = CliRunner().invoke(main, [*args, "--output", str(mine)])
+    assert result.exit_code == 1 and "is not a training output" in result.output, result.output
+    assert (mine / "thesis.txt").read_text() == "years of work"
+
