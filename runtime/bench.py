@@ -154,4 +154,8 @@ def summary_lines(result: dict) -> list[str]:
     if result["hf_tokens_per_s"] is not None:
         lines.append(f"  {'hf':<10} {result['hf_tokens_per_s']:8.1f} tokens/s   ours/hf {result['hf_speedup']}x")
     lines.append(f"  identical to plain decoding: {result['identical']}/{result['count']}")
+    if result["precision"] in ("int8", "int4") and result["identical"] < result["count"]:
+        lines.append(f"  ({result['precision']}: a row verified with others is quantized differently from the same row "
+                     "decoded alone, so outputs part at near-ties; speculation is exact against its own verification "
+                     "call, and fp32 bundles are token-identical)")
     return lines
