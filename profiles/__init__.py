@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from specexport.errors import UserError
+from specexport.errors import UserError, read_user_text
 
 HERE = Path(__file__).parent
 KINDS = ("gpu", "cpu")
@@ -134,11 +134,7 @@ def load_profile(spec: str | Path) -> Profile:
         if path.suffix == ".toml" or path.parent != Path("."):
             raise UserError(f"profile file {path} not found")
         raise UserError(f"unknown profile '{spec}': give a file or one of {', '.join(names())} (or auto)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"profile {path} is not UTF-8 text (TOML expected)") from None
-    return parse(text, str(path))
+    return parse(read_user_text(path, "TOML"), str(path))
 
 
 def parse(text: str, where: str) -> Profile:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specexport.errors import UserError
+from specexport.errors import UserError, read_user_text
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -21,12 +21,8 @@ def read_prompts(path: Path) -> list[dict]:
         raise UserError(f"prompts file {path} is a folder, not a JSON-lines file")
     if not path.is_file():
         raise UserError(f"prompts file {path} not found")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"prompts file {path} is not UTF-8 text (JSON lines expected)") from None
     prompts = []
-    for n, line in enumerate(text.splitlines(), 1):
+    for n, line in enumerate(read_user_text(path, "JSON lines").splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specexport.errors import UserError
+from specexport.errors import UserError, read_user_text
 
 # EAGLE-1's static tree (EAGLE v1 `mc_sim_7b_63`, 25 nodes + root, depth 5) and a small one for CPUs.
 STATIC_PRESETS = {
@@ -132,10 +132,7 @@ def parse_static(spec: str) -> StaticTree:
         if not path.is_file():
             raise UserError(f"unknown EAGLE tree '{spec}': use 'dynamic', a preset ({', '.join(STATIC_PRESETS)}), "
                             "a JSON file or inline JSON paths")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError:
-            raise UserError(f"EAGLE tree file {spec}: not UTF-8 text (JSON expected)") from None
+        text = read_user_text(path, "an EAGLE tree in JSON")
     try:
         paths = json.loads(text)
     except json.JSONDecodeError as e:

@@ -287,6 +287,8 @@ class Engine:
         `proposer`: a ready proposer instead (e.g. one that records what it proposes)."""
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not all(isinstance(s, str) and s for s in stop):
+            raise UserError("stop strings must not be empty")
         sampler = Sampler(sampling or SamplingParams())
         proposer = proposer or self.proposer(method or self.bundle.method, sampler)
         ids = self.encode(prompt, chat=chat)
@@ -296,8 +298,6 @@ class Engine:
         proposer.start(len(ids), cache.capacity)
         stats = Stats(prompt_tokens=len(ids))
         stream = StreamDecoder(self.tokenizer)
-        if not all(isinstance(s, str) and s for s in stop):
-            raise UserError("stop strings must not be empty")
         hold = max((len(s) for s in stop), default=1) - 1  # chars that may still become a stop string
         text, emitted, out, reason = "", 0, [], None
 
