@@ -15,7 +15,7 @@ from pathlib import Path
 
 from specexport.errors import UserError, read_user_text
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parent / "data"
 KINDS = ("gpu", "cpu")
 BACKENDS = ("onnxruntime", "tensorrt")
 PRECISIONS = ("fp32", "int8", "int4", "fp16", "bf16")
