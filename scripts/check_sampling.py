@@ -38,9 +38,9 @@ def main() -> None:
           "the graph")
     failed = False
     for temperature in (float(t) for t in args.temperatures.split(",")):
-        spec, lengths = chisquare.sampled_counts(engine, args.prompt, None, args.n, 0, args.tokens,
+        spec, lengths = chisquare.sampled_counts(engine, args.prompt, False, args.n, 0, args.tokens,
                                                  temperature=temperature)
-        plain, _ = chisquare.sampled_counts(engine, args.prompt, "none", args.n, 10**6, args.tokens,
+        plain, _ = chisquare.sampled_counts(engine, args.prompt, True, args.n, 10**6, args.tokens,
                                             temperature=temperature)
         tau = sum(lengths) / max(len(lengths), 1)
         stat, dof = chisquare.two_sample(spec, plain)

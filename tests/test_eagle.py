@@ -16,12 +16,11 @@ from specexport.errors import UserError
 from specexport.exporter.eagle import DraftConfig, DraftModule, EagleDraft, load_draft, save_draft
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
-from specexport.exporter.methods import MethodOptions
-from specexport.runtime import tree
-from specexport.runtime.eagle_tree import CandidateTree, check_dynamic, parse_static
+from specexport.runtime import rank_tree, tree
+from specexport.runtime.methods.eagle import CandidateTree, EagleMethod, Settings
 from specexport.runtime.generate import Engine
 
-from conftest import TINY, TOKENIZER_VOCAB
+from conftest import TINY, TOKENIZER_VOCAB, method_export
 
 H, V = TINY["hidden_size"], TOKENIZER_VOCAB
 AUX = (0, 1, 1)  # the tiny target has 2 layers
@@ -31,66 +30,63 @@ AUX = (0, 1, 1)  # the tiny target has 2 layers
 
 
 def test_dynamic_tree_by_hand():
-    """EAGLE-2 on paper: root children a (-0.1), b (-1.0), c (-2.0); a's children d (-0.2), e (-0.5); b's child f
-    (-0.05). Cumulative: a -0.1, b -1.0, c -2.0, d -0.3, e -0.6, f -1.05."""
-    t = CandidateTree()
-    assert t.add(-1, [10, 11, 12], [-0.1, -1.0, -2.0]) == [0, 1, 2]
-    assert t.top([0, 1, 2], 2) == [0, 1]  # the frontier: a and b
-    assert t.add(0, [13, 14], [-0.2, -0.5]) == [3, 4]
-    assert t.add(1, [15], [-0.05]) == [5]
-    assert np.allclose(t.scores, [-0.1, -1.0, -2.0, -0.3, -0.6, -1.05])
-    assert t.top([3, 4, 5], 2) == [3, 4]  # f scores below d and e although its own log-prob is the best
-    chosen, tokens, parents = t.select(4)  # a, d, e, b
-    assert chosen == [0, 1, 3, 4] and tokens == [10, 11, 13, 14] and parents == [-1, -1, 0, 0]
-    chosen, tokens, parents = t.select(6)
-    assert tokens == [10, 11, 12, 13, 14, 15] and parents == [-1, -1, -1, 0, 0, 1]
-    assert tree.depths([-1] + [p + 1 for p in parents]).tolist() == [0, 1, 1, 1, 2, 2, 2]
+    """EAGLE-2 on paper: below the root (7), children a (-0.1), b (-1.0), c (-2.0); a's children d (-0.2), e (-0.5);
+    b's child f (-0.05). Cumulative: a -0.1, b -1.0, c -2.0, d -0.3, e -0.6, f -1.05."""
+    t = CandidateTree(7)
+    assert t.add(0, [10, 11, 12], [-0.1, -1.0, -2.0]) == [1, 2, 3]
+    assert t.top([1, 2, 3], 2) == [1, 2]  # the frontier: a and b
+    assert t.add(1, [13, 14], [-0.2, -0.5]) == [4, 5]
+    assert t.add(2, [15], [-0.05]) == [6]
+    assert np.allclose(t.scores, [0, -0.1, -1.0, -2.0, -0.3, -0.6, -1.05])
+    assert t.top([4, 5, 6], 2) == [4, 5]  # f scores below d and e although its own log-prob is the best
+    assert t.cut(depth=2, drafts=4) == ([7, 10, 11, 13, 14], [-1, 0, 0, 1, 1])  # a, b, d, e below the root
+    tokens, parents = t.cut(depth=2, drafts=6)
+    assert tokens == [7, 10, 11, 12, 13, 14, 15] and parents == [-1, 0, 0, 0, 1, 1, 2]
+    assert tree.depths(parents).tolist() == [0, 1, 1, 1, 2, 2, 2]
+    assert t.cut(depth=1, drafts=6) == ([7, 10, 11, 12], [-1, 0, 0, 0])  # a shallower run scores no depth-2 node
 
 
 def test_dynamic_selection_is_ancestor_closed_with_ties():
-    t = CandidateTree()
-    t.add(-1, [1, 2], [-1.0, -1.0])
+    t = CandidateTree(0)
+    t.add(0, [1, 2], [-1.0, -1.0])
     t.add(1, [3], [0.0])  # a child scoring exactly its parent: the parent still comes first
-    _, tokens, parents = t.select(2)
-    assert tokens == [1, 2] and parents == [-1, -1]
+    assert t.cut(2, 2) == ([0, 1, 2], [-1, 0, 0])
     rng = np.random.default_rng(0)
     for _ in range(50):  # random trees: every selection is a tree whose parents come first
-        t = CandidateTree()
-        frontier = t.add(-1, range(4), -rng.exponential(size=4))
+        t = CandidateTree(0)
+        frontier = t.add(0, range(4), -rng.exponential(size=4))
         for _ in range(3):
             made = [c for n in frontier for c in t.add(n, range(3), -rng.exponential(size=3))]
             frontier = t.top(made, 3)
-        _, _, parents = t.select(int(rng.integers(1, len(t) + 1)))
+        _, parents = t.cut(4, int(rng.integers(1, len(t))))
         tree.check_parents(parents)
+        assert parents[0] == -1 and -1 not in parents[1:]
 
 
 def test_static_tree_by_hand():
-    s = parse_static("[[0], [1], [0, 0], [0, 2], [0, 0, 1]]")
-    assert (s.depth, s.size, s.max_rank) == (3, 5, 2)
+    s = rank_tree.parse("[[0], [1], [0, 0], [0, 2], [0, 0, 1]]")
+    assert (s.depth, s.size, s.top_k) == (3, 6, 3)
+    assert s.parents == [-1, 0, 0, 1, 1, 3]
     assert s.ranks_below(()) == [0, 1] and s.ranks_below((0,)) == [0, 2] and s.ranks_below((1,)) == []
-    t, paths = CandidateTree(), {-1: ()}
-    assert s.grow(t, paths, -1, [7, 8, 9], [-0.1, -0.2, -0.3]) == [0, 1]
-    assert s.grow(t, paths, 0, [4, 5, 6], [-0.1, -0.2, -0.3]) == [2, 3]
-    assert t.tokens == [7, 8, 4, 6] and paths[3] == (0, 2) and s.has_children((0, 0)) and not s.has_children((1,))
-    assert parse_static("eagle1_25").size == 25
+    assert rank_tree.parse("eagle1_25").size == 26
 
 
-@pytest.mark.parametrize("spec, match", [("[[1, 0]]", "missing"), ("[[0], [0]]", "twice"), ("[]", "non-empty"),
-                                         ("[[0], [-1]]", "ranks >= 0"), ("nope", "unknown EAGLE tree"),
-                                         ("[[0]", "not valid JSON")])
+@pytest.mark.parametrize("spec, match", [("[[1, 0]]", "has no parent"), ("[[0], [0]]", "twice"),
+                                         ("[]", "at least one path"), ("[[0], [-1]]", "ranks >= 0"),
+                                         ("nope", "unknown tree"), ("[[0]", "not valid JSON")])
 def test_static_tree_bad_input(spec, match):
     with pytest.raises(UserError, match=match):
-        parse_static(spec)
+        rank_tree.parse(spec)
 
 
 @pytest.mark.parametrize("depth, top_k, total", [(0, 4, 8), (17, 4, 8), (3, 0, 8), (3, 11, 8), (3, 4, 1),
                                                  (2, 2, 8), (5, 4, 10_000)])
 def test_dynamic_settings_bad_input(depth, top_k, total):
     with pytest.raises(UserError):
-        check_dynamic(depth, top_k, total, 10)
+        EagleMethod.static_tree(Settings(depth=depth, top_k=top_k, total_tokens=total), 10)
 
 
-# ------------------------------------------------------------------------------------------------ layouts
+# ------------------------------------------------------------------------------------------------ drafts
 
 
 def tiny_config(version=3, draft_vocab=V, aux=AUX):
@@ -203,7 +199,7 @@ def test_draft_must_fit_the_target():
 def test_training_time_test_equals_drafting_a_chain(version):
     """Step i of the unrolled training at index t must give what drafting does at run time: pairs 0..t in the
     cache, then a chain of i nodes each fed its parent's output hidden, at positions t+1..t+i."""
-    from specexport.exporter.train_eagle import ttt_forward
+    from specexport.train.eagle import ttt_forward
 
     torch.manual_seed(0)
     draft = random_draft(version)
@@ -231,17 +227,24 @@ def test_training_time_test_equals_drafting_a_chain(version):
 # ------------------------------------------------------------------------------------------------ training
 
 
-TRAIN = dict(samples=48, new_tokens=32, prompt_tokens=64, batch=8, lr=3e-3, threads=1, quiet=True, feature_batch=16,
-             ttt_steps=3, draft_vocab=128, aux_layers=AUX)
+TRAIN = dict(samples=48, new_tokens=32, prompt_tokens=64, batch=8, lr=3e-3, threads=1, feature_batch=16, ttt_steps=3)
+EAGLE3 = dict(draft_vocab=128, aux_layers=AUX)
+
+
+def train_eagle(folder, output, data, method="eagle3", resume=False, **settings):
+    """An EAGLE draft (`method` eagle3 or eagle) for the tiny model at `folder`, with TRAIN's settings and these."""
+    import specexport.train as trainers
+
+    trainer = trainers.get(method)
+    config = trainer.Config(data=data, **{**TRAIN, **(EAGLE3 if method == "eagle3" else {}), **settings})
+    return trainer.train(str(folder), output, config, resume=resume, quiet=True)
 
 
 @pytest.fixture(scope="module")
 def trained(tiny_folder, sharegpt, tmp_path_factory):
     """An EAGLE-3 draft trained on the tiny model's own continuations (seconds): (training.json, folder)."""
-    from specexport.exporter.train_eagle import train_eagle
-
     out = tmp_path_factory.mktemp("trained") / "eagle3"
-    return train_eagle(str(tiny_folder), out, steps=120, data_path=sharegpt, **TRAIN), out
+    return train_eagle(tiny_folder, out, sharegpt, steps=120), out
 
 
 def test_training_learns_and_writes_the_published_layout(trained):
@@ -254,25 +257,23 @@ def test_training_learns_and_writes_the_published_layout(trained):
 
 
 def test_training_resumes_exactly(tiny_folder, sharegpt, tmp_path):
-    from specexport.exporter.train_eagle import train_eagle
-
-    args = {**TRAIN, "samples": 16}
-    whole = train_eagle(str(tiny_folder), tmp_path / "whole", steps=6, save_every=2, data_path=sharegpt, **args)
-    first = train_eagle(str(tiny_folder), tmp_path / "part", steps=6, save_every=2, minutes=1e-9, data_path=sharegpt,
-                        **args)
+    args = dict(samples=16, steps=6, save_every=2)
+    whole = train_eagle(tiny_folder, tmp_path / "whole", sharegpt, **args)
+    first = train_eagle(tiny_folder, tmp_path / "part", sharegpt, minutes=1e-9, **args)
     assert first["steps"] == 1
-    again = train_eagle(str(tiny_folder), tmp_path / "part", steps=6, save_every=2, resume=True, data_path=sharegpt,
-                        **args)
+    with pytest.raises(UserError, match="aux_layers=.0, 1, 1., not .1, 1, 1."):
+        train_eagle(tiny_folder, tmp_path / "part", sharegpt, resume=True, **{**args, "aux_layers": (1, 1, 1)})
+    again = train_eagle(tiny_folder, tmp_path / "part", sharegpt, resume=True, **args)
     assert again["steps"] == 6 and again["losses"] == whole["losses"]
 
 
 def test_training_bad_input(tiny_folder, sharegpt, tmp_path):
-    from specexport.exporter.train_eagle import train_eagle
-
     with pytest.raises(UserError, match="--ttt-steps"):
-        train_eagle(str(tiny_folder), tmp_path / "x", **{**TRAIN, "ttt_steps": 0}, data_path=sharegpt)
+        train_eagle(tiny_folder, tmp_path / "x", sharegpt, ttt_steps=0)
     with pytest.raises(UserError, match="--aux-layers"):
-        train_eagle(str(tiny_folder), tmp_path / "x", **{**TRAIN, "aux_layers": (0, 5, 1)}, data_path=sharegpt)
+        train_eagle(tiny_folder, tmp_path / "x", sharegpt, aux_layers=(0, 5, 1))
+    with pytest.raises(UserError, match="--draft-vocab must be in 1..259, got 0"):
+        train_eagle(tiny_folder, tmp_path / "x", sharegpt, draft_vocab=0)
     fails(["train", "--method", "eagle3", "--model", tiny_folder, "--output", tmp_path / "z", "--heads", "2"],
           "--heads does not apply to --method eagle3")
     fails(["train", "--method", "eagle", "--model", tiny_folder, "--output", tmp_path / "z", "--draft-vocab", "9"],
@@ -286,8 +287,7 @@ def test_training_bad_input(tiny_folder, sharegpt, tmp_path):
 def eagle_engine(tiny_folder, trained, tmp_path_factory):
     root = tmp_path_factory.mktemp("eagle")
     options = ExportOptions(graph=GraphOptions(), max_context=128, optimize=True,
-                            method=MethodOptions(name="eagle3", eagle_draft=str(trained[1]), depth=3, top_k=3,
-                                                 total_tokens=8))
+                            **method_export("eagle3", draft=str(trained[1]), depth=3, top_k=3, total_tokens=8))
     manifest = export_bundle(str(tiny_folder), root / "bundle", options, quiet=True)
     e = manifest["numerics"]["eagle"]
     assert e["feature_max_abs_diff"] < 1e-3 and e["draft_max_abs_diff"] < 1e-3 and e["draft_topk_match"] == 1.0
@@ -295,36 +295,33 @@ def eagle_engine(tiny_folder, trained, tmp_path_factory):
 
 
 @pytest.mark.parametrize("settings", [{}, {"depth": 1, "top_k": 1, "total_tokens": 2},
-                                      {"depth": 4, "top_k": 4, "total_tokens": 20}, {"tree_spec": "chain_5"},
-                                      {"tree_spec": "eagle1_25"}])
+                                      {"depth": 4, "top_k": 4, "total_tokens": 20}, {"tree": "chain_5"},
+                                      {"tree": "eagle1_25"}])
 def test_greedy_eagle_is_lossless(eagle_engine, settings, lossless):
-    eagle_engine.set_eagle(**settings)
+    eagle_engine.configure(**settings)
     try:
         runs = lossless(eagle_engine, ["The sea wind over blue waves.", "A ship and calm night stars.", "x",
                                        "Far away quiet water."], 40)
         assert max(r.stats.tau for r in runs) > 1.2  # drafts were accepted
     finally:
-        eagle_engine.set_eagle()
+        eagle_engine.configure()
 
 
 def test_eagle_1_end_to_end(tiny_folder, sharegpt, tmp_path):
-    from specexport.exporter.train_eagle import train_eagle
-
-    train_eagle(str(tiny_folder), tmp_path / "e1", version=1, steps=40, data_path=sharegpt,
-                **{**TRAIN, "draft_vocab": V, "aux_layers": None})
-    options = ExportOptions(graph=GraphOptions(), max_context=128, method=MethodOptions(name="eagle", eagle_draft=str(
-        tmp_path / "e1"), depth=3, top_k=2, total_tokens=6))
+    train_eagle(tiny_folder, tmp_path / "e1", sharegpt, method="eagle", steps=40)
+    options = ExportOptions(graph=GraphOptions(), max_context=128,
+                            **method_export("eagle", draft=str(tmp_path / "e1"), depth=3, top_k=2, total_tokens=6))
     manifest = export_bundle(str(tiny_folder), tmp_path / "bundle", options, quiet=True)
     assert manifest["numerics"]["eagle"]["draft_topk_match"] == 1.0
     engine = Engine.load(tmp_path / "bundle", threads=1)
     for prompt in ["The sea wind.", "x"]:
         assert engine.generate(prompt, max_new_tokens=30, stop_ids=()).tokens == \
-            engine.generate(prompt, max_new_tokens=30, stop_ids=(), method="none").tokens
+            engine.generate(prompt, max_new_tokens=30, stop_ids=(), plain=True).tokens
 
 
 def test_eagle_sampling_follows_plain_sampling(eagle_engine):
-    spec, lengths = chisquare.sampled_counts(eagle_engine, "the cat", None, 1500, 0, temperature=0.4)
-    plain, _ = chisquare.sampled_counts(eagle_engine, "the cat", "none", 1500, 100_000, temperature=0.4)
+    spec, lengths = chisquare.sampled_counts(eagle_engine, "the cat", False, 1500, 0, temperature=0.4)
+    plain, _ = chisquare.sampled_counts(eagle_engine, "the cat", True, 1500, 100_000, temperature=0.4)
     stat, dof = chisquare.two_sample(spec, plain)
     assert sum(lengths) - len(lengths) > 50  # the speculative path was exercised
     assert dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)
@@ -344,10 +341,10 @@ def test_cli_bad_input(tiny_folder, trained, tmp_path):
     out = tmp_path / "bundle"
     base = ["build", "--model", tiny_folder, "--output", out, "--precision", "fp32"]
     fails(base + ["--method", "eagle3", "--draft", trained[1], "--depth", "0"], "--depth must be in 1..16")
-    fails(base + ["--method", "eagle3", "--draft", trained[1], "--top-k", "50"], "--top-k must be in 1..10")
+    fails(base + ["--method", "eagle3", "--draft", trained[1], "--top-k", "50"], "--draft-top-k must be in 1..10")
     fails(base + ["--method", "eagle3", "--draft", trained[1], "--total-tokens", "100000"], "--total-tokens must be")
     fails(base + ["--method", "eagle", "--draft", trained[1]], "is an EAGLE-3 draft: use --method eagle3")
-    fails(base + ["--method", "medusa", "--draft", trained[1]], "only used with --method eagle")
+    fails(base + ["--method", "medusa", "--draft", trained[1]], "--draft does not apply to --method medusa")
     fails(base + ["--method", "eagle3", "--draft", tmp_path / "missing"], "not found")
     wrong = tmp_path / "wrong"
     d = random_draft(3)
@@ -403,13 +400,18 @@ def test_half_precision_drafts_load(tmp_path):
 
 
 def test_accept_length_from_a_recorded_tree():
-    """The tree of test_dynamic_tree_by_hand; the target emitted 10, 14, 99 after the root."""
-    from specexport.profiles.eagle import accept_length
+    """The tree of test_dynamic_tree_by_hand; the target emitted 10, 14, 99 after the root. The tuner replays a
+    smaller setting with the proposer's own cut and the runtime's acceptance rule."""
+    from specexport.tune.measure import replay
 
-    t = CandidateTree()
-    t.add(-1, [10, 11, 12], [-0.1, -1.0, -2.0])
-    t.add(0, [13, 14], [-0.2, -0.5])
-    t.add(1, [15], [-0.05])
+    t = CandidateTree(7)
+    t.add(0, [10, 11, 12], [-0.1, -1.0, -2.0])
+    t.add(1, [13, 14], [-0.2, -0.5])
+    t.add(2, [15], [-0.05])
+
+    def accept_length(t, emitted, depth, total):
+        return replay(*t.cut(depth, total - 1), emitted)
+
     assert accept_length(t, [10, 14, 99], depth=2, total=6) == 3  # 10 and 14 accepted, then the bonus
     assert accept_length(t, [10, 14, 99], depth=1, total=6) == 2  # no depth-2 node at depth 1
     assert accept_length(t, [10, 14, 99], depth=2, total=4) == 3  # the 3 best: 10, 13, 14
@@ -429,7 +431,7 @@ def test_profile_command_chooses_eagle_settings(eagle_engine, tiny_folder, train
     assert "chosen depth" in result.output and "prediction error" in result.output
     assert "build default" in result.output  # the preset it was measured against
     profile = load_profile(out)
-    chosen = profile.eagle
+    chosen = profile.methods["eagle"]
     assert 1 <= chosen.depth <= 7 and chosen.total_tokens <= 16
     report = (tmp_path / "measured-report" / "report.md").read_text()
     assert "EAGLE draft call" in report and "## Trees side by side" in report

@@ -14,10 +14,10 @@ import torch
 from conftest import LLAMA3_ROPE, tiny_config, tiny_model
 from specexport.errors import UserError
 from specexport.exporter import arch, validate
-from specexport.exporter.export import _write_graph
-from specexport.exporter.graph import GraphOptions, TargetGraphBuilder
+from specexport.exporter.save import write_graph
+from specexport.exporter.graph import GraphOptions, DecoderGraphBuilder
 from specexport.runtime import tree
-from specexport.runtime.backend import TargetSession
+from specexport.runtime.backend import GraphSession
 
 MAX_CONTEXT = 128
 
@@ -34,10 +34,10 @@ def model(kind: str):
     return tiny_model(kind, **ARCHS[kind])
 
 
-def session(m, tmp_path, **graph) -> TargetSession:
+def session(m, tmp_path, **graph) -> GraphSession:
     """Build the graph exactly as the exporter does (same graph_info) and load it in ORT."""
-    info = _write_graph(m, "target", GraphOptions(**graph), MAX_CONTEXT, tmp_path, quiet=True)
-    return TargetSession(tmp_path / info["file"], info, threads=1, device="cpu")
+    info = write_graph(m, "target", GraphOptions(**graph), MAX_CONTEXT, tmp_path, quiet=True)
+    return GraphSession(tmp_path / info["file"], info, threads=1, device="cpu")
 
 
 def check_report(report, max_diff, min_top1):
@@ -225,14 +225,14 @@ def test_builder_checks_options():
     for bad, match in [(dict(aux_layers=(3,)), "out of range"), (dict(precision="int3"), "unknown precision 'int3'"),
                        (dict(flavour="trt"), "unknown graph flavour 'trt'")]:
         with pytest.raises(UserError, match=match):
-            TargetGraphBuilder(spec, dims, weights, GraphOptions(**bad), rope)
+            DecoderGraphBuilder(spec, dims, weights, GraphOptions(**bad), rope)
 
 
 def test_int4_qdq_needs_whole_blocks():
     m = tiny_model("mistral", intermediate_size=80)  # down_proj's input dim 80 is not a multiple of 32
     spec, dims = arch.spec_for("mistral"), arch.dims_from_config(m.config)
     weights = arch.extract_weights(spec, dims, m.state_dict())
-    builder = TargetGraphBuilder(spec, dims, weights, GraphOptions(precision="int4", flavour="onnx"),
+    builder = DecoderGraphBuilder(spec, dims, weights, GraphOptions(precision="int4", flavour="onnx"),
                                  arch.rope_tables(np.ones(8, np.float32), 1.0, 8))
     with pytest.raises(UserError, match="int4 needs input dims divisible by 32; layers.0.down has 80"):
         builder.build()

@@ -14,17 +14,18 @@ from specexport import chisquare
 from specexport.cli import main
 from specexport.errors import UserError
 from specexport.exporter import validate
-from specexport.exporter.export import ExportOptions, _write_graph, export_bundle
+from specexport.exporter.export import ExportOptions, export_bundle
+from specexport.exporter.save import write_graph
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.medusa import MedusaHeads, load_heads, save_heads
-from specexport.exporter.methods import MethodOptions
-from specexport.runtime.backend import TargetSession
+from specexport.runtime.backend import GraphSession
 from specexport.runtime.generate import Engine
-from specexport.runtime.medusa_tree import (PRESETS, expected_accept_length, make_tree, resolve_tree,
-                                            tree_from_accuracy)
+from specexport.exporter.medusa_graph import HeadsAtAcceptedRow, build_heads_graph
+from specexport.exporter.save import decoder_builder, save_graph
+from specexport.runtime.rank_tree import PRESETS, expected_accept_length, from_accuracy, make, parse
 from specexport.runtime.sampling import SamplingParams
 
-from conftest import TINY, TOKENIZER_VOCAB, tiny_model
+from conftest import TINY, TOKENIZER_VOCAB, method_export, tiny_model
 
 H, V = TINY["hidden_size"], TOKENIZER_VOCAB
 RANKS = [[0.5, 0.2, 0.1], [0.3, 0.1], [0.2]]
@@ -125,16 +126,16 @@ def test_heads_for_another_model_are_refused(tmp_path):
 
 
 def test_a_hand_drawn_tree():
-    t = make_tree([[1, 0], [0], [0, 1], [1], [0, 0]])
-    assert t.choices == ((0,), (1,), (0, 0), (0, 1), (1, 0))  # by depth, then path
+    t = make([[1, 0], [0], [0, 1], [1], [0, 0]])
+    assert t.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0))  # by depth, then path
     assert t.parents == [-1, 0, 0, 1, 1, 2]
     assert (t.size, t.depth, t.top_k) == (6, 2, 2)
     candidates = np.array([[10, 11], [20, 21]])
-    assert t.tokens(5, candidates) == [5, 10, 11, 20, 21, 20]  # depth-2 nodes use head 1 whatever the parent
+    assert t.medusa_tokens(5, candidates) == [5, 10, 11, 20, 21, 20]  # depth-2 nodes use head 1 whatever the parent
 
 
 @pytest.mark.parametrize("choices, match", [
-    ([], "at least one choice"),
+    ([], "at least one path"),
     ([[0], [0, 0, 0]], "has no parent"),
     ([[0], [0]], "appears twice"),
     ([[0], [-1]], ">= 0"),
@@ -144,28 +145,28 @@ def test_a_hand_drawn_tree():
 ])  # fmt: skip
 def test_bad_trees(choices, match):
     with pytest.raises(UserError, match=match):
-        make_tree(choices, heads=3, top_k=10)
+        make(choices, depth_limit=3, rank_limit=10)
 
 
 def test_tree_from_accuracies_is_hand_checked():
-    t = tree_from_accuracy(RANKS, 4)
+    t = from_accuracy(RANKS, 4)
     # values: (0) .5, (1) .2, (0,0) .15, (2) .1, (0,1) .05, (1,0) .06, (0,0,0) .03
-    assert t.choices == ((0,), (1,), (2,), (0, 0))
+    assert t.paths == ((0,), (1,), (2,), (0, 0))
     assert expected_accept_length(t, RANKS) == pytest.approx(1 + 0.5 + 0.2 + 0.1 + 0.15)
-    assert tree_from_accuracy(RANKS, 6).choices == ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0))
+    assert from_accuracy(RANKS, 6).paths == ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0))
 
 
 def test_presets_and_files(tmp_path):
     for name, choices in PRESETS.items():
-        assert make_tree(choices, 4, 10).size == len(choices) + 1, name
-    assert make_tree(PRESETS["mc_sim_7b_63"]).size == 64
+        assert make(choices, rank_limit=10).size == len(choices) + 1, name
+    assert make(PRESETS["mc_sim_7b_63"]).size == 64
     (tmp_path / "t.json").write_text(json.dumps({"medusa_choices": [[0], [0, 0]]}))
-    assert resolve_tree(str(tmp_path / "t.json"), 3, 10, None).choices == ((0,), (0, 0))
-    assert resolve_tree("auto:2", 3, 10, RANKS).choices == ((0,), (1,))
-    with pytest.raises(UserError, match="needs per-rank head accuracies"):
-        resolve_tree("auto:5", 3, 10, None)
+    assert parse(str(tmp_path / "t.json"), 3, 10, None).paths == ((0,), (0, 0))
+    assert parse("auto:2", 3, 10, RANKS).paths == ((0,), (1,))
+    with pytest.raises(UserError, match="needs per-rank accuracies"):
+        parse("auto:5", 3, 10, None)
     with pytest.raises(UserError, match="unknown tree"):
-        resolve_tree("bushy", 3, 10, None)
+        parse("bushy", 3, 10, None)
 
 
 # ---------------------------------------------------------------------------------------- graph and loop
@@ -179,10 +180,11 @@ def test_fused_step_equals_the_pytorch_reference(tmp_path, own, subset):
     heads = random_heads(own=own, scale=1.0)
     if subset:  # the heads propose from 100 of the 259 tokens
         heads.vocab_subset = np.sort(np.random.default_rng(3).choice(V, 100, replace=False))
-    options = GraphOptions(fused_accept=True, medusa_top_k=10)
-    info = _write_graph(model, "target", options, 128, tmp_path, True, heads)
-    alone = _write_graph(model, "medusa_heads", options, 128, tmp_path, True, heads, heads_only=True)
-    session = TargetSession(tmp_path / info["file"], info, threads=1)
+    options = GraphOptions(fused_accept=True)
+    info = write_graph(model, "target", options, 128, tmp_path, True, (HeadsAtAcceptedRow(heads, 10),))
+    builder = decoder_builder(model, options, 128)
+    alone = save_graph(build_heads_graph(builder, heads, 10), "medusa_heads", options, builder.d, tmp_path)
+    session = GraphSession(tmp_path / info["file"], info, threads=1)
     heads_session = ort.InferenceSession(str(tmp_path / alone["file"]), providers=["CPUExecutionProvider"])
     accepted = []
     for seed in range(6):
@@ -193,24 +195,29 @@ def test_fused_step_equals_the_pytorch_reference(tmp_path, own, subset):
     assert max(accepted) >= 2  # the check reaches deep paths, not just the root
 
 
-TRAIN = dict(heads=3, samples=60, new_tokens=32, prompt_tokens=64, batch=512, lr=1e-2, threads=1, quiet=True,
-             feature_batch=16)
+TRAIN = dict(heads=3, samples=60, new_tokens=32, prompt_tokens=64, batch=512, lr=1e-2, threads=1, feature_batch=16)
+
+
+def train_heads(folder, output, data, resume=False, **settings):
+    """Heads for the tiny model at `folder`, with TRAIN's settings and these (quiet)."""
+    from specexport.train import medusa
+
+    config = medusa.Config(data=data, **{**TRAIN, **settings})
+    return medusa.train(str(folder), output, config, resume=resume, quiet=True)
 
 
 @pytest.fixture(scope="module")
 def trained(tiny_folder, sharegpt, tmp_path_factory):
     """Heads trained on the tiny model's own greedy continuations (seconds): (training.json, folder)."""
-    from specexport.exporter.train_medusa import train_medusa
-
     out = tmp_path_factory.mktemp("trained") / "heads"
-    return train_medusa(str(tiny_folder), out, steps=150, data_path=sharegpt, **TRAIN), out
+    return train_heads(tiny_folder, out, sharegpt, steps=150), out
 
 
 @pytest.fixture(scope="module")
 def medusa_engine(tiny_folder, trained, tmp_path_factory):
     root = tmp_path_factory.mktemp("medusa")
     options = ExportOptions(graph=GraphOptions(), max_context=128, optimize=True,
-                            method=MethodOptions(name="medusa", heads=str(trained[1]), tree="auto:6"))
+                            **method_export("medusa", heads=str(trained[1]), tree="auto:6"))
     manifest = export_bundle(str(tiny_folder), root / "bundle", options, quiet=True)
     assert manifest["numerics"]["medusa"]["path_match"] and manifest["numerics"]["medusa"]["bonus_match"]
     return Engine.load(root / "bundle", threads=1)
@@ -231,37 +238,34 @@ def test_training_learns_and_writes_loadable_heads(trained):
 
 
 def test_own_lm_head_style_trains_and_loads(tiny_folder, sharegpt, tmp_path):
-    from specexport.exporter.train_medusa import train_medusa
-
-    summary = train_medusa(str(tiny_folder), tmp_path / "own", steps=30, style="own", data_path=sharegpt, **TRAIN)
+    summary = train_heads(tiny_folder, tmp_path / "own", sharegpt, steps=30, head_style="own")
     heads = load_heads(tmp_path / "own")
     assert heads.style == "own" and len(heads.lm_heads) == 3 and heads.lm_heads[0].shape == (V, H)
     assert summary["losses"][-1] < summary["losses"][0]
 
 
 def test_training_resumes_exactly(tiny_folder, sharegpt, tmp_path):
-    from specexport.exporter.train_medusa import train_medusa
-
-    whole = train_medusa(str(tiny_folder), tmp_path / "whole", steps=12, save_every=4, data_path=sharegpt, **TRAIN)
-    first = train_medusa(str(tiny_folder), tmp_path / "part", steps=12, save_every=4, minutes=1e-9,
-                         data_path=sharegpt, **TRAIN)  # stops after its first step
+    whole = train_heads(tiny_folder, tmp_path / "whole", sharegpt, steps=12, save_every=4)
+    first = train_heads(tiny_folder, tmp_path / "part", sharegpt, steps=12, save_every=4,
+                        minutes=1e-9)  # stops after its first step
     assert first["steps"] == 1
-    again = train_medusa(str(tiny_folder), tmp_path / "part", steps=12, save_every=4, resume=True, data_path=sharegpt,
-                         **TRAIN)
+    with pytest.raises(UserError, match="lr=0.01, not 0.02"):
+        train_heads(tiny_folder, tmp_path / "part", sharegpt, steps=12, save_every=4, resume=True, lr=2e-2)
+    again = train_heads(tiny_folder, tmp_path / "part", sharegpt, steps=12, save_every=4, resume=True)
     assert again["steps"] == 12 and again["losses"] == whole["losses"]
     a, b = load_heads(tmp_path / "whole"), load_heads(tmp_path / "part")
     np.testing.assert_array_equal(a.blocks[2][0][0], b.blocks[2][0][0])
 
 
 def test_training_bad_input(tiny_folder, sharegpt, tmp_path):
-    from specexport.exporter.train_medusa import train_medusa
-
     with pytest.raises(UserError, match="--heads must be 1..16"):
-        train_medusa(str(tiny_folder), tmp_path / "x", **{**TRAIN, "heads": 0}, data_path=sharegpt)
+        train_heads(tiny_folder, tmp_path / "x", sharegpt, heads=0)
     with pytest.raises(UserError, match="nothing to resume"):
-        train_medusa(str(tiny_folder), tmp_path / "y", resume=True, data_path=sharegpt, **TRAIN)
+        train_heads(tiny_folder, tmp_path / "y", sharegpt, resume=True)
     fails(["train", "--method", "medusa", "--model", tiny_folder, "--output", tmp_path / "z", "--layers", "2"],
           "--layers does not apply to --method medusa")
+    fails(["train", "--method", "medusa", "--model", tiny_folder, "--output", tmp_path / "z", "--head-style", "big"],
+          "--head-style must be one of shared, own, got 'big'")
     fails(["train", "--method", "draft", "--model", tiny_folder, "--output", tmp_path / "z", "--heads", "2"],
           "--heads does not apply to --method draft")
 
@@ -270,29 +274,33 @@ def test_greedy_medusa_is_lossless(medusa_engine, lossless):
     runs = lossless(medusa_engine, ["The sea wind over blue waves.", "A ship and calm night stars.", "x",
                                     "Far away quiet water."], 40)
     assert max(r.stats.tau for r in runs) > 1.0  # the heads' candidates were accepted somewhere
-    medusa_engine.set_tree("chain_3")
+    medusa_engine.configure(tree="chain_3")
     try:
         lossless(medusa_engine, ["x"], 20)
     finally:
-        medusa_engine.set_tree(None)
+        medusa_engine.configure()
 
 
 def test_medusa_sampling_follows_plain_sampling(medusa_engine):
-    spec, lengths = chisquare.sampled_counts(medusa_engine, "the cat", None, 1500, 0, temperature=0.4)
-    plain, _ = chisquare.sampled_counts(medusa_engine, "the cat", "none", 1500, 100_000, temperature=0.4)
+    spec, lengths = chisquare.sampled_counts(medusa_engine, "the cat", False, 1500, 0, temperature=0.4)
+    plain, _ = chisquare.sampled_counts(medusa_engine, "the cat", True, 1500, 100_000, temperature=0.4)
     stat, dof = chisquare.two_sample(spec, plain)
     assert sum(lengths) - len(lengths) > 50  # the speculative path was exercised, not plain sampling in disguise
     assert dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)
 
 
 def test_typical_acceptance_is_opt_in_and_runs(medusa_engine):
-    medusa_engine.typical = (0.09, 0.3)
+    medusa_engine.configure(typical=True)
     try:
+        steps = []
         out = medusa_engine.generate("the cat", max_new_tokens=12, sampling=SamplingParams(temperature=0.7, seed=0),
-                                     stop_ids=())
-        assert len(out.tokens) == 12
+                                     stop_ids=(), on_step=steps.append)
+        assert len(out.tokens) == 12 and all(s.tree.mode.value == "typical" for s in steps)
+        with pytest.raises(UserError, match="--typical needs --temperature > 0"):
+            medusa_engine.generate("the cat", max_new_tokens=4)
     finally:
-        medusa_engine.typical = None
+        medusa_engine.configure()
+    assert medusa_engine.generate("the cat", max_new_tokens=4).tokens  # greedy again
 
 
 # -------------------------------------------------------------------------------------------------- CLI
@@ -308,7 +316,7 @@ def fails(args, match):
 @pytest.mark.parametrize("heads, tree, match", [
     ("wide", "small_7", "hidden size 96 do not fit"),
     ("pickle", "small_7", "refusing to load"),
-    ("good", "empty.json", "at least one choice"),
+    ("good", "empty.json", "at least one path"),
     ("good", "deep.json", "only 3 heads"),
     ("good", "[[0], [12]]", "rank 12"),
     ("good", "[[0], [0, 0]", "inline tree: not valid JSON"),

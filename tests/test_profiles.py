@@ -6,6 +6,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
+from conftest import method_export
 from specexport.cli import main
 from specexport.errors import UserError
 from specexport.profiles import bundled, dump, load_profile, names, parse
@@ -35,10 +36,14 @@ def line_of(text, needle):
 
 @pytest.mark.parametrize("text, needle, message", [
     (lambda: edited("[limits]\n", "[limits]\nmax_speed = 3\n"), "max_speed", "unknown key 'max_speed'"),
-    (lambda: edited("max_batch = ", "max_batch = -"), "max_batch", "max_batch must be >= 1"),
+    (lambda: edited("max_context = ", "max_context = -"), "max_context", "max_context must be >= 1"),
     (lambda: edited("max_context = ", "max_context = \"a lot\" #"), "max_context", "'max_context' must be an int"),
     (lambda: edited("measured = false", "measured = \"no\""), "measured", "'measured' must be a bool"),
-    (lambda: edited("max_tree_tokens = ", "max_tree_tokens = 8 #"), "tree = ", "over this profile's max_tree_tokens = 8"),
+    (lambda: edited("max_tree_tokens = ", "max_tree_tokens = 8 #"), "[ngram]", "over this profile's max_tree_tokens = 8"),
+    (lambda: edited("[eagle]\n", "[eagle]\nwidth = 3\n"), "width", "unknown key 'width'"),
+    (lambda: edited("[eagle]\n", "[eagle]\ntypical = true\n"), "typical", "unknown key 'typical'"),
+    (lambda: edited("depth = ", "depth = \"deep\" #"), "depth = ", "depth must be an integer"),
+    (lambda: edited("depth = ", "depth = 0 #"), "[eagle]", "--depth must be in 1..16"),
     (lambda: edited("[eagle]", "[eagle]\n[turbo]"), "[turbo]", "unknown section 'turbo'"),
 ])  # fmt: skip
 def test_bad_profiles_fail_with_file_and_line(text, needle, message):
@@ -99,13 +104,14 @@ def test_build_with_a_profile_records_it(tiny_folder, tmp_path):
     assert bad.exit_code == 1 and "unknown profile 'tpu-v9'" in bad.output and not (tmp_path / "c").exists()
 
 
-def _profile(tiny_folder, tmp_path, method, contexts: str):
-    """Build a tiny bundle (tmp_path/b) with `method`, profile it quickly: (the CLI result, the profile written)."""
+def _profile(tiny_folder, tmp_path, method: dict, contexts: str):
+    """Build a tiny bundle (tmp_path/b) with `method` (method_export), profile it quickly: (the CLI result, the
+    profile written)."""
     from specexport.exporter.export import ExportOptions, export_bundle
     from specexport.exporter.graph import GraphOptions
 
     export_bundle(str(tiny_folder), tmp_path / "b", ExportOptions(graph=GraphOptions(fused_accept=True),
-                                                                  max_context=160, validate=False, method=method),
+                                                                  max_context=160, validate=False, **method),
                   quiet=True)
     out = tmp_path / "measured.toml"
     result = CliRunner().invoke(main, ["profile", str(tmp_path / "b"), "--output", str(out), "--base", "cpu-2core",
@@ -118,14 +124,12 @@ def _profile(tiny_folder, tmp_path, method, contexts: str):
 def test_profile_command_measures_chooses_and_reports(tiny_folder, tmp_path):
     from test_medusa import random_heads, write_heads
 
-    from specexport.exporter.methods import MethodOptions
-
     heads = write_heads(tmp_path / "heads", random_heads())
-    result, out = _profile(tiny_folder, tmp_path, MethodOptions(name="medusa", heads=str(heads), tree="chain_3"),
-                           "16,64")
+    result, out = _profile(tiny_folder, tmp_path, method_export("medusa", heads=str(heads), tree="chain_3"), "16,64")
     assert "chosen auto:" in result.output and "prediction error" in result.output
     profile = load_profile(out)
-    assert profile.measured and profile.name == "measured" and profile.medusa.choices
+    chosen = json.loads(profile.methods["medusa"].tree)  # the tree as rank paths
+    assert profile.measured and profile.name == "measured" and chosen and all(isinstance(p, list) for p in chosen)
     assert profile.measurements.tree_tokens == (1, 2, 3, 4, 6, 8) and len(profile.measurements.verify_ms) == 6
     assert profile.engine.precision == "fp32" and "measured by specexport profile" in profile.source
     report = (tmp_path / "measured-report" / "report.md").read_text()
@@ -137,21 +141,24 @@ def test_profile_command_measures_chooses_and_reports(tiny_folder, tmp_path):
                                       "--profile", str(out), "--output", str(tmp_path / "c"), "--no-validate"])
     assert built.exit_code == 0, built.output
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
-    assert manifest["method"]["tree"] == [list(c) for c in profile.medusa.choices]
+    assert manifest["method"]["tree"] == chosen
     again = CliRunner().invoke(main, ["profile", str(tmp_path / "b"), "--output", str(out)])
     assert again.exit_code == 1 and "already exists" in again.output
 
 
 def test_draft_lengths_replay_from_a_longer_proposal():
-    """Hand-worked: a proposal cut to depth K, and the accept length of each cut against the emitted tokens."""
-    from specexport.profiles.chains import accept_length, cut
+    """Hand-worked: a proposal cut to depth K, and the accept length of each cut against the emitted tokens (the
+    runtime's greedy rule, replayed)."""
+    from specexport.tune.measure import cut_depth, replay
 
-    tokens, parents = [5, 6, 7, 9, 8], [-1, 0, 1, -1, 3]  # 5-6-7 and 9-8 below the root
-    assert cut(parents, 1) == [0, 3] and cut(parents, 2) == [0, 1, 3, 4] and cut(parents, 3) == [0, 1, 2, 3, 4]
+    tokens, parents = [4, 5, 6, 7, 9, 8], [-1, 0, 1, 2, 0, 4]  # 5-6-7 and 9-8 below the root 4
+    assert cut_depth(tokens, parents, 1) == ([4, 5, 9], [-1, 0, 0])
+    assert cut_depth(tokens, parents, 2) == ([4, 5, 6, 9, 8], [-1, 0, 1, 0, 3])
+    assert cut_depth(tokens, parents, 3) == (tokens, parents)
     emitted = [5, 6, 4, 4]
-    assert [accept_length(tokens, parents, cut(parents, k), emitted) for k in (1, 2, 3)] == [2, 3, 3]
-    assert accept_length(tokens, parents, cut(parents, 3), [9, 8, 1]) == 3
-    assert accept_length(tokens, parents, cut(parents, 3), [1]) == 1
+    assert [replay(*cut_depth(tokens, parents, k), emitted) for k in (1, 2, 3)] == [2, 3, 3]
+    assert replay(tokens, parents, [9, 8, 1]) == 3
+    assert replay(tokens, parents, [1]) == 1
 
 
 def test_a_short_proposal_is_the_start_of_a_long_one(tiny_folder, tmp_path):
@@ -159,46 +166,43 @@ def test_a_short_proposal_is_the_start_of_a_long_one(tiny_folder, tmp_path):
     (a draft model's tree, prompt lookup's chain)."""
     from specexport.exporter.export import ExportOptions, export_bundle
     from specexport.exporter.graph import GraphOptions
-    from specexport.exporter.methods import MethodOptions
-    from specexport.profiles.chains import cut
     from specexport.runtime.generate import Engine
     from specexport.runtime.sampling import Sampler, SamplingParams
+    from specexport.tune.measure import cut_depth
 
-    for method in (MethodOptions(name="draft", draft_model="self:1", draft_length=3, draft_branching=(2,)),
-                   MethodOptions(name="ngram", draft_length=4, max_matches=1)):
-        out = tmp_path / method.name
+    for method in (method_export("draft", draft_model="self:1", draft_length=3, draft_branching=(2,)),
+                   method_export("ngram", draft_length=4, max_matches=1)):
+        out = tmp_path / method["method"]
         export_bundle(str(tiny_folder), out, ExportOptions(graph=GraphOptions(fused_accept=True), max_context=128,
-                                                           validate=False, method=method), quiet=True)
+                                                           validate=False, **method), quiet=True)
         engine = Engine.load(out, threads=1)
         history = engine.encode("abcab abcab abc", chat=False)
         proposals = {}
         for k in (1, 2, 5, 8):
-            engine.draft_length = k
-            proposer = engine.proposer(method.name, Sampler(SamplingParams()))
+            engine.configure(draft_length=k)
+            proposer = engine.proposer(Sampler(SamplingParams()))
             proposer.start(len(history), 128)
             proposals[k] = proposer.propose(history)
         longest = proposals[8]
-        assert len(longest) > 2, method.name
+        assert len(longest) > 3, method["method"]
         for k in (1, 2, 5):
-            keep = cut(longest.parents, k)
-            assert proposals[k].tokens == [longest.tokens[i] for i in keep], (method.name, k)
+            cut = cut_depth(longest.tokens, longest.parents, k)
+            assert (proposals[k].tokens, proposals[k].parents) == cut, (method["method"], k)
 
 
 def test_profile_command_chooses_a_draft_length(tiny_folder, tmp_path):
-    from specexport.exporter.methods import MethodOptions
-
-    result, out = _profile(tiny_folder, tmp_path, MethodOptions(name="ngram", draft_length=3, max_matches=1), "16")
+    result, out = _profile(tiny_folder, tmp_path, method_export("ngram", draft_length=3, max_matches=1), "16")
     assert "chosen draft length" in result.output and "prediction error" in result.output
     profile = load_profile(out)
     lengths = [int(line.split("draft length ")[1].split()[0].rstrip(")")) for line in result.output.splitlines()
                if line.startswith("  draft length")]
-    assert profile.ngram.draft_length in lengths and profile.ngram.max_matches == 1
+    assert profile.methods["ngram"].draft_length in lengths and profile.methods["ngram"].max_matches == 1
     assert "## Trees side by side" in (tmp_path / "measured-report" / "report.md").read_text()
     run = CliRunner().invoke(main, ["run", str(tmp_path / "b"), "--prompt", "abab", "--max-new-tokens", "4",
                                     "--draft-length", "2"])
     assert run.exit_code == 0 and "(draft length 2)" in run.output, run.output
     for bad, message in ((["--draft-length", "0"], "--draft-length must be in 1..64"),
-                         (["--depth", "2"], "--depth applies to EAGLE bundles")):
+                         (["--depth", "2"], "--depth applies to eagle, eagle3 bundles; this one is 'ngram'")):
         wrong = CliRunner().invoke(main, ["run", str(tmp_path / "b"), "--prompt", "ab"] + bad)
         assert wrong.exit_code == 1 and message in wrong.output, wrong.output
 
@@ -207,19 +211,25 @@ def test_medusa_accept_length_replays_recorded_steps():
     """Hand-worked: head d's candidates by rank, the tokens emitted after the root, and trees of rank paths."""
     import numpy as np
 
-    from specexport.profiles.measure import replayed_accept_length
+    from specexport.runtime import rank_tree
+    from specexport.tune.measure import replay
 
     candidates = np.array([[10, 11, 12], [20, 21, 22], [30, 31, 32]])
-    samples = [(candidates, [11, 20, 32]), (candidates, [10, 99, 30]), (candidates, [12, 20])]
-    assert replayed_accept_length([(0,), (1,), (1, 0), (1, 0, 2)], samples) == (4 + 2 + 1) / 3
-    assert replayed_accept_length([(0,), (0, 0)], samples) == (1 + 2 + 1) / 3
-    assert replayed_accept_length([(2,), (2, 0), (2, 0, 0)], samples) == (1 + 1 + 3) / 3
+    samples = [[11, 20, 32], [10, 99, 30], [12, 20]]
+
+    def tau(paths):
+        tree = rank_tree.make(paths)
+        return np.mean([replay(tree.medusa_tokens(1, candidates), tree.parents, emitted) for emitted in samples])
+
+    assert tau([(0,), (1,), (1, 0), (1, 0, 2)]) == (4 + 2 + 1) / 3
+    assert tau([(0,), (0, 0)]) == (1 + 2 + 1) / 3
+    assert tau([(2,), (2, 0), (2, 0, 0)]) == (1 + 1 + 3) / 3
 
 
 def test_a_measured_profile_keeps_the_other_methods_sources():
     import dataclasses
 
-    from specexport.profiles.command import _source
+    from specexport.tune import _source
     from specexport.profiles.detect import resolve_profile
 
     base, _ = resolve_profile("cpu-8core")

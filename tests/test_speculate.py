@@ -3,12 +3,13 @@
 import numpy as np
 import pytest
 
+from conftest import method_export
 from specexport import chisquare
-from specexport.exporter.export import ExportOptions, _write_graph, export_bundle
+from specexport.exporter.export import ExportOptions, export_bundle
+from specexport.exporter.save import write_graph
 from specexport.exporter.graph import GraphOptions
-from specexport.exporter.methods import MethodOptions
 from specexport.runtime import tree
-from specexport.runtime.backend import TargetSession
+from specexport.runtime.backend import GraphSession
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import SamplingParams, probabilities
 from specexport.runtime.verify import accept_greedy, accept_tree, uniforms_shape
@@ -17,9 +18,9 @@ PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat
 NEW = 24
 
 
-def build(folder, out, fused=True, **method):
+def build(folder, out, fused=True, name="none", **given):
     options = ExportOptions(graph=GraphOptions(fused_accept=fused), max_context=128, validate=False,
-                            method=MethodOptions(**method))
+                            **method_export(name, **given))
     export_bundle(str(folder), out, options, quiet=True)
     return Engine.load(out, threads=1)
 
@@ -62,7 +63,7 @@ def test_ngram_accepts_on_repetitive_output(engines):
 
 def test_stop_inside_an_accepted_run(engines):
     engine = engines["same-chain"]
-    plain = engine.generate("hello", max_new_tokens=NEW, stop_ids=(), method="none")
+    plain = engine.generate("hello", max_new_tokens=NEW, stop_ids=(), plain=True)
     stop_at = plain.tokens[6]  # the 7th token arrives in the middle of a 5-token step
     spec = engine.generate("hello", max_new_tokens=NEW, stop_ids=(stop_at,))
     assert spec.tokens == plain.tokens[:plain.tokens.index(stop_at) + 1] and spec.stop_reason == "eos"
@@ -74,8 +75,8 @@ def test_stop_inside_an_accepted_run(engines):
                                           ("ngram", {"temperature": 0.5})])
 def test_sampling_follows_plain_sampling(engines, name, params):
     engine = engines[name]
-    spec = chisquare.sampled_counts(engine, "the cat", None, 1500, 0, **params)[0]
-    plain = chisquare.sampled_counts(engine, "the cat", "none", 1500, 100_000, **params)[0]
+    spec = chisquare.sampled_counts(engine, "the cat", False, 1500, 0, **params)[0]
+    plain = chisquare.sampled_counts(engine, "the cat", True, 1500, 100_000, **params)[0]
     stat, dof = chisquare.two_sample(spec, plain)
     assert dof >= 3
     assert stat < chisquare.threshold(dof), (stat, dof)
@@ -87,9 +88,9 @@ def test_the_sampling_test_catches_a_broken_rule(engines, monkeypatch):
     from specexport.runtime import verify
 
     engine = engines["self1-tree-logits"]
-    plain = chisquare.sampled_counts(engine, "the cat", "none", 1500, 100_000, temperature=0.5)[0]
+    plain = chisquare.sampled_counts(engine, "the cat", True, 1500, 100_000, temperature=0.5)[0]
     monkeypatch.setattr(verify, "_reject", lambda p, q, x, mode: (p, q))
-    spec = chisquare.sampled_counts(engine, "the cat", None, 1500, 0, temperature=0.5)[0]
+    spec = chisquare.sampled_counts(engine, "the cat", False, 1500, 0, temperature=0.5)[0]
     stat, dof = chisquare.two_sample(spec, plain)
     assert stat > chisquare.threshold(dof), (stat, dof)
 
@@ -114,8 +115,8 @@ def test_fused_acceptance_equals_the_pure_rule(tmp_path):
     model = tiny_model("llama")
     rng = np.random.default_rng(0)
     for flavour in ("ort", "onnx"):
-        info = _write_graph(model, "target", GraphOptions(flavour=flavour, fused_accept=True), 128, tmp_path, quiet=True)
-        session = TargetSession(tmp_path / info["file"], info, threads=1)
+        info = write_graph(model, "target", GraphOptions(flavour=flavour, fused_accept=True), 128, tmp_path, quiet=True)
+        session = GraphSession(tmp_path / info["file"], info, threads=1)
         for _ in range(60):
             cache = session.new_cache(128)
             past = int(rng.integers(0, 12))

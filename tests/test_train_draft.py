@@ -1,9 +1,11 @@
 """Draft distillation on a tiny random target and a tiny ShareGPT-format file: it learns, it resumes exactly,
 its output loads like any model, and bad input is one clear UserError."""
 
+import dataclasses
 import json
 import random
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,33 +13,15 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from conftest import save_folder, tiny_model
+from helpers import TRAIN_CONVERSATIONS, sentence, write_sharegpt
+import specexport.train as trainers
 from specexport.cli import main
 from specexport.errors import UserError
-from specexport.exporter import train_draft as td
-from specexport.exporter import training
 from specexport.exporter.sources import load_model, resolve
+from specexport.train import data as train_data
+from specexport.train import draft as td
 
-WORDS = "the a sea ship wind sails over blue waves and calm night stars shine on quiet water far away".split()
-TRAIN_CONVERSATIONS = 12
-FAST = dict(layers=2, batch=4, seq_len=32, threads=1, quiet=True)
-
-
-def sentence(rng, n):
-    return " ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + "."
-
-
-def write_sharegpt(path, train=TRAIN_CONVERSATIONS, heldout=training.HELDOUT, truncate=True):
-    """A ShareGPT-format JSON list: `train` conversations, then the `heldout` ones, then (if `truncate`) a
-    conversation cut off mid-string, as in the real file."""
-    rng = random.Random(0)
-    items = [{"id": f"c{i}", "conversations": [{"from": "human", "value": sentence(rng, 5)},
-                                               {"from": "gpt", "value": sentence(rng, 12)}]}
-             for i in range(train + heldout)]  # fmt: skip
-    text = json.dumps(items, indent=1)
-    if truncate:
-        text = text[:-2] + ',\n{"id": "cut", "conversations": [{"from": "human", "value": "The sea'
-    path.write_text(text)
-    return path
+FAST = dict(layers=2, batch=4, seq_len=32, threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +34,15 @@ def data(tmp_path_factory):
     return write_sharegpt(tmp_path_factory.mktemp("data") / "sharegpt.json")
 
 
-def train(target, data, output, **kwargs):
-    return td.train_draft(str(target), output, data_path=data, **{**FAST, **kwargs})
+def train(target, data, output, resume=False, overwrite=False, **settings):
+    config = td.Config(**{**FAST, "data": data, **settings})
+    return td.train(str(target), output, config, resume=resume, overwrite=overwrite, quiet=True)
 
 
 def test_read_sharegpt_drops_a_truncated_tail(data):
-    conversations = training.read_sharegpt(data)
-    assert len(conversations) == TRAIN_CONVERSATIONS + training.HELDOUT
-    assert conversations[-1]["id"] == f"c{TRAIN_CONVERSATIONS + training.HELDOUT - 1}"
+    conversations = train_data.read_sharegpt(data)
+    assert len(conversations) == TRAIN_CONVERSATIONS + train_data.HELDOUT
+    assert conversations[-1]["id"] == f"c{TRAIN_CONVERSATIONS + train_data.HELDOUT - 1}"
 
 
 def test_token_stream_packs_windows_and_continues_from_its_position(target):
@@ -65,15 +50,15 @@ def test_token_stream_packs_windows_and_continues_from_its_position(target):
     rng = random.Random(1)
     conversations = [{"conversations": [{"from": "human", "value": sentence(rng, 3)},
                                         {"from": "gpt", "value": sentence(rng, 4)}]} for _ in range(5)]  # fmt: skip
-    stream = training.TokenStream(tokenizer, conversations, seq_len=16, seed=3)
+    stream = train_data.TokenStream(tokenizer, conversations, seq_len=16, seed=3)
     windows = [stream.window() for _ in range(30)]  # several epochs
     assert all(len(w) == 16 for w in windows)
-    stream = training.TokenStream(tokenizer, conversations, seq_len=16, seed=3)
+    stream = train_data.TokenStream(tokenizer, conversations, seq_len=16, seed=3)
     for _ in range(11):
         stream.window()
-    again = training.TokenStream(tokenizer, conversations, seq_len=16, seed=3, position=stream.position)
+    again = train_data.TokenStream(tokenizer, conversations, seq_len=16, seed=3, position=stream.position)
     assert [again.window() for _ in range(19)] == windows[11:]
-    first_epoch = sum(len(training.render(tokenizer, c, 16)) for c in conversations)
+    first_epoch = sum(len(train_data.render(tokenizer, c, 16)) for c in conversations)
     assert sum(len(w) for w in windows[:first_epoch // 16]) <= first_epoch  # packed, nothing padded
 
 
@@ -225,3 +210,34 @@ def test_overwrite_checks_settings_first_and_replaces_only_training_output(targe
     assert result.exit_code == 1 and "is not a training output" in result.output, result.output
     assert (mine / "thesis.txt").read_text() == "years of work"
 
+
+
+def test_registry_holds_each_trainers_options_once():
+    assert list(trainers.TRAINERS) == ["draft", "medusa", "eagle", "eagle3"]
+    with pytest.raises(UserError, match="unknown training method 'gpt'"):
+        trainers.get("gpt")
+    eagle, eagle3 = trainers.get("eagle").Config(), trainers.get("eagle3").Config()
+    assert (eagle.version, eagle3.version) == (1, 3) and not hasattr(eagle, "draft_vocab")
+    assert (td.Config().minutes, eagle3.minutes, eagle3.draft_vocab) == (30.0, 35.0, 8192)
+    shown = " ".join(CliRunner().invoke(main, ["train", "--help"]).output.split())
+    assert "[default: draft 30.0, medusa 20.0, eagle 35.0, eagle3 35.0]" in shown
+    assert "--prompt-tokens" not in shown and "--feature-batch" not in shown  # library settings, not options
+
+
+def test_cli_passes_the_given_settings_and_offline_through(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_train(model_spec, output, config, **kwargs):
+        seen.update(model_spec=model_spec, config=config, **kwargs)
+        raise UserError("stopped here")
+
+    monkeypatch.setitem(trainers.TRAINERS, "medusa", dataclasses.replace(trainers.TRAINERS["medusa"], train=fake_train))
+    args = ["train", "--method", "medusa", "--model", "m", "--output", str(tmp_path / "o"), "--offline",
+            "--no-self-distill", "--heads", "2", "--data", "x.json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and result.output.strip() == "Error: stopped here", result.output
+    assert seen["config"] == trainers.TRAINERS["medusa"].Config(heads=2, self_distill=False, data=Path("x.json"))
+    assert (seen["model_spec"], seen["offline"], seen["resume"], seen["overwrite"]) == ("m", True, False, False)
+    result = CliRunner().invoke(main, args[:7] + ["--ttt-steps", "2"])
+    assert result.exit_code == 1 and result.output.strip().splitlines() == [
+        "Error: --ttt-steps does not apply to --method medusa (it applies to eagle, eagle3)"]

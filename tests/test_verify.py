@@ -7,7 +7,7 @@ import pytest
 
 from specexport import chisquare
 from specexport.runtime import verify
-from specexport.runtime.tree import chain, children
+from specexport.runtime.tree import AcceptMode, chain, children
 from specexport.runtime.verify import Acceptance, accept_chain, accept_greedy, accept_tree, uniforms_shape
 
 # ---------------------------------------------------------------------------------------------
@@ -160,12 +160,12 @@ def test_root_only_draws_from_p():
 def test_empty_residual_falls_back_to_p():
     """p == q leaves no residual; a rejection is then impossible except by rounding, and p is used."""
     p = np.array([0.25, 0.75])
-    for mode in ("with_replacement", "without_replacement"):
+    for mode in (AcceptMode.WITH_REPLACEMENT, AcceptMode.WITHOUT_REPLACEMENT):
         residual, _ = verify._reject(p, p, 0, mode)
         np.testing.assert_array_equal(residual, p)
-    residual, _ = verify._reject(np.array([0.0, 1.0]), None, 1, "topk")
+    residual, _ = verify._reject(np.array([0.0, 1.0]), None, 1, AcceptMode.TOPK)
     np.testing.assert_array_equal(residual, [0.0, 1.0])
-    _, q1 = verify._reject(p, np.array([1.0, 0.0]), 0, "without_replacement")
+    _, q1 = verify._reject(p, np.array([1.0, 0.0]), 0, AcceptMode.WITHOUT_REPLACEMENT)
     np.testing.assert_array_equal(q1, [0.0, 0.0])  # nothing left to draw: later siblings are skipped
 
 
@@ -321,7 +321,7 @@ def _unnormalised_residual(p, q):
 BROKEN = {  # one plausible bug per rule, patched into verify._reject
     "chain": lambda p, q, x, mode: (p, q),  # the correction is drawn from p, not the residual
     "with_replacement": lambda p, q, x, mode: (_unnormalised_residual(p, q), q),
-    "without_replacement": lambda p, q, x, mode: _real_reject(p, q, x, "with_replacement"),  # q[x] not zeroed
+    "without_replacement": lambda p, q, x, mode: _real_reject(p, q, x, AcceptMode.WITH_REPLACEMENT),  # q[x] kept
     "topk": lambda p, q, x, mode: (p, q),  # the rejected candidate stays in p
 }
 

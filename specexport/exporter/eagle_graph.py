@@ -15,16 +15,35 @@ EAGLE-1's last hidden state after the final norm.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import numpy as np
 from onnx import TensorProto, helper
+
+from specexport.exporter.arch import rope_tables
+from specexport.exporter.eagle import EagleDraft
+from specexport.exporter.graph import make_model
 
 EAGLE_TOP_K = 10  # candidates per draft row in the graph: any --top-k up to this runs on the bundle
 
 
+@dataclass(frozen=True)
+class TargetFeatures:
+    """The target graph's extension: `eagle_features` [1, T, h] for the draft (the aux layers' inputs must be among
+    the graph's aux_layers)."""
+
+    draft: EagleDraft
+
+    def add(self, builder, final: str, flat: str, accepted_row: str | None) -> list:
+        if not set(self.draft.config.aux_layers) <= set(builder.opt.aux_layers):
+            raise ValueError("an EAGLE-3 draft needs its aux layers among the graph's aux_layers")
+        add_target_features(builder, self.draft, final)
+        return [helper.make_tensor_value_info("eagle_features", builder.opt.compute_type,
+                                              ["batch", "seq", self.draft.config.hidden])]
+
+
 def draft_dims(draft, target_dims):
     """The draft decoder as a one-layer Dims (for the graph builder's blocks)."""
-    from dataclasses import replace
-
     c = draft.config
     return replace(target_dims, vocab=c.draft_vocab, hidden=c.hidden, intermediate=c.intermediate, layers=1, heads=c.heads,
                    kv_heads=c.kv_heads, head_dim=c.head_dim, rms_eps=c.rms_eps,
@@ -40,9 +59,9 @@ def draft_weights(draft, target_weights: dict) -> dict:
     return w
 
 
-def add_target_features(builder, final: str) -> None:
-    """Append `eagle_features` to the target graph (builder.eagle is the draft; aux layer inputs are captured)."""
-    g, draft = builder.g, builder.eagle
+def add_target_features(builder, draft: EagleDraft, final: str) -> None:
+    """Append `eagle_features` to the target graph (the aux layers' inputs are captured as layer_input.*)."""
+    g = builder.g
     if draft.config.version == 3:
         parts = [f"layer_input.{i}" for i in draft.config.aux_layers]
         fused = g.op("Concat", parts, axis=-1)
@@ -52,17 +71,13 @@ def add_target_features(builder, final: str) -> None:
 
 
 def rope_for(draft, max_positions: int):
-    from specexport.exporter.arch import rope_tables
-
     d = draft.config.head_dim
     inv = 1.0 / draft.config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
     return rope_tables(inv.astype(np.float32), 1.0, max_positions)
 
 
 def build_draft_graph(builder, draft):
-    """The draft graph on a TargetGraphBuilder made with draft_dims/draft_weights (one layer)."""
-    from specexport.exporter.graph import make_model
-
+    """The draft graph on a DecoderGraphBuilder made with draft_dims/draft_weights (one layer)."""
     g, c, w = builder.g, draft.config, draft.weights
     et = builder.opt.compute_type
     inputs, outputs = builder.step_io(1, (helper.make_tensor_value_info("hidden", et, ["batch", "seq", c.hidden]),))

@@ -15,15 +15,19 @@ wrong for a branching tree with no past).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from specexport.errors import UserError
-from specexport.exporter.arch import ArchSpec, Dims
 from specexport.exporter import quant
+from specexport.exporter.arch import ArchSpec, Dims
+from specexport.exporter.fused import INPUTS as ACCEPT_INPUTS
+from specexport.exporter.fused import add_accept
+from specexport.runtime import cpu
 
 PRECISIONS = ("fp32", "int8", "int4", "fp16", "bf16")
 FLAVOURS = ("ort", "onnx")
@@ -38,7 +42,8 @@ class GraphOptions:
     flavour: str = "ort"
     aux_layers: tuple[int, ...] = ()  # export the input of these layers (EAGLE-3 features)
     fused_accept: bool = False  # verify in the graph: greedy or sampling acceptance of the step's tree (exporter/fused.py)
-    medusa_top_k: int = 0  # with Medusa heads: candidates per head at the accepted row (needs fused_accept)
+    # int8 weights of the ort flavour: 7 bits where this CPU's int8 kernels saturate (runtime/cpu.py)
+    int8_bits: int = field(default_factory=cpu.int8_weight_bits)
 
     def check(self, d: Dims) -> None:
         if self.precision not in PRECISIONS:
@@ -120,17 +125,20 @@ class _Graph:
         return outputs[0] if len(outputs) == 1 else outputs
 
 
-class TargetGraphBuilder:
+class GraphExtension(Protocol):
+    """What a speculation method adds to the target graph (Medusa's heads, EAGLE's features): nodes appended after
+    the final norm and, with the fused acceptance, after it; returns the graph outputs it adds."""
+
+    def add(self, builder: "DecoderGraphBuilder", final: str, flat: str, accepted_row: str | None) -> list: ...
+
+
+class DecoderGraphBuilder:
+    """Builds a decoder's step graph (the target's; the same blocks make a draft's) from its weights."""
+
     def __init__(self, spec: ArchSpec, dims: Dims, weights: dict[str, np.ndarray], options: GraphOptions,
-                 rope: tuple[np.ndarray, np.ndarray], medusa=None, eagle=None):
+                 rope: tuple[np.ndarray, np.ndarray]):
         options.check(dims)
-        if (medusa is None) != (options.medusa_top_k == 0) or (medusa is not None and not options.fused_accept):
-            raise ValueError("Medusa heads need medusa_top_k > 0 and fused_accept, and the other way round")
         self.spec, self.d, self.w, self.opt = spec, dims, weights, options
-        self.medusa = medusa
-        self.eagle = eagle  # an EAGLE draft: the graph also returns `eagle_features` (exporter/eagle_graph.py)
-        if eagle is not None and not set(eagle.config.aux_layers) <= set(options.aux_layers):
-            raise ValueError("an EAGLE-3 draft needs its aux layers among the graph's aux_layers")
         self.g = _Graph(options.compute_type)
         self.rope = rope
         self.ort = options.flavour == "ort"
@@ -142,7 +150,7 @@ class TargetGraphBuilder:
         out_dim, in_dim = w.shape
         b = g.const(f"{name}.bias", bias, compute=True) if bias is not None else ""
         if p == "int8":
-            q, scale = quant.int8_per_channel(w)
+            q, scale = quant.int8_per_channel(w, self.opt.int8_bits if self.ort else 8)
             if self.ort:
                 y = g.op("DynamicQuantizeMatMul", [x, g.const(f"{name}.qweight", q), g.const(f"{name}.scale", scale), "", b],
                          domain="com.microsoft")
@@ -198,7 +206,9 @@ class TargetGraphBuilder:
         return g.op("Reshape", [normed, g.const(f"{name}.flat", np.array([0, 0, heads * hd], np.int64))])
 
     # -- the graph ---------------------------------------------------------------------------
-    def build(self, on_layer=lambda i: None) -> onnx.ModelProto:
+    def build(self, extensions: tuple[GraphExtension, ...] = (), on_layer=lambda i: None) -> onnx.ModelProto:
+        """final hidden (`final`) -> logits of the selected rows; with fused_accept, the accepted rows and the bonus
+        token; then each extension's outputs."""
         d, g, w = self.d, self.g, self.w
         et = self.opt.compute_type
         inputs, outputs = self.step_io(d.layers)
@@ -228,31 +238,19 @@ class TargetGraphBuilder:
             on_layer(i)
         final, _ = self.norm(x, residual, w["norm"], "norm")
         g.op("Identity", [final], outputs=["hidden_states"])
-        if self.eagle is not None:
-            from specexport.exporter.eagle_graph import add_target_features
-
-            add_target_features(self, final)
-            outputs.append(helper.make_tensor_value_info("eagle_features", et, ["batch", "seq", self.eagle.config.hidden]))
-
         flat = g.op("Reshape", [final, g.const("flat_hidden", np.array([-1, d.hidden], np.int64))])
         logits = self.lm_head(g.op("Gather", [flat, "logits_indices"], axis=0))
         if et != TensorProto.FLOAT:
             logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
         g.op("Identity", [logits], outputs=["logits"])
+        row = None
         if self.opt.fused_accept:
-            from specexport.exporter.fused import INPUTS, add_accept
-
-            inputs += [helper.make_tensor_value_info(name, t, shape) for name, t, shape in INPUTS]
+            inputs += [helper.make_tensor_value_info(name, t, shape) for name, t, shape in ACCEPT_INPUTS]
             _, _, row = add_accept(g, "logits", seq_len)
             outputs += [helper.make_tensor_value_info("accept_rows", TensorProto.INT64, ["accepted"]),
                         helper.make_tensor_value_info("bonus_token", TensorProto.INT64, [1])]
-            if self.medusa is not None:
-                from specexport.exporter.medusa_graph import add_medusa_heads
-
-                add_medusa_heads(self, g.op("Gather", [flat, row], axis=0), "medusa_tokens")
-                outputs.append(helper.make_tensor_value_info("medusa_tokens", TensorProto.INT64,
-                                                             [1, self.medusa.count, self.opt.medusa_top_k]))
-
+        for extension in extensions:
+            outputs += extension.add(self, final, flat, row)
         return make_model(helper.make_graph(g.nodes, "target", inputs, outputs, initializer=g.initializers))
 
     def step_io(self, layers: int, extra: tuple = ()) -> tuple[list, list]:

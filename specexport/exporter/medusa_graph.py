@@ -8,14 +8,35 @@ head's size); the LM head is the target's own initializer when the heads share i
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from specexport.exporter.graph import make_model
+from specexport.exporter.medusa import MedusaHeads
 
-def add_medusa_heads(builder, hidden: str, output: str) -> str:
+
+@dataclass(frozen=True)
+class HeadsAtAcceptedRow:
+    """The target graph's extension: `medusa_tokens` [1, heads, top_k], the heads' candidates at the row of the
+    last accepted node (needs the fused acceptance, which picks that row)."""
+
+    heads: MedusaHeads
+    top_k: int
+
+    def add(self, builder, final: str, flat: str, accepted_row: str | None) -> list:
+        if accepted_row is None:
+            raise ValueError("Medusa heads in the target graph need the fused acceptance (fused_accept)")
+        add_medusa_heads(builder, self.heads, self.top_k, builder.g.op("Gather", [flat, accepted_row], axis=0),
+                         "medusa_tokens")
+        return [helper.make_tensor_value_info("medusa_tokens", TensorProto.INT64, [1, self.heads.count, self.top_k])]
+
+
+def add_medusa_heads(builder, heads: MedusaHeads, top_k: int, hidden: str, output: str) -> str:
     """Append the heads to `builder`'s graph: hidden [n, h] (compute type) -> `output` [n, heads, top_k]."""
-    g, heads, top_k = builder.g, builder.medusa, builder.opt.medusa_top_k
+    g = builder.g
     subset = heads.vocab_subset
     outs = []
     for k, blocks in enumerate(heads.blocks):
@@ -46,16 +67,13 @@ def add_medusa_heads(builder, hidden: str, output: str) -> str:
     return g.op("Identity", [index], outputs=[output])
 
 
-def build_heads_graph(builder) -> onnx.ModelProto:
+def build_heads_graph(builder, heads: MedusaHeads, top_k: int) -> onnx.ModelProto:
     """A graph of the heads alone: `hidden` [n, hidden] (compute type) -> `medusa_tokens` [n, heads, top_k]."""
-    from specexport.exporter.graph import make_model
-
-    et = builder.opt.compute_type
-    d, heads = builder.d, builder.medusa
-    add_medusa_heads(builder, "hidden", "medusa_tokens")
+    et, d = builder.opt.compute_type, builder.d
+    add_medusa_heads(builder, heads, top_k, "hidden", "medusa_tokens")
     g = builder.g
     return make_model(helper.make_graph(
         g.nodes, "medusa_heads",
         [helper.make_tensor_value_info("hidden", et, ["rows", d.hidden])],
-        [helper.make_tensor_value_info("medusa_tokens", TensorProto.INT64, ["rows", heads.count, builder.opt.medusa_top_k])],
+        [helper.make_tensor_value_info("medusa_tokens", TensorProto.INT64, ["rows", heads.count, top_k])],
         initializer=g.initializers))

@@ -10,14 +10,16 @@ import numpy as np
 INT4_BLOCK = 32
 
 
-def int8_per_channel(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric signed int8, one scale per output channel: (q [in, out] int8, scale [out] fp32).
+def int8_per_channel(w: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric signed int8, one scale per output channel: (q [in, out] int8, scale [out] fp32). `bits` 7 keeps
+    |q| <= 63, for CPUs whose int8 kernels saturate on larger products (runtime/cpu.py).
 
     Signed weights keep ORT's DynamicQuantizeMatMul on the AMX/VNNI path (unsigned ones lose it).
     """
+    top = 2 ** (bits - 1) - 1
     amax = np.abs(w).max(axis=1)
-    scale = np.where(amax > 0, amax / 127.0, 1.0).astype(np.float32)
-    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)
+    scale = np.where(amax > 0, amax / top, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale[:, None]), -top, top).astype(np.int8)
     return np.ascontiguousarray(q.T), scale
 
 

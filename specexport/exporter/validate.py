@@ -12,7 +12,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specexport.exporter.eagle import DraftModule
+from specexport.prompts import AGREEMENT_NEW_TOKENS, AGREEMENT_PROMPTS
 from specexport.runtime import tree
+from specexport.runtime.backend import GraphSession
+from specexport.runtime.verify import accept_greedy
 
 TREE = [-1, 0, 0, 1, 1, 2, 3, 5]  # two branches at the root, a deeper left branch
 
@@ -87,6 +91,19 @@ def compare(model, session, seed: int = 0) -> dict[str, dict]:
     return report
 
 
+def check_graph(model, tokenizer, folder, graph_info: dict, precision: str, agreement: bool) -> dict:
+    """A bundle's step graph against its transformers model: logits on every shape class (`compare`); with
+    `agreement`, top-1 agreement with fp32 on generated text (a quantized graph)."""
+    model.config._attn_implementation = "eager"  # the literal reference: the bias is added to the scores
+    session = GraphSession(folder / graph_info["file"], graph_info)
+    report = {"cases": compare(model, session)}
+    report["max_abs_diff"] = max(case["max_abs_diff"] for case in report["cases"].values())
+    if agreement:
+        sequences = reference_sequences(model, tokenizer, AGREEMENT_PROMPTS, AGREEMENT_NEW_TOKENS)
+        report["agreement"] = agreement_on_prompts(model, session, sequences, precision == "int8")
+    return report
+
+
 def reference_sequences(model, tokenizer, prompts: list[str], new_tokens: int) -> list[tuple[list[int], int]]:
     """(ids, prompt length): chat-formatted prompts followed by the fp32 model's own greedy continuation."""
     import torch
@@ -153,8 +170,6 @@ def medusa_step(model, session, heads_session, heads, seed: int = 0, prefix: int
     import torch
     from transformers import DynamicCache
 
-    from specexport.runtime.verify import accept_greedy
-
     rng = np.random.default_rng(seed)
     vocab = model.config.vocab_size
     prompt = rng.integers(3, vocab, size=prefix)
@@ -214,8 +229,6 @@ def eagle(model, session, draft_session, draft, seed: int = 0, prefix: int = 16)
     a chain of pairs (as after a prefill), then a branching tree of nodes fed the chain's output hiddens. Reports
     the max abs differences and the share of top-k draft tokens that match."""
     import torch
-
-    from specexport.exporter.eagle import DraftModule
 
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, model.config.vocab_size, size=prefix)

@@ -13,7 +13,7 @@ import subprocess
 from dataclasses import dataclass
 
 from specexport.errors import UserError
-from specexport.profiles import Profile, bundled, load_profile
+from specexport.profiles.schema import Profile, bundled, load_profile
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,25 @@
-"""ONNX Runtime backend for the target graph: one session, IO binding, the KV cache bound in place."""
+"""ONNX Runtime backend: a step graph (the target's, a draft's) as one session with IO binding, the KV cache bound
+in place; other graphs (Medusa's stand-alone heads) as a plain session."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
 
+import onnxruntime as ort
+
 from specexport.errors import UserError
 from specexport.runtime.kvcache import KVCache
+from specexport.runtime.verify import greedy_inputs
 
 _NUMPY_TYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
 def providers(device: str = "auto") -> list[str]:
     """CUDA when asked for or available (GPU package + GPU), else CPU."""
-    import onnxruntime as ort
-
     available = ort.get_available_providers()
     if device == "cpu":
         return ["CPUExecutionProvider"]
@@ -31,8 +34,6 @@ def session_options(threads: int | None = None, optimized_path: Path | None = No
     """`spin`: the intra-op threads busy-wait for the next run (fastest for the session that runs most). A second
     session in the same loop (a draft) must not spin: its idle threads would steal the cores from the target's
     next call (measured on a 2-core CPU: EAGLE at 19 tokens/s with both spinning, 35 with the draft's off)."""
-    import onnxruntime as ort
-
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
     so.inter_op_num_threads = 1
@@ -46,19 +47,12 @@ def session_options(threads: int | None = None, optimized_path: Path | None = No
     return so
 
 
-def greedy_accept_inputs(rows: int) -> dict[str, np.ndarray]:
-    """The fused acceptance's inputs for greedy decoding (exporter/fused.py): no random numbers needed."""
-    return {"sample_u": np.zeros((rows, 1), np.float32), "sample_q": np.zeros((0, 0), np.float32),
-            "sample_params": np.array([0, 0, 1, 0], np.float32)}
-
-
-class TargetSession:
-    """Runs the target graph: `forward(cache, ids, positions, bias, rows)` -> logits (+ hidden states)."""
+class GraphSession:
+    """One graph of a bundle. A step graph (the target, a draft) runs `forward(cache, ids, positions, bias, rows)`
+    -> its wanted outputs, the KV cache bound in place; any graph runs `run(feeds)`."""
 
     def __init__(self, graph_path: Path, graph_info: dict, threads: int | None = None, device: str = "auto",
                  spin: bool = True):
-        import onnxruntime as ort
-
         self.info = graph_info
         self.dtype = _NUMPY_TYPES.get(graph_info["kv_dtype"])
         if self.dtype is None:
@@ -69,9 +63,10 @@ class TargetSession:
                                                 providers=providers(device))
         except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
             raise UserError(f"cannot load graph {graph_path.name}: {str(e).splitlines()[0]}") from None
-        self.layers = graph_info["layers"]
+        self.layers = graph_info.get("layers", 0)
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.fused_inputs = "sample_u" in {i.name for i in self.session.get_inputs()}  # exporter/fused.py
+        self.calls, self.seconds = 0, 0.0  # forward calls so far and their time (for `specexport profile`)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
         i = self.info
@@ -86,7 +81,7 @@ class TargetSession:
                 ) -> dict[str, np.ndarray]:
         """One step over T new tokens; K/V land at rows [cache.length, cache.length + T). `inputs`: the
         graph's other inputs (an EAGLE draft's `hidden`). `accept`: the fused acceptance's inputs
-        (`runtime.generate.accept_inputs`), greedy when not given."""
+        (`verify.fused_inputs`), greedy when not given."""
         b, t = input_ids.shape
         if cache.length + t > cache.capacity:
             raise ValueError(f"KV cache overflow: {cache.length} + {t} > capacity {cache.capacity}")
@@ -99,21 +94,26 @@ class TargetSession:
         for name, value in (inputs or {}).items():
             io.bind_cpu_input(name, np.ascontiguousarray(value, dtype=self.dtype))
         if self.fused_inputs:
-            for name, value in (accept or greedy_accept_inputs(len(logits_indices))).items():
+            for name, value in (accept or greedy_inputs(len(logits_indices))).items():
                 io.bind_cpu_input(name, np.ascontiguousarray(value, dtype=np.float32))
         for name in want:  # rebound each run: ORT allocates them with this run's shapes
             io.bind_output(name, "cpu")
+        start = time.perf_counter()
         self.session.run_with_iobinding(io)
+        self.calls, self.seconds = self.calls + 1, self.seconds + time.perf_counter() - start
         values = io.get_outputs()  # the cache's presents first, then `want` in binding order
         if len(values) != 2 * self.layers + len(want):
             raise RuntimeError(f"unexpected bound outputs: {len(values)}")
         return {name: values[2 * self.layers + k].numpy() for k, name in enumerate(want)}
 
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A plain call: every output, by name."""
+        names = [o.name for o in self.session.get_outputs()]
+        return dict(zip(names, self.session.run(names, feeds)))
+
     def _binding(self, cache: KVCache, want: tuple[str, ...]):
         """An IO binding per cache and set of wanted outputs, made once: each cache buffer bound as
         both past and present (in place). The wanted outputs come after them, in order."""
-        import onnxruntime as ort
-
         if cache.handle is None:  # wrap the numpy buffers once; the OrtValues share their memory
             cache.handle = {"values": [ort.OrtValue.ortvalue_from_numpy(buf) for buf in cache.buffers]}
         io = cache.handle.get(want)

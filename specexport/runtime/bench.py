@@ -6,12 +6,12 @@ Speed is reported as ratios from one run on one machine; nothing here asserts a 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 
 from specexport.errors import UserError, read_user_text
+from specexport.runtime.generate import Engine
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -37,27 +37,27 @@ def read_prompts(path: Path) -> list[dict]:
     return prompts
 
 
-def run_bench(bundle_path: Path, prompts: list[dict], max_new_tokens: int = 128, compare_hf: bool = False,
-              threads: int | None = None, progress=lambda text: None, tree: str | None = None,
-              overrides: dict | None = None) -> dict:
-    """`tree` and `overrides` (depth, top_k, total_tokens, draft_length): run-time overrides of the bundle's
-    proposal (Engine.configure)."""
-    from specexport.runtime.generate import Engine
-
-    engine = Engine.load(bundle_path, threads=threads)
-    method = engine.bundle.method
-    engine.configure(tree, **(overrides or {}))
+def encode_prompts(engine: Engine, prompts: list[dict]) -> list[list[int]]:
+    """Each prompt's ids; a prompt the bundle cannot take is one line naming its id."""
     ids = []
     for p in prompts:
         try:
             ids.append(engine.encode(p["prompt"]))
         except UserError as e:
             raise UserError(f"prompt {p['id']!r}: {e}") from None
+    return ids
+
+
+def run_bench(engine: Engine, prompts: list[dict], max_new_tokens: int = 128, progress=lambda text: None) -> dict:
+    """The engine's method (with its current settings, see Engine.configure) against plain decoding on the same
+    engine, prompt by prompt."""
+    method = engine.bundle.method
+    ids = encode_prompts(engine, prompts)
     engine.generate(ids[0], max_new_tokens=8)  # warm-up: first-run allocations and prepacking
     rows = []
     for p, prompt_ids in zip(prompts, ids):
         ours = engine.generate(prompt_ids, max_new_tokens=max_new_tokens)
-        base = engine.generate(prompt_ids, max_new_tokens=max_new_tokens, method="none")
+        base = engine.generate(prompt_ids, max_new_tokens=max_new_tokens, plain=True)
         rows.append({
             "id": p["id"],
             "new_tokens": ours.stats.new_tokens,
@@ -72,11 +72,10 @@ def run_bench(bundle_path: Path, prompts: list[dict], max_new_tokens: int = 128,
         })
         progress(f"  {p['id']}: {ours.stats.tokens_per_s:.1f} tokens/s ({method}), "
                  f"{base.stats.tokens_per_s:.1f} (plain){'' if rows[-1]['identical'] else ', OUTPUT DIFFERS'}")
-    hf = _hf_speed(engine, ids, max_new_tokens, progress) if compare_hf else None
-    return _totals(engine, rows, hf)
+    return _totals(engine, rows)
 
 
-def _totals(engine, rows: list[dict], hf: dict | None) -> dict:
+def _totals(engine: Engine, rows: list[dict]) -> dict:
     def rate(tokens, seconds):
         return round(tokens / seconds, 2) if seconds > 0 else 0.0
 
@@ -84,26 +83,17 @@ def _totals(engine, rows: list[dict], hf: dict | None) -> dict:
     base = rate(sum(r["baseline_new_tokens"] for r in rows), sum(r["baseline_seconds"] for r in rows))
     lengths = [a for r in rows for a in r["accept_lengths"]]
     m = engine.bundle.manifest
-    medusa, eagle = engine.medusa_tree, engine.eagle
-    tree = None
-    if medusa is not None:
-        tree = {"tokens_per_step": medusa.size, "depth": medusa.depth, "choices": medusa.as_lists()}
-    elif eagle is not None:
-        tree = {"tokens_per_step": eagle["total_tokens"], "depth": eagle["depth"], "top_k": eagle["top_k"],
-                "kind": eagle["tree"]}
     return {
         "profile": (m.get("profile") or {}).get("name"),
-        "tree": tree,
-        "bundle": str(engine.bundle.path),
+        "tree": engine.method.tree_info(engine.settings),
+        "bundle": engine.bundle.path.name,
         "model": m["model"]["name"],
         "method": engine.bundle.method,
         "precision": m["precision"],
         "prompts": rows,
         "tokens_per_s": ours,
         "baseline_tokens_per_s": base,
-        "hf_tokens_per_s": hf["tokens_per_s"] if hf else None,
         "speedup": round(ours / base, 3) if base else None,
-        "hf_speedup": round(ours / hf["tokens_per_s"], 3) if hf else None,
         "tau": round(float(np.mean(lengths)), 3) if lengths else None,
         "drafted": sum(r["drafted"] for r in rows),
         "accepted": sum(lengths) - len(lengths),
@@ -111,29 +101,6 @@ def _totals(engine, rows: list[dict], hf: dict | None) -> dict:
         "identical": sum(r["identical"] for r in rows),
         "count": len(rows),
     }
-
-
-def _hf_speed(engine, ids: list[list[int]], max_new_tokens: int, progress) -> dict:
-    """transformers `generate` (greedy, fp32, CPU) on the same model and the same prompt ids."""
-    import torch
-
-    from specexport.exporter.sources import load_model, resolve
-
-    progress("  loading the transformers model for --compare-hf")
-    model, _ = load_model(resolve(engine.bundle.manifest["model"]["source"]))
-    eos = sorted(engine.tokenizer.eos_token_ids)
-    tokens = seconds = 0.0
-    with torch.inference_mode():
-        model.generate(torch.tensor([ids[0]]), max_new_tokens=4, do_sample=False)  # warm-up
-        for prompt_ids in ids:
-            start = time.perf_counter()
-            out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 eos_token_id=eos or None)
-            seconds += time.perf_counter() - start
-            tokens += out.shape[1] - len(prompt_ids)
-    result = {"tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0}
-    progress(f"  transformers generate: {result['tokens_per_s']:.1f} tokens/s")
-    return result
 
 
 def summary_lines(result: dict) -> list[str]:
@@ -147,7 +114,7 @@ def summary_lines(result: dict) -> list[str]:
         f"accepted {result['accepted']}/{result['drafted']} drafts",
         f"  {'plain':<10} {result['baseline_tokens_per_s']:8.1f} tokens/s   speedup {result['speedup']}x",
     ]
-    if result["hf_tokens_per_s"] is not None:
+    if result.get("hf_tokens_per_s") is not None:
         lines.append(f"  {'hf':<10} {result['hf_tokens_per_s']:8.1f} tokens/s   ours/hf {result['hf_speedup']}x")
     lines.append(f"  identical to plain decoding: {result['identical']}/{result['count']}")
     if result["precision"] in ("int8", "int4") and result["identical"] < result["count"]:

@@ -1,4 +1,10 @@
-"""The engine: a loaded bundle that turns prompts into tokens, with stats."""
+"""The engine: a loaded bundle that turns prompts into tokens, with stats.
+
+The loop is four named calls per step (`Engine.step`): the proposer proposes a tree, the target verifies it (one
+call over the tree, which also accepts where the graph has the acceptance fused in), the acceptance picks the
+path, and the cache commits it. Anything that wants to watch steps (bench, profile) passes `on_step` to
+`generate` and gets a `StepRecord` per step.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
+from specexport.bundle import Bundle, load_bundle
 from specexport.errors import UserError
-from specexport.runtime import tree
-from specexport.runtime.bundle import Bundle, load_bundle
-from specexport.runtime.backend import TargetSession, greedy_accept_inputs
+from specexport.runtime import cpu, methods, tree
+from specexport.runtime.backend import GraphSession
 from specexport.runtime.kvcache import KVCache
-from specexport.runtime.sampling import Sampler, SamplingParams, probabilities
-from specexport.runtime.verify import Acceptance, accept_greedy, accept_tree, accept_typical, uniforms_shape
+from specexport.runtime.sampling import Sampler, SamplingParams
 from specexport.runtime.tokenizer import StreamDecoder, Tokenizer, find_stop
+from specexport.runtime.tree import AcceptMode, DraftTree
+from specexport.runtime.verify import Acceptance, accept, fused_inputs
 
 PREFILL_CHUNK = 512  # tokens per prefill call: bounds the bias ([T, past+T] floats) and activations
 
@@ -63,6 +70,19 @@ class Stats:
         }
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did, for observers (`generate(on_step=...)`): the verified tree, the acceptance, and where the
+    time went (proposing; the target call, acceptance included when fused; the whole step)."""
+
+    tree: DraftTree
+    acceptance: Acceptance
+    history_length: int  # tokens before the step, the root included: the root is token history_length - 1
+    propose_s: float
+    verify_s: float
+    step_s: float
+
+
 @dataclass
 class Generation:
     tokens: list[int]
@@ -72,96 +92,63 @@ class Generation:
 
 
 class Engine:
-    """A bundle loaded for generation (batch 1)."""
+    """A bundle loaded for generation (batch 1): its target session, tokenizer, method and run-time settings."""
 
     def __init__(self, bundle: Bundle, threads: int | None = None, device: str = "auto"):
         if threads is not None and threads < 1:
             raise UserError(f"threads must be >= 1, got {threads}")
         self.bundle = bundle
         self.threads, self.device = threads, device
-        self.draft = None  # the draft model's session, loaded on first use
-        info = bundle.graphs["target"]
-        self.target = TargetSession(bundle.file(info["file"]), info, threads=threads, device=device)
+        self.target = self._session("target", spin=True)
         self.tokenizer = Tokenizer.from_dir(bundle.path)
         self.max_context = int(bundle.manifest["max_context"])
-        self.first_token_alone = bool(bundle.manifest.get("runtime", {}).get("prefill_first_token_alone"))
+        notes = bundle.manifest.get("runtime") or {}
+        self.first_token_alone = bool(notes.get("prefill_first_token_alone"))
+        self.warnings = []  # what a caller should tell the user (the CLI prints them)
+        if notes.get("int8_weight_bits", 7) > cpu.int8_weight_bits():
+            self.warnings.append("this int8 bundle was built for a CPU with VNNI/AMX; this CPU's int8 kernels saturate "
+                                 "on its 8-bit weights (logits off by ~1): rebuild it on this machine")
         self.fused_accept = "accept_rows" in self.target.outputs  # greedy and sampling acceptance inside the graph
-        self.typical = None  # (threshold, alpha): Medusa's lossy typical acceptance when sampling
-        self.medusa_tree = None
-        self.heads = None  # the stand-alone Medusa heads graph, loaded when sampling needs it
-        if bundle.method == "medusa":
-            self.set_tree(None)
-        self.draft_length = None  # a draft or n-gram bundle's draft length, when overridden
-        self.eagle = None  # EAGLE tree settings: depth, top_k, total_tokens, static (a StaticTree or None)
-        if bundle.method in ("eagle", "eagle3"):
-            self.set_eagle()
-
-    def configure(self, tree: str | None = None, depth: int | None = None, top_k: int | None = None,
-                  total_tokens: int | None = None, draft_length: int | None = None) -> None:
-        """Run-time overrides of the bundle's proposal: `tree` for Medusa and EAGLE (dynamic or a static tree),
-        depth / top_k / total_tokens for EAGLE's dynamic tree, draft_length for draft and n-gram bundles."""
-        from specexport.exporter.methods import MAX_DRAFT
-
-        method = self.bundle.method
-        if draft_length is not None:
-            if method not in ("draft", "ngram"):
-                raise UserError(f"--draft-length applies to draft and n-gram bundles; this one is '{method}'")
-            if not 1 <= draft_length <= MAX_DRAFT:
-                raise UserError(f"--draft-length must be in 1..{MAX_DRAFT}, got {draft_length}")
-            self.draft_length = draft_length
-        eagle_given = [n for n, v in (("--depth", depth), ("--draft-top-k", top_k), ("--total-tokens", total_tokens))
-                       if v is not None]
-        if eagle_given and self.eagle is None:
-            raise UserError(f"{eagle_given[0]} applies to EAGLE bundles; this one is '{method}'")
-        if tree is not None and method != "medusa" and self.eagle is None:
-            raise UserError(f"--tree applies to Medusa and EAGLE bundles; this one is '{method}'")
-        if self.eagle is not None and (tree is not None or eagle_given):
-            self.set_eagle(depth, top_k, total_tokens, tree)
-        elif tree is not None:
-            self.set_tree(tree)
-
-    def set_eagle(self, depth: int | None = None, top_k: int | None = None, total_tokens: int | None = None,
-                  tree_spec: str | None = None) -> None:
-        """EAGLE's tree: the bundle's settings, each overridable; tree_spec "dynamic" or a static tree."""
-        from specexport.runtime.eagle_tree import check_dynamic, parse_static
-
-        m = self.bundle.manifest["method"]
-        depth = m["depth"] if depth is None else depth
-        top_k = m["top_k"] if top_k is None else top_k
-        total = m["total_tokens"] if total_tokens is None else total_tokens
-        spec = tree_spec or m.get("tree", "dynamic")
-        check_dynamic(depth, top_k, total, m["graph_top_k"])
-        static = None if spec == "dynamic" else parse_static(spec)
-        if static is not None and static.max_rank >= m["graph_top_k"]:
-            raise UserError(f"EAGLE tree {spec[:40]!r} uses rank {static.max_rank}; this bundle's draft returns "
-                            f"{m['graph_top_k']} candidates per node")
-        self.eagle = {"depth": depth, "top_k": top_k, "total_tokens": total, "static": static, "tree": spec}
-
-    def set_tree(self, spec: str | None) -> None:
-        """The Medusa tree to run: the bundle's (None), a preset, a JSON file or auto:N."""
-        from specexport.runtime.medusa_tree import make_tree, resolve_tree
-
-        m = self.bundle.manifest["method"]
-        if spec is None:
-            self.medusa_tree = make_tree(m["tree"], m["heads_count"], m["top_k"], "the bundle's tree")
-            return
-        ranks = [row.get("ranks") for row in m.get("accuracy") or []]
-        self.medusa_tree = resolve_tree(spec, m["heads_count"], m["top_k"], ranks if ranks and all(ranks) else None)
-
-    def _heads_session(self):
-        if self.heads is None:
-            import onnxruntime as ort
-
-            from specexport.runtime.backend import providers, session_options
-
-            info = self.bundle.graphs["medusa_heads"]
-            self.heads = ort.InferenceSession(str(self.bundle.file(info["file"])), session_options(self.threads, spin=False),
-                                              providers=providers(self.device))
-        return self.heads
+        self.method = methods.get(bundle.method)
+        self.settings = self.method.settings(bundle.manifest["method"], {})
+        self._graphs: dict[str, GraphSession] = {}
 
     @classmethod
     def load(cls, path: str | Path, threads: int | None = None, device: str = "auto", verify: bool = True) -> "Engine":
         return cls(load_bundle(path, verify=verify), threads=threads, device=device)
+
+    def configure(self, **given) -> None:
+        """Run with other settings than the bundle's (the method's Settings fields; None = the bundle's). Each call
+        starts again from the bundle's settings, so configure() restores them."""
+        given = {k: v for k, v in given.items() if v is not None}
+        methods.check_given(self.bundle.method, given)
+        self.settings = self.method.settings(self.bundle.manifest["method"], given)
+
+    def describe(self) -> str:
+        """The method and its tree in a few words, for summaries."""
+        note = self.method.describe(self.settings)
+        return self.bundle.method + (f" ({note})" if note else "")
+
+    def graph(self, name: str) -> GraphSession:
+        """Another graph of the bundle (a draft, Medusa's heads), loaded on first use; it does not spin, so it never
+        takes the cores from the target's next call (backend.session_options)."""
+        if name not in self._graphs:
+            self._graphs[name] = self._session(name, spin=False)
+        return self._graphs[name]
+
+    def _session(self, name: str, spin: bool) -> GraphSession:
+        info = self.bundle.graphs[name]
+        return GraphSession(self.bundle.file(info["file"]), info, threads=self.threads, device=self.device, spin=spin)
+
+    def proposer(self, sampler: Sampler, plain: bool = False) -> methods.Proposer:
+        """The bundle's proposer with the current settings; `plain`: plain decoding (the baseline)."""
+        method = methods.PLAIN if plain else self.method
+        return method.proposer(self, self.settings if not plain else method.settings({}, {}), sampler)
+
+    def accepts_in_graph(self, sampler: Sampler, mode: AcceptMode) -> bool:
+        """Whether steps accept inside the target graph: greedy always; sampling where the graph takes the random
+        numbers (older bundles accepted greedily only), except Medusa's lossy typical acceptance."""
+        return self.fused_accept and (sampler.params.greedy or (self.target.fused_inputs and mode is not AcceptMode.TYPICAL))
 
     # -- prompts -----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int], chat: bool = True) -> list[int]:
@@ -208,113 +195,66 @@ class Engine:
         cache.advance(t)
         return out
 
-    # -- speculation ---------------------------------------------------------------------------
-    def proposer(self, method: str, sampler: Sampler):
-        """The proposer for `method` with the bundle's settings ("none" = plain decoding)."""
-        from specexport.runtime import proposers
-
-        options = self.bundle.manifest["method"]
-        if method == "none":
-            return proposers.NoProposer()
-        if method != options["name"]:
-            raise UserError(f"this bundle was built for method '{options['name']}', not '{method}'")
-        length = self.draft_length or options.get("draft_length")
-        if method == "ngram":
-            return proposers.NgramLookup(options["max_ngram"], options["min_ngram"], length, options["max_matches"])
-        if method in ("draft", "eagle", "eagle3") and self.draft is None:
-            info = self.bundle.graphs["draft"]
-            self.draft = TargetSession(self.bundle.file(info["file"]), info, threads=self.threads, device=self.device,
-                                       spin=False)
-        if method == "draft":  # the bundle's branching per depth, cut or extended by chain links to the length
-            branching = (tuple(options["draft_branching"]) + (1,) * length)[:length]
-            return proposers.DraftModel(self.draft, branching, sampler.params, sampler.rng)
-        if method == "medusa":
-            heads = None
-            if not self.fused(sampler):
-                heads = self._heads_session()
-            return proposers.MedusaHeads(self.medusa_tree, heads)
-        if method in ("eagle", "eagle3"):
-            e = self.eagle
-            return proposers.Eagle(self.draft, e["depth"], e["top_k"], e["total_tokens"], e["static"])
-        raise UserError(f"this runtime cannot run method '{method}'")
-
-    def step(self, cache: KVCache, history: list[int], proposer, sampler: Sampler) -> tuple[Acceptance, int]:
-        """One speculative step: propose, verify, accept, commit. history[-1] is the root.
-
-        Returns the acceptance and the number of draft tokens verified."""
-        proposal = proposer.propose(history)
-        room = cache.capacity - cache.length - 1
-        if len(proposal) > room:
-            proposal = proposal.truncated(room)
-        tokens = [history[-1]] + proposal.tokens
-        parents = [-1] + [p + 1 for p in proposal.parents]
-        fused = self.fused(sampler)
-        extra = proposer.wants(fused)
-        if fused:  # verify and accept in one graph call: only the path and the bonus token come back
-            feeds = accept_inputs(parents, proposal, sampler)
-            out = self.verify(cache, tokens, parents, want=("accept_rows", "bonus_token") + extra, accept=feeds)
-            path = out["accept_rows"].tolist()
-            acceptance = Acceptance(path, [tokens[r] for r in path[1:]] + [int(out["bonus_token"][0])])
-        else:
-            out = self.verify(cache, tokens, parents, want=("logits",) + extra)
-            acceptance = accept(tokens, parents, out["logits"], proposal, sampler, self.typical)
-        cache.commit(acceptance.path)
-        proposer.accepted([r - 1 for r in acceptance.path[1:]])
-        if extra:
-            proposer.observe(out, acceptance.path)
-        return acceptance, len(proposal)
-
-    def fused(self, sampler: Sampler) -> bool:
-        """Whether steps accept inside the graph: greedy always; sampling where the graph takes the random
-        numbers (bundles before it accepted greedily only), but not Medusa's typical acceptance."""
-        return self.fused_accept and (sampler.params.greedy or (self.target.fused_inputs and self.typical is None))
-
-    def verify(self, cache: KVCache, tokens: list[int], parents: list[int], want=("logits",),
-               accept: dict | None = None) -> dict:
-        """One target call over the tree (root first), every row selected; logits are [T, vocab].
-        `accept`: the fused acceptance's inputs (`accept_inputs`), greedy when not given."""
-        t, past = len(tokens), cache.length
-        bias = tree.attention_bias(parents, past, self.target.bias_width(cache, past, t))
-        positions = past + tree.depths(parents)
-        return self.target.forward(cache, np.array([tokens]), positions[None], bias, np.arange(t), want=want,
+    def verify(self, cache: KVCache, draft: DraftTree, want=("logits",), accept: dict | None = None) -> dict:
+        """One target call over the tree, every row selected; logits are [T, vocab]. `accept`: the fused
+        acceptance's inputs (`verify.fused_inputs`), greedy when not given."""
+        t, past = len(draft), cache.length
+        bias = tree.attention_bias(draft.parents, past, self.target.bias_width(cache, past, t))
+        positions = past + tree.depths(draft.parents)
+        return self.target.forward(cache, np.array([draft.tokens]), positions[None], bias, np.arange(t), want=want,
                                    accept=accept)
 
-    # -- generation --------------------------------------------------------------------------
+    # -- the loop ------------------------------------------------------------------------------
+    def step(self, cache: KVCache, history: list[int], proposer: methods.Proposer, sampler: Sampler) -> StepRecord:
+        """One speculative step: propose, verify, accept, commit. history[-1] is the root."""
+        start = time.perf_counter()
+        draft = proposer.propose(history).truncated(cache.room())
+        proposed = time.perf_counter()
+        fused = self.accepts_in_graph(sampler, draft.mode)
+        extra = proposer.wants(fused)
+        if fused:  # verify and accept in one graph call: only the path and the bonus token come back
+            feeds = fused_inputs(draft, sampler.params, sampler.rng)
+            out = self.verify(cache, draft, want=("accept_rows", "bonus_token") + extra, accept=feeds)
+            path = out["accept_rows"].tolist()
+            acceptance = Acceptance(path, [draft.tokens[r] for r in path[1:]] + [int(out["bonus_token"][0])])
+        else:
+            out = self.verify(cache, draft, want=("logits",) + extra)
+            acceptance = accept(draft, out["logits"], sampler.params, sampler.rng)
+        verified = time.perf_counter()
+        cache.commit(acceptance.path)
+        proposer.accepted(acceptance.path)
+        if extra:
+            proposer.observe(out, acceptance.path)
+        return StepRecord(draft, acceptance, len(history), proposed - start, verified - proposed,
+                          time.perf_counter() - start)
+
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] | None = None, chat: bool = True,
-                 on_text=None, method: str | None = None, proposer=None) -> Generation:
-        """Generate up to `max_new_tokens`; `method` defaults to the bundle's ("none" = plain decoding).
-        `proposer`: a ready proposer instead (e.g. one that records what it proposes)."""
+                 on_text=None, plain: bool = False, on_step=None) -> Generation:
+        """Generate up to `max_new_tokens` with the bundle's method (`plain`: plain decoding). `on_text(text)`
+        streams the text as it is accepted; `on_step(StepRecord)` sees every step."""
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if not all(isinstance(s, str) and s for s in stop):
             raise UserError("stop strings must not be empty")
         sampler = Sampler(sampling or SamplingParams())
-        proposer = proposer or self.proposer(method or self.bundle.method, sampler)
+        proposer = self.proposer(sampler, plain)
         ids = self.encode(prompt, chat=chat)
         stop_ids = set(self.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
         budget = min(max_new_tokens, self.max_context - len(ids))
-        cache = self.target.new_cache(len(ids) + budget + proposer.max_nodes)
+        cache = self.target.new_cache(len(ids) + budget + proposer.max_drafts)
         proposer.start(len(ids), cache.capacity)
         stats = Stats(prompt_tokens=len(ids))
-        stream = StreamDecoder(self.tokenizer)
-        hold = max((len(s) for s in stop), default=1) - 1  # chars that may still become a stop string
-        text, emitted, out, reason = "", 0, [], None
+        text = TextStream(self.tokenizer, stop, on_text)
+        out, reason = [], None
 
         def emit(token: int) -> str | None:
             """Append one token; returns why generation stops, if it does."""
-            nonlocal text, emitted
             out.append(token)
             if token in stop_ids:
                 return "eos"
-            text += stream.push(token)
-            cut = find_stop(text, list(stop)) if stop else None
-            if cut is not None:
-                text = text[:cut]
+            if text.push(token):
                 return "stop_string"
-            if on_text and len(text) - hold > emitted:
-                on_text(text[emitted:len(text) - hold])
-                emitted = len(text) - hold
             if len(out) >= budget:
                 return "length" if budget == max_new_tokens else "context"
             return None
@@ -322,48 +262,44 @@ class Engine:
         start = time.perf_counter()
         pending = [sampler(self.prefill(cache, ids, proposer))]
         stats.ttft_s = time.perf_counter() - start
-        while True:
-            reason = next((r for r in map(emit, pending) if r), None)
-            if reason:
-                break
-            acceptance, drafted = self.step(cache, ids + out, proposer, sampler)
+        while not (reason := next((r for r in map(emit, pending) if r), None)):
+            record = self.step(cache, ids + out, proposer, sampler)
             stats.steps += 1
-            stats.drafted += drafted
-            stats.accept_lengths.append(acceptance.accept_length)
-            pending = acceptance.tokens
+            stats.drafted += record.tree.drafts
+            stats.accept_lengths.append(record.acceptance.accept_length)
+            if on_step is not None:
+                on_step(record)
+            pending = record.acceptance.tokens
         stats.seconds = time.perf_counter() - start
         stats.new_tokens = len(out)
-        if reason != "stop_string":
-            text += stream.flush()
-        if on_text and len(text) > emitted:
-            on_text(text[emitted:])
-        return Generation(out, text, reason, stats)
+        return Generation(out, text.close(flush=reason != "stop_string"), reason, stats)
 
 
-def accept_inputs(parents: list[int], proposal, sampler: Sampler) -> dict[str, np.ndarray]:
-    """The fused acceptance's inputs for one step (exporter/fused.py): the same random numbers, drawn the
-    same way, as `accept` uses, so a seed gives the same tokens either way."""
-    params = sampler.params
-    if params.greedy:
-        return greedy_accept_inputs(len(parents))
-    u = sampler.rng.random(uniforms_shape(parents))
-    q = proposal.q[:len(parents)] if proposal.mode != "topk" and len(parents) > 1 else np.zeros((0, 0))
-    return {"sample_u": u, "sample_q": q,
-            "sample_params": np.array([params.temperature, params.top_k, params.top_p,
-                                       proposal.mode == "without_replacement"], np.float32)}
+class TextStream:
+    """The text of the tokens emitted so far, streamed to `on_text` as it becomes final: stop strings are cut, and
+    the last (longest stop string - 1) characters are held back until they cannot start one."""
 
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], on_text=None):
+        self.decoder, self.stop, self.on_text = StreamDecoder(tokenizer), list(stop), on_text
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text, self.sent = "", 0
 
-def accept(tokens: list[int], parents: list[int], logits: np.ndarray, proposal, sampler: Sampler,
-           typical: tuple[float, float] | None = None) -> Acceptance:
-    """Greedy: the longest path matching the target's argmax. Sampling: the exact rule for how the
-    drafts were chosen (verify.accept_tree), so the output follows the target's distribution; or, when
-    `typical` (threshold, alpha) is given, Medusa's lossy typical acceptance."""
-    if sampler.params.greedy:
-        return accept_greedy(tokens, parents, logits.argmax(-1))
-    p = probabilities(logits, sampler.params)
-    u = sampler.rng.random(uniforms_shape(parents))
-    if typical is not None:
-        return accept_typical(tokens, parents, p, u, *typical)
-    if proposal.mode == "topk":
-        return accept_tree(tokens, parents, p, None, u, "topk")
-    return accept_tree(tokens, parents, p, proposal.q[:len(tokens)], u, proposal.mode)
+    def push(self, token: int) -> bool:
+        """Add a token's text; True when a stop string appeared (the text is cut before it)."""
+        self.text += self.decoder.push(token)
+        cut = find_stop(self.text, self.stop) if self.stop else None
+        if cut is not None:
+            self.text = self.text[:cut]
+            return True
+        if self.on_text and len(self.text) - self.hold > self.sent:
+            self.on_text(self.text[self.sent:len(self.text) - self.hold])
+            self.sent = len(self.text) - self.hold
+        return False
+
+    def close(self, flush: bool) -> str:
+        """The whole text, the held-back part sent; `flush`: add what the decoder still holds."""
+        if flush:
+            self.text += self.decoder.flush()
+        if self.on_text and len(self.text) > self.sent:
+            self.on_text(self.text[self.sent:])
+        return self.text

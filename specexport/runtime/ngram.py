@@ -1,14 +1,14 @@
 """Prompt lookup: propose draft tokens by finding the last few tokens earlier in the history.
 
-The proposal is a tree below the root (the last emitted token, the last element of `history`):
-`tokens` and `parents` of the draft nodes only, parents relative to the draft list, -1 for a child
-of the root, in topological order. One match gives a chain; several matches are merged into a trie
-(continuations that share a prefix share its nodes), so they form a tree.
+The proposal is the step's tree, root first: node 0 is the root (the last emitted token, the last
+element of `history`, parent -1) and the drafts hang below it in topological order. One match gives
+a chain; several matches are merged into a trie (continuations that share a prefix share its nodes),
+so they form a tree.
 
 Ranking of matches: longer n-grams first (max_ngram down to min_ngram); within one n, the most
 recent occurrence first. A match counts only when it adds a node to the trie (a continuation that
 is already a prefix of an earlier branch is not distinct), and the first `max_matches` such matches
-are merged in rank order until `max_nodes` nodes exist, so the best-ranked branch is complete first.
+are merged in rank order until `max_nodes` draft nodes exist, so the best-ranked branch is complete first.
 At most `SCAN_PER_N * max_matches` occurrences are examined per n, which bounds the cost on highly
 repetitive histories.
 
@@ -27,8 +27,8 @@ from itertools import islice
 SCAN_PER_N = 16  # occurrences examined per n-gram length, in units of max_matches
 
 
-class NgramProposer:
-    """N-gram prompt lookup proposer; `propose(history) -> (tokens, parents)`."""
+class NgramIndex:
+    """The n-gram index of one history; `propose(history) -> (tokens, parents)`, the step's tree root first."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, draft_len: int = 8, max_matches: int = 4,
                  max_nodes: int | None = None):  # fmt: skip
@@ -51,12 +51,14 @@ class NgramProposer:
         self._ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> positions of its last token, ascending
 
     def propose(self, history: Sequence[int]) -> tuple[list[int], list[int]]:
-        """Draft tree below history[-1]: (tokens, parents), or ([], []) when nothing matches."""
+        """The tree rooted at history[-1]: (tokens, parents), root first; the root alone when nothing matches
+        (([], []) for an empty history)."""
         self._sync(history)
         tokens, length = self._tokens, len(self._tokens)
-        trie_tokens: list[int] = []
-        trie_parents: list[int] = []
-        children: list[dict[int, int]] = [{}]  # children[node + 1]: token -> node; children[0] is the root's
+        if not length:
+            return [], []
+        trie_tokens, trie_parents = [tokens[-1]], [-1]
+        children: list[dict[int, int]] = [{}]  # children[node]: token -> child node
         used: set[int] = set()
         matches = 0
         for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
@@ -93,18 +95,19 @@ class NgramProposer:
 
 
 def _insert(continuation, tokens, parents, children, max_nodes) -> tuple[int, bool]:
-    """Merge one continuation into the trie; returns (nodes added, whether max_nodes was reached)."""
-    node, added = -1, 0
+    """Merge one continuation below the root (node 0) into the trie; returns (nodes added, whether max_nodes
+    draft nodes were reached)."""
+    node, added = 0, 0
     for token in continuation:
-        child = children[node + 1].get(token)
+        child = children[node].get(token)
         if child is None:
-            if len(tokens) >= max_nodes:
+            if len(tokens) > max_nodes:
                 return added, True
             child = len(tokens)
             tokens.append(token)
             parents.append(node)
             children.append({})
-            children[node + 1][token] = child
+            children[node][token] = child
             added += 1
         node = child
-    return added, len(tokens) >= max_nodes
+    return added, len(tokens) > max_nodes

@@ -1,15 +1,68 @@
-"""Trees of draft tokens as pure data: parent lists -> depths, attention bias, paths.
+"""Trees of draft tokens as pure data: the step's `DraftTree`, and parent lists -> depths, attention bias.
 
-A tree is a list of parent indices in topological order (parent < child; -1 for a root, i.e. a
-node whose parent is the last committed token). A chain is a tree with one child per node.
+A tree is a list of parent indices in topological order (parent < child, -1 for a root). The step's tree is
+root-inclusive: node 0 is the root (the last emitted token, not yet in the target's KV cache) and every other
+node descends from it, so the same indices serve the attention bias, the verify call's rows, acceptance paths
+and the cache commit. A chain is a tree with one child per node.
+
+The bias helpers also take trees that continue a past (a draft model growing its own tree level by level):
+there a -1 parent means "below the past".
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import Enum
+
 import numpy as np
+
+MAX_DRAFT_LENGTH = 64  # draft tokens per chain (the depth of a draft model's or a lookup's tree)
 
 # Additive bias for a hidden position: finite, so that a row is never all -inf in any dtype.
 HIDDEN = np.float32(-1e9)
+
+
+class AcceptMode(Enum):
+    """How a tree's drafts were chosen, which decides the exact acceptance rule (runtime/verify.py)."""
+
+    TOPK = "topk"  # deterministic candidates (a draft's top-k, lookups, Medusa heads, EAGLE): point masses
+    WITH_REPLACEMENT = "with_replacement"  # children drawn i.i.d. from q (SpecInfer)
+    WITHOUT_REPLACEMENT = "without_replacement"  # children drawn one after another, earlier ones removed
+    TYPICAL = "typical"  # Medusa's typical acceptance: LOSSY when sampling, never fused into the graph
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One step's tree, root first: tokens[0] is the root and parents[0] is -1; parents[i] < i otherwise.
+
+    `q` [len, V], for sampled drafts only: row r is the processed draft distribution node r's children were drawn
+    from. `candidates`: what the proposer chose the tree from (Medusa: its heads' ranked tokens; EAGLE: the scored
+    candidate tree), kept for `specexport profile`, which replays other trees on the same steps."""
+
+    tokens: list[int]
+    parents: list[int]
+    mode: AcceptMode = AcceptMode.TOPK
+    q: np.ndarray | None = None
+    candidates: object = None
+
+    @classmethod
+    def root_only(cls, root: int) -> "DraftTree":
+        return cls([int(root)], [-1])
+
+    def __len__(self) -> int:
+        """Tokens verified by the step: the root and the drafts."""
+        return len(self.tokens)
+
+    @property
+    def drafts(self) -> int:
+        return len(self.tokens) - 1
+
+    def truncated(self, n: int) -> "DraftTree":
+        """The first n nodes (still a tree: parents come before children)."""
+        if n >= len(self.tokens):
+            return self
+        q = None if self.q is None else self.q[:n]
+        return DraftTree(self.tokens[:n], self.parents[:n], self.mode, q, self.candidates)
 
 
 def check_parents(parents) -> np.ndarray:
@@ -41,6 +94,12 @@ def children(parents) -> list[list[int]]:
         if p >= 0:
             kids[p].append(i)
     return kids
+
+
+def subtree(tokens: list[int], parents: list[int], keep: list[int]) -> tuple[list[int], list[int]]:
+    """The nodes `keep` (ascending, ancestor-closed, the root included) of a tree, with parents re-indexed."""
+    where = {node: k for k, node in enumerate(keep)}
+    return [tokens[n] for n in keep], [where[parents[n]] if parents[n] >= 0 else -1 for n in keep]
 
 
 def ancestor_mask(parents) -> np.ndarray:

@@ -5,7 +5,7 @@ accepted but not yet in the KV cache), rows 1..T-1 are draft tokens; `parents[0]
 `0 <= parents[i] < i` otherwise. Row r of the target's output is its distribution for the
 children of node r. Children of a node are tested in index order.
 
-Words (see DESIGN.md): the *accepted* rows form a path from the root; the *emitted* tokens are
+Words: the *accepted* rows form a path from the root; the *emitted* tokens are
 the accepted draft tokens followed by one token the target supplies at the last accepted row:
 the *bonus* token (called the *correction* when a child there was rejected: the sampling rules
 then draw it from the residual). So every step emits at least one token (accept length >= 1).
@@ -19,7 +19,7 @@ argument, `uniforms` [T, K + 1] with K = the most children any node has (`unifor
 
 Unused entries are ignored, so one draw of the whole array fixes the outcome.
 
-Modes (arXiv 2211.17192, 2305.09781; Sequoia; EAGLE; notes in reference/medusa_eagle.md §5):
+Modes (tree.AcceptMode; arXiv 2211.17192 and 2305.09781, Sequoia, EAGLE):
 - "with_replacement" (SpecInfer): the children of r were drawn i.i.d. from q[r]. Accept child x
   if u * q(x) < p(x) (probability min(1, p/q)); after a rejection p = norm(max(0, p - q)).
 - "without_replacement" (Sequoia, EAGLE-1): the children were drawn one after another from q[r]
@@ -35,10 +35,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specexport.runtime.sampling import sample
-from specexport.runtime.tree import chain, children
+from specexport.runtime.sampling import SamplingParams, probabilities, sample
+from specexport.runtime.tree import AcceptMode, DraftTree, chain, children
 
-MODES = ("with_replacement", "without_replacement", "topk")
+MODES = (AcceptMode.WITH_REPLACEMENT, AcceptMode.WITHOUT_REPLACEMENT, AcceptMode.TOPK)  # the exact rules
+TYPICAL_THRESHOLD, TYPICAL_ALPHA = 0.09, 0.3  # Medusa's published typical-acceptance defaults
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def accept_chain(tokens, p, q, uniforms) -> Acceptance:
     return accept_tree(tokens, chain(np.size(tokens)), p, q, uniforms, "with_replacement")
 
 
-def accept_tree(tokens, parents, p, q, uniforms, mode: str = "with_replacement") -> Acceptance:
+def accept_tree(tokens, parents, p, q, uniforms, mode: AcceptMode | str = AcceptMode.WITH_REPLACEMENT) -> Acceptance:
     """Lossless acceptance on a tree of drafts (see the module docstring for the modes).
 
     tokens [T] int, parents [T]; p [T, V]: the processed target probabilities
@@ -82,11 +83,10 @@ def accept_tree(tokens, parents, p, q, uniforms, mode: str = "with_replacement")
     children were drawn from (None for "topk"); uniforms [T, K + 1] in [0, 1).
     The inputs are not modified.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = _mode(mode)
     tokens, kids = _check_tree(tokens, parents)
     p = _check_rows(np.asarray(p), len(tokens), "p", ndim=2)
-    if mode != "topk":
+    if mode is not AcceptMode.TOPK:
         q = _check_rows(np.asarray(q), len(tokens), "q", ndim=2)
         if q.shape != p.shape:
             raise ValueError(f"q has shape {q.shape}, p has {p.shape}")
@@ -100,10 +100,10 @@ def accept_tree(tokens, parents, p, q, uniforms, mode: str = "with_replacement")
 
     node, path = 0, [0]
     while True:
-        p_r, q_r = p[node], None if mode == "topk" else q[node]
+        p_r, q_r = p[node], None if mode is AcceptMode.TOPK else q[node]
         for j, c in enumerate(kids[node]):
             x = tokens[c]
-            if mode == "topk":
+            if mode is AcceptMode.TOPK:
                 accept = uniforms[node, j] < p_r[x]  # proposal is a point mass: ratio p(x) / 1
             elif q_r[x] == 0:
                 continue  # the draft cannot have drawn x (e.g. a repeat without replacement): no such event
@@ -119,7 +119,8 @@ def accept_tree(tokens, parents, p, q, uniforms, mode: str = "with_replacement")
         path.append(node)
 
 
-def accept_typical(tokens, parents, p, uniforms, threshold: float = 0.09, alpha: float = 0.3) -> Acceptance:
+def accept_typical(tokens, parents, p, uniforms, threshold: float = TYPICAL_THRESHOLD,
+                   alpha: float = TYPICAL_ALPHA) -> Acceptance:
     """Medusa's typical acceptance: LOSSY, the output does not follow the target's distribution.
 
     Descend into the first child x with p_parent(x) > min(threshold, alpha * exp(-H(p_parent))), H the
@@ -141,13 +142,56 @@ def accept_typical(tokens, parents, p, uniforms, threshold: float = 0.09, alpha:
         path.append(node)
 
 
+def accept(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> Acceptance:
+    """A step's acceptance outside the graph, from the target's logits [T, V] over the tree: greedy, the longest
+    path of the target's argmax; sampling, the exact rule for how the drafts were chosen (`tree.mode`), so the
+    output follows the target's distribution, or Medusa's lossy typical acceptance when the tree asks for it."""
+    tokens, parents = tree.tokens, tree.parents
+    if params.greedy:
+        return accept_greedy(tokens, parents, logits.argmax(-1))
+    p = probabilities(logits, params)
+    u = rng.random(uniforms_shape(parents))
+    if tree.mode is AcceptMode.TYPICAL:
+        return accept_typical(tokens, parents, p, u)
+    q = None if tree.mode is AcceptMode.TOPK else tree.q[:len(tokens)]
+    return accept_tree(tokens, parents, p, q, u, tree.mode)
+
+
+def fused_inputs(tree: DraftTree, params: SamplingParams, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The inputs of the acceptance fused into the target graph (exporter/fused.py) for one step: the same random
+    numbers, drawn the same way, as `accept` uses, so a seed gives the same tokens either way."""
+    if params.greedy:
+        return greedy_inputs(len(tree))
+    u = rng.random(uniforms_shape(tree.parents))
+    sampled = tree.mode is not AcceptMode.TOPK and len(tree) > 1
+    return {"sample_u": u, "sample_q": tree.q[:len(tree)] if sampled else np.zeros((0, 0)),
+            "sample_params": np.array([params.temperature, params.top_k, params.top_p,
+                                       tree.mode is AcceptMode.WITHOUT_REPLACEMENT], np.float32)}
+
+
+def greedy_inputs(rows: int) -> dict[str, np.ndarray]:
+    """The fused acceptance's inputs for greedy decoding: no random numbers needed."""
+    return {"sample_u": np.zeros((rows, 1), np.float32), "sample_q": np.zeros((0, 0), np.float32),
+            "sample_params": np.array([0, 0, 1, 0], np.float32)}
+
+
 def uniforms_shape(parents) -> tuple[int, int]:
     """The shape of `uniforms` for this tree: (T, most children of any node + 1)."""
     kids = children(parents)
     return len(kids), max(map(len, kids), default=0) + 1
 
 
-def _reject(p: np.ndarray, q: np.ndarray | None, x: int, mode: str) -> tuple[np.ndarray, np.ndarray | None]:
+def _mode(mode) -> AcceptMode:
+    try:
+        mode = AcceptMode(mode)
+    except ValueError:
+        mode = None
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {[m.value for m in MODES]}")
+    return mode
+
+
+def _reject(p: np.ndarray, q: np.ndarray | None, x: int, mode: AcceptMode) -> tuple[np.ndarray, np.ndarray | None]:
     """The target (and draft) distributions to test the next sibling with, after `x` was rejected.
 
     Returns new arrays. If the residual has no mass, falls back to p. That cannot happen exactly:
@@ -155,12 +199,12 @@ def _reject(p: np.ndarray, q: np.ndarray | None, x: int, mode: str) -> tuple[np.
     a topk residual is empty only if p(x) = 1, also accepted surely. Only rounding gets here, and
     there p is the distribution the rule approximates.
     """
-    if mode == "topk":
+    if mode is AcceptMode.TOPK:
         residual = p.copy()
         residual[x] = 0.0
     else:
         residual = np.maximum(p - q, 0.0)
-        if mode == "without_replacement":
+        if mode is AcceptMode.WITHOUT_REPLACEMENT:
             q = q.copy()
             q[x] = 0.0
             q = q / q.sum() if q.sum() > 0 else q  # all zero: no sibling can follow (each would be skipped)

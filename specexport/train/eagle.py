@@ -18,16 +18,25 @@ LM head small. The result is saved in the published layout (model.safetensors + 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.exporter.training import (WARMUP_STEPS, ChunkFolder, check_settings, checkpoint_dir, feature_folder,
-                                          load_checkpoint, load_frozen_target, logger, run_record, run_steps,
-                                          sharegpt_split, torch_threads, write_record)
+from specexport.exporter.arch import dims_from_config
+from specexport.exporter.eagle import DraftConfig, DraftModule, EagleDraft, default_aux_layers, save_draft
+from specexport.exporter.sources import load_config, resolve
+from specexport.options import setting
+from specexport.train import loop
+from specexport.train.data import eos_and_pad, feature_groups, greedy_continuations, sharegpt_split
+from specexport.train.loop import (WARMUP_STEPS, check_settings, feature_checks, load_frozen_target, logger, run_steps,
+                                   torch_threads)
+from specexport.train.output import (ChunkFolder, checkpoint_dir, feature_folder, load_checkpoint, run_record,
+                                     write_record)
 
 DECAY = 0.8  # loss weight of unrolled step i: DECAY ** i
 EAGLE1_FEATURE_WEIGHT, EAGLE1_TOKEN_WEIGHT = 1.0, 0.1  # EAGLE-1: SmoothL1 on features + CE on tokens
@@ -35,6 +44,60 @@ CLIP = 0.5
 EVAL_SAMPLES = 48
 RESUME_KEYS = ("model", "version", "data", "samples", "new_tokens", "prompt_tokens", "batch", "lr", "seed",
                "draft_vocab", "ttt_steps", "aux_layers")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """How to train an EAGLE-1/2 draft: the options of `specexport train --method eagle`."""
+
+    version: ClassVar[int] = 1
+    minutes: float = loop.minutes(35.0)
+    steps: int | None = loop.steps()
+    batch: int = loop.batch(16)
+    lr: float = loop.lr(8e-4)
+    seed: int = loop.seed()
+    save_every: int | None = loop.save_every()
+    data: Path | None = loop.data()
+    threads: int | None = loop.threads()
+    self_distill: bool = loop.self_distill()
+    samples: int = loop.samples(1024)
+    new_tokens: int = loop.new_tokens()
+    ttt_steps: int = setting(5, "eagle, eagle3: unrolled training-time-test steps (each step drafts one token "
+                                "further).")
+    prompt_tokens: int = loop.prompt_tokens()
+    feature_batch: int = loop.feature_batch()
+
+    def vocabulary(self, vocab: int) -> int:
+        """The draft's vocabulary for a target of `vocab` tokens: EAGLE-1 drafts over all of them."""
+        return vocab
+
+    def aux(self, layers: int) -> tuple[int, ...]:
+        """The target layers whose inputs make the draft's feature: none for EAGLE-1 (its last hidden state)."""
+        return ()
+
+    def check(self, vocab: int) -> None:
+        draft_vocab = self.vocabulary(vocab)
+        check_settings(self, [
+            (1 <= draft_vocab <= vocab, f"--draft-vocab must be in 1..{vocab}, got {draft_vocab}"),
+            (1 <= self.ttt_steps <= 16, f"--ttt-steps must be in 1..16, got {self.ttt_steps}"),
+        ] + feature_checks(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Config3(Config):
+    """How to train an EAGLE-3 draft: the options of `specexport train --method eagle3`."""
+
+    version: ClassVar[int] = 3
+    draft_vocab: int = setting(8192, "eagle3: the draft's vocabulary, the most frequent target tokens (the d2t "
+                                     "map).")
+    aux_layers: tuple[int, ...] | None = setting(None, "eagle3: the target layers whose INPUTS make the feature, "
+                                                       "e.g. 2,15,27 (default: 2, L//2, L-3).")
+
+    def vocabulary(self, vocab: int) -> int:
+        return self.draft_vocab
+
+    def aux(self, layers: int) -> tuple[int, ...]:
+        return tuple(self.aux_layers) if self.aux_layers else default_aux_layers(layers)
 
 
 # ------------------------------------------------------------------------------------------------ features
@@ -91,8 +154,6 @@ class FeatureChunks(ChunkFolder):
 
 def build_features(model, tokenizer, train_set, heldout, cache: FeatureChunks, settings: dict, log, quiet: bool) -> None:
     """Fill the cache up to `samples` training sequences and the held-out set (resuming after existing chunks)."""
-    from specexport.exporter.train_medusa import eos_and_pad, feature_groups, greedy_continuations
-
     new_tokens = settings["new_tokens"]
     aux, version = tuple(settings["aux_layers"]), settings["version"]
     eos, pad = eos_and_pad(model, tokenizer)
@@ -125,8 +186,6 @@ def init_draft(target, version: int, aux: tuple[int, ...], hot: np.ndarray):
     """A fresh draft shaped like one target layer. EAGLE-3 starts from the target's own pieces where they fit:
     fc picks the highest feature, the LM head is the target's rows of the draft vocabulary, the final norm the
     target's; the layer itself starts small."""
-    from specexport.exporter.eagle import DraftConfig, EagleDraft
-
     cfg = target.config
     h, vocab = cfg.hidden_size, cfg.vocab_size
     heads = cfg.num_attention_heads
@@ -284,53 +343,34 @@ def accuracy(module, data: dict, t2d: np.ndarray, steps: int, max_len: int, hot:
 # ------------------------------------------------------------------------------------------------------ main
 
 
-def _check_args(version, data, samples, new_tokens, prompt_tokens, minutes, steps, batch, lr, draft_vocab, ttt_steps,
-                save_every, feature_batch, vocab):
-    check_settings([
-        (version in (1, 3), f"EAGLE version must be 1 or 3, got {version}"),
-        (data in ("self", "sharegpt"), f"--data-kind must be self or sharegpt, got {data!r}"),
-        (1 <= draft_vocab <= vocab, f"--draft-vocab must be in 1..{vocab}, got {draft_vocab}"),
-        (1 <= ttt_steps <= 16, f"--ttt-steps must be in 1..16, got {ttt_steps}"),
-    ], samples=samples, new_tokens=new_tokens, prompt_tokens=prompt_tokens, minutes=minutes, steps=steps, batch=batch,
-        lr=lr, save_every=save_every, feature_batch=feature_batch)
-
-
-def train_eagle(model_spec: str, output: Path, *, version: int = 3, data: str = "self", samples: int = 1024,
-                new_tokens: int = 128, prompt_tokens: int = 128, minutes: float = 30.0, steps: int | None = None,
-                batch: int = 16, lr: float = 8e-4, seed: int = 0, draft_vocab: int = 8192, ttt_steps: int = 5,
-                aux_layers: tuple[int, ...] | None = None, save_every: int | None = None, feature_batch: int = 32,
-                resume: bool = False, overwrite: bool = False, data_path: Path | None = None,
-                threads: int | None = None, quiet: bool = False) -> dict:
-    """An EAGLE draft for `model_spec` into `output`; returns what it writes to training.json."""
+def train(model_spec: str, output: Path, config: Config = Config3(), *, resume: bool = False,
+          overwrite: bool = False, quiet: bool = False, offline: bool | None = None) -> dict:
+    """An EAGLE draft for `model_spec` into `output` (EAGLE-3 for a Config3, else EAGLE-1/2); returns what it writes
+    to training.json. `offline`: never download the model (None: HF_HUB_OFFLINE decides)."""
     import torch
-    from specexport.exporter.arch import dims_from_config
-    from specexport.exporter.eagle import DraftModule, default_aux_layers, save_draft
-    from specexport.exporter.sources import load_config, resolve
 
-    output = Path(output)
-    source = resolve(model_spec)
+    output, c, version = Path(output), config, config.version
+    source = resolve(model_spec, offline=offline)
     dims = dims_from_config(load_config(source))
-    if version == 1:
-        draft_vocab = dims.vocab
-    _check_args(version, data, samples, new_tokens, prompt_tokens, minutes, steps, batch, lr, draft_vocab, ttt_steps,
-                save_every, feature_batch, dims.vocab)
-    aux = tuple(aux_layers) if aux_layers else default_aux_layers(dims.layers) if version == 3 else ()
+    c.check(dims.vocab)
+    draft_vocab, aux = c.vocabulary(dims.vocab), c.aux(dims.layers)
     bad = [i for i in aux if not 0 <= i < dims.layers]
     if bad:
         raise UserError(f"--aux-layers {bad} out of range: the target has {dims.layers} layers")
-    train_set, heldout, data_name = sharegpt_split(data_path)
-    max_len = prompt_tokens + new_tokens
-    settings = {"model": model_spec, "version": version, "data": data, "samples": samples, "new_tokens": new_tokens,
-                "prompt_tokens": prompt_tokens, "batch": batch, "lr": lr, "seed": seed, "draft_vocab": draft_vocab,
-                "ttt_steps": ttt_steps, "aux_layers": list(aux), "feature_batch": feature_batch,
-                "data_file": data_name, "conversations": len(train_set)}
+    train_set, heldout, data_name = sharegpt_split(c.data)
+    max_len = c.prompt_tokens + c.new_tokens
+    settings = {"model": model_spec, "version": version, "data": "self" if c.self_distill else "sharegpt",
+                "samples": c.samples, "new_tokens": c.new_tokens, "prompt_tokens": c.prompt_tokens, "batch": c.batch,
+                "lr": c.lr, "seed": c.seed, "draft_vocab": draft_vocab, "ttt_steps": c.ttt_steps,
+                "aux_layers": list(aux), "feature_batch": c.feature_batch, "data_file": data_name,
+                "conversations": len(train_set)}
     # the features depend on these; more samples only add chunks after the cached ones
     features = feature_folder(output, settings, [k for k in RESUME_KEYS if k not in
                                                  ("batch", "lr", "ttt_steps", "draft_vocab", "samples")],
                               resume, overwrite)
 
     log = logger(quiet)
-    with torch_threads(threads):
+    with torch_threads(c.threads):
         target, tokenizer = load_frozen_target(source, log)
         cache = FeatureChunks(features)
         started = time.monotonic()
@@ -354,7 +394,7 @@ def train_eagle(model_spec: str, output: Path, *, version: int = 3, data: str = 
         module = DraftModule.from_draft(init_draft(target, version, aux, hot), embed, head, trainable=True)
         del target
         params = {k: v for k, v in module.p.items() if k != "d2t"}
-        optimizer = torch.optim.AdamW(params.values(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        optimizer = torch.optim.AdamW(params.values(), lr=c.lr, betas=(0.9, 0.95), weight_decay=0.0)
         state = None
         if resume and checkpoint_dir(output) is not None:
             state = load_checkpoint(checkpoint_dir(output), params, optimizer)
@@ -362,14 +402,13 @@ def train_eagle(model_spec: str, output: Path, *, version: int = 3, data: str = 
         if state is None:
             state = {"step": 0, "seconds": 0.0, "losses": []}
         state["settings"] = settings
-        _train_loop(module, params, optimizer, train, t2d, state, output, minutes=minutes, steps=steps, batch=batch,
-                    lr=lr, seed=seed, save_every=save_every, ttt_steps=ttt_steps, max_len=max_len, quiet=quiet)
-        table = accuracy(module, held, t2d, ttt_steps, max_len, hot)
-        summary = {
+        _train_loop(module, params, optimizer, train, t2d, state, output, c, max_len=max_len, quiet=quiet)
+        table = accuracy(module, held, t2d, c.ttt_steps, max_len, hot)
+        record = {
             "method": f"eagle{version}" if version == 3 else "eagle",
             "target": {"model": model_spec, "name": source.name, "vocab_size": dims.vocab, "hidden_size": dims.hidden,
                        "layers": dims.layers},
-            "settings": {**settings, "minutes": minutes, "steps": steps, "threads": torch.get_num_threads(),
+            "settings": {**settings, "minutes": c.minutes, "steps": c.steps, "threads": torch.get_num_threads(),
                          "bf16_autocast": bf16_matmuls()},
             "data": {"train_sequences": int(len(train["lengths"])), "train_tokens": int(len(train["tokens"])),
                      "heldout_sequences": int(len(held["lengths"])), "draft_vocab_coverage": round(coverage, 4)},
@@ -377,10 +416,20 @@ def train_eagle(model_spec: str, output: Path, *, version: int = 3, data: str = 
         }
         save_draft(module.to_draft(), output, {"accuracy": table, "base_model": model_spec,
                                                "draft_vocab_coverage": round(coverage, 4)})
-        write_record(output, summary, log, "held-out accuracy against the target's greedy tokens:",
+        write_record(output, record, log, "held-out accuracy against the target's greedy tokens:",
                      (f"step {row['step']} ({row['predicts']}): top-1 {row['top1']:.1%}  top-5 {row['top5']:.1%}  "
                       f"whole chain right {row['chain']:.1%}  ({row['positions']} positions)" for row in table))
-        return summary
+        return record
+
+
+def summary(result: dict, output: Path) -> list[str]:
+    """What the command prints after training."""
+    d = result["data"]
+    return [(f"{result['method']} draft written to {output} ({result['steps']} steps, {d['train_sequences']} "
+             f"sequences, {d['train_tokens']} tokens, {result['seconds'] / 60:.1f} min of training; draft vocabulary "
+             f"covers {d['draft_vocab_coverage']:.1%})"),
+            "held-out top-1 per drafted token: " + "; ".join(f"t+{r['step'] + 2} {r['top1']:.1%}"
+                                                             for r in result["accuracy"])]
 
 
 def bf16_matmuls() -> bool:
@@ -394,8 +443,7 @@ def bf16_matmuls() -> bool:
         return False
 
 
-def _train_loop(module, params, optimizer, data, t2d, state, output, *, minutes, steps, batch, lr, seed, save_every,
-                ttt_steps, max_len, quiet) -> None:
+def _train_loop(module, params, optimizer, data, t2d, state, output, config: Config, *, max_len, quiet) -> None:
     import torch
 
     bf16 = bf16_matmuls()
@@ -403,14 +451,13 @@ def _train_loop(module, params, optimizer, data, t2d, state, output, *, minutes,
     count = len(data["lengths"])
 
     def step(number: int):
-        rows = np.random.default_rng([seed, number]).choice(count, min(batch, count), replace=False)
+        rows = np.random.default_rng([config.seed, number]).choice(count, min(config.batch, count), replace=False)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, parts = draft_loss(module, make_batch(data, rows, t2d, ttt_steps, max_len), ttt_steps)
+            loss, parts = draft_loss(module, make_batch(data, rows, t2d, config.ttt_steps, max_len), config.ttt_steps)
         loss.backward()
         torch.nn.utils.clip_grad_value_(trainable, CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.item(), {"ce": " ".join(f"{c:.2f}" for c in parts)}, {}
 
-    run_steps(step, params, optimizer, state, output, minutes=minutes, steps=steps, lr=lr, warmup=WARMUP_STEPS * 5,
-              save_every=save_every, desc="draft", quiet=quiet)
+    run_steps(step, params, optimizer, state, output, config, warmup=WARMUP_STEPS * 5, desc="draft", quiet=quiet)

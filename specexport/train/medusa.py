@@ -4,7 +4,7 @@ Two phases, both resumable:
 
 1. Features. The target runs once over the data and its final hidden states (after the final norm) are
    cached with each position's labels: head k (0-based) at position t learns token t + k + 2. Data is either
-   `self` (self-distillation, the default: the target's own greedy continuations of ShareGPT prompts, so the
+   `self` (`self_distill`, the default: the target's own greedy continuations of ShareGPT prompts, so the
    labels are exactly what greedy verification will accept) or `sharegpt` (the conversations themselves,
    teacher-forced, as in Medusa-1). Chunks land in OUTPUT/features/ one by one.
 2. Heads. ResBlocks start at the identity (zero weight, zero bias); the loss is sum_k 0.8^k * CE(head k). Each
@@ -22,85 +22,62 @@ training.json; OUTPUT/checkpoint/ holds the trained weights and AdamW moments (s
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.exporter.training import (CLIP_NORM, HELDOUT, WARMUP_STEPS, ChunkFolder, TokenStream, check_settings,
-                                          checkpoint_dir, feature_folder, load_checkpoint, load_frozen_target, logger,
-                                          run_record, run_steps, same_settings, sharegpt_split, torch_threads,
-                                          write_record)
+from specexport.exporter.medusa import MedusaHeads, save_heads
+from specexport.exporter.sources import load_config, resolve
+from specexport.options import setting
+from specexport.train import loop
+from specexport.train.data import HELDOUT, eos_and_pad, feature_groups, greedy_continuations, sharegpt_split
+from specexport.train.loop import (CLIP_NORM, WARMUP_STEPS, check_settings, feature_checks, load_frozen_target,
+                                   logger, run_steps, torch_threads)
+from specexport.train.output import (ChunkFolder, checkpoint_dir, feature_folder, load_checkpoint, run_record,
+                                     same_settings, write_record)
 
 DECAY = 0.8  # loss weight of head k: DECAY ** k
-DATA_KINDS = ("self", "sharegpt")
 STYLES = ("shared", "own")
 EVAL_SAMPLES = 64
 RESUME_KEYS = ("model", "heads", "style", "data", "samples", "new_tokens", "prompt_tokens", "batch", "lr", "seed",
                "vocab_subset")
 
 
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """How to train Medusa heads: the options of `specexport train --method medusa`."""
+
+    minutes: float = loop.minutes(20.0)
+    steps: int | None = loop.steps()
+    batch: int = loop.batch(2048)
+    lr: float = loop.lr(1e-3)
+    seed: int = loop.seed()
+    save_every: int | None = loop.save_every()
+    data: Path | None = loop.data()
+    threads: int | None = loop.threads()
+    heads: int = setting(4, "medusa: number of heads.")
+    head_style: str = setting("shared", "medusa: project through the target's LM head (shared, small files) or each "
+                                        "head's own (own).")
+    self_distill: bool = loop.self_distill()
+    samples: int = loop.samples(1536)
+    new_tokens: int = loop.new_tokens()
+    vocab_subset: int = setting(8192, "medusa: the most frequent tokens, scored per step besides the batch's "
+                                      "labels, and the vocabulary the heads propose from.")
+    prompt_tokens: int = loop.prompt_tokens()
+    feature_batch: int = loop.feature_batch()
+
+    def check(self) -> None:
+        check_settings(self, [
+            (1 <= self.heads <= 16, f"--heads must be 1..16, got {self.heads}"),
+            (self.head_style in STYLES, f"--head-style must be one of {', '.join(STYLES)}, got {self.head_style!r}"),
+            (self.vocab_subset >= 1, f"--vocab-subset must be >= 1, got {self.vocab_subset}"),
+        ] + feature_checks(self))
+
+
 # ------------------------------------------------------------------------------------------------ features
-
-
-def first_prompts(tokenizer, conversations: list[dict], max_tokens: int, seed: int) -> list[list[int]]:
-    """Each conversation's first user turn as a chat prompt (with the assistant's generation prompt), in a
-    seeded order, keeping those of at most `max_tokens` tokens; lazily, as a generator."""
-    from jinja2 import TemplateError
-
-    order = np.random.default_rng(seed).permutation(len(conversations))
-    for index in order:
-        turns = conversations[int(index)].get("conversations", [])
-        text = next((t.get("value") for t in turns if t.get("from") in ("human", "user")), None)
-        if not isinstance(text, str) or not text.strip() or len(text) > max_tokens * 16:
-            continue
-        messages = [{"role": "user", "content": text}]
-        try:
-            if getattr(tokenizer, "chat_template", None):
-                rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            else:
-                rendered = text
-        except (TemplateError, ValueError, TypeError):
-            continue
-        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
-        if 0 < len(ids) <= max_tokens:
-            yield ids
-
-
-def greedy_continuations(model, prompts: list[list[int]], new_tokens: int, eos: set[int], pad: int):
-    """Greedy continuations of a batch of prompts (left-padded, one KV cache) and the final hidden states
-    that produced them: per prompt (tokens [n], hidden [n, h]) where hidden[i] predicted tokens[i]."""
-    import torch
-
-    longest = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts])
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    body, head = model.model, model.get_output_embeddings()
-    tokens, hidden = [], []
-    done = torch.zeros(len(prompts), dtype=torch.bool)
-    cache = None
-    with torch.no_grad():
-        for _ in range(new_tokens):
-            out = body(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-            cache = out.cache if hasattr(out, "cache") else out.past_key_values
-            h = out.last_hidden_state[:, -1]
-            nxt = head(h).argmax(-1)
-            tokens.append(torch.where(done, pad, nxt))
-            hidden.append(h.to(torch.float16))
-            done = done | torch.tensor([int(t) in eos for t in nxt])
-            if bool(done.all()):
-                break
-            ids, positions = nxt[:, None], positions[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=mask.dtype)], dim=1)
-    tokens, hidden = torch.stack(tokens, 1), torch.stack(hidden, 1)
-    out = []
-    for b in range(len(prompts)):
-        row = tokens[b].tolist()
-        n = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        out.append((np.array(row[:n], np.int64), hidden[b, :n].numpy()))
-    return out
 
 
 def teacher_forced(model, windows: list[list[int]]):
@@ -165,36 +142,6 @@ def build_features(model, tokenizer, train_set, heldout, cache: FeatureCache, se
                settings["samples"], write, log, quiet)
 
 
-def feature_groups(tokenizer, source, count: int, seed: int, settings: dict):
-    """The inputs of each feature chunk, `feature_batch` at a time, `count` in all: prompts (data "self") or
-    ShareGPT windows (data "sharegpt"). Cheap to make, so a resume can skip the chunks already cached."""
-    if settings["data"] == "self":
-        items = first_prompts(tokenizer, source, settings["prompt_tokens"], seed)
-    else:
-        stream = TokenStream(tokenizer, source, settings["prompt_tokens"] + settings["new_tokens"], seed)
-        items = iter(stream.window, None)
-    while count > 0:
-        group = [x for _, x in zip(range(min(settings["feature_batch"], count)), items)]
-        if not group:
-            return
-        count -= len(group)
-        yield group
-
-
-def eos_and_pad(model, tokenizer) -> tuple[set[int], int]:
-    """The target's end-of-sequence ids and the id to pad a batch with."""
-    eos = set(_eos_ids(model, tokenizer))
-    return eos, tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-
-
-def _eos_ids(model, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
-    ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    if not ids:
-        raise UserError("the target declares no end-of-sequence token")
-    return sorted(set(ids))
 # --------------------------------------------------------------------------------------------------- heads
 
 
@@ -293,54 +240,38 @@ def vocab_subset(labels: np.ndarray, size: int, vocab: int):
 # ------------------------------------------------------------------------------------------------------ main
 
 
-def _check_args(heads, style, data, samples, new_tokens, prompt_tokens, minutes, steps, batch, lr, subset,
-                save_every, feature_batch):
-    check_settings([
-        (1 <= heads <= 16, f"--heads must be 1..16, got {heads}"),
-        (style in STYLES, f"--head-style must be one of {', '.join(STYLES)}, got {style!r}"),
-        (data in DATA_KINDS, f"--data must be one of {', '.join(DATA_KINDS)}, got {data!r}"),
-        (subset >= 1, f"--vocab-subset must be >= 1, got {subset}"),
-    ], samples=samples, new_tokens=new_tokens, prompt_tokens=prompt_tokens, minutes=minutes, steps=steps, batch=batch,
-        lr=lr, save_every=save_every, feature_batch=feature_batch)
-
-
-def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = "shared", data: str = "self",
-                 samples: int = 1536, new_tokens: int = 128, prompt_tokens: int = 128, minutes: float = 20.0,
-                 steps: int | None = None, batch: int = 2048, lr: float = 1e-3, seed: int = 0,
-                 vocab_subset_size: int = 8192, save_every: int | None = None, feature_batch: int = 32,
-                 resume: bool = False, overwrite: bool = False, data_path: Path | None = None,
-                 threads: int | None = None, quiet: bool = False) -> dict:
+def train(model_spec: str, output: Path, config: Config = Config(), *, resume: bool = False, overwrite: bool = False,
+          quiet: bool = False, offline: bool | None = None) -> dict:
     """Medusa heads for `model_spec` into `output`; returns what it writes to training.json.
 
-    `samples` sequences of features (each a prompt's greedy continuation of up to `new_tokens` tokens for
-    data="self", or a window of prompt_tokens + new_tokens tokens for data="sharegpt"), then `minutes` of head
-    training (and at most `steps` steps when given; the schedule follows `steps` when given, else the clock).
+    `config.samples` sequences of features (each a prompt's greedy continuation of up to `new_tokens` tokens when
+    self-distilling, else a window of prompt_tokens + new_tokens tokens of ShareGPT text), then `config.minutes` of
+    head training (and at most `config.steps` steps when given; the schedule follows the steps when given, else the
+    clock). `offline`: never download the model (None: HF_HUB_OFFLINE decides).
     """
     import torch
-    from specexport.exporter.medusa import MedusaHeads, save_heads
-    from specexport.exporter.sources import load_config, resolve
 
-    output = Path(output)
-    _check_args(heads, style, data, samples, new_tokens, prompt_tokens, minutes, steps, batch, lr, vocab_subset_size,
-                save_every, feature_batch)
-    source = resolve(model_spec)
+    output, c = Path(output), config
+    c.check()
+    source = resolve(model_spec, offline=offline)
     load_config(source)  # a clear error for a folder that is not a model, before reading the data
-    train_set, heldout, data_name = sharegpt_split(data_path)
-    settings = {"model": model_spec, "heads": heads, "style": style, "data": data, "samples": samples,
-                "new_tokens": new_tokens, "prompt_tokens": prompt_tokens, "batch": batch, "lr": lr, "seed": seed,
-                "vocab_subset": vocab_subset_size, "feature_batch": feature_batch, "data_file": data_name,
+    train_set, heldout, data_name = sharegpt_split(c.data)
+    settings = {"model": model_spec, "heads": c.heads, "style": c.head_style,
+                "data": "self" if c.self_distill else "sharegpt", "samples": c.samples, "new_tokens": c.new_tokens,
+                "prompt_tokens": c.prompt_tokens, "batch": c.batch, "lr": c.lr, "seed": c.seed,
+                "vocab_subset": c.vocab_subset, "feature_batch": c.feature_batch, "data_file": data_name,
                 "conversations": len(train_set), "heldout": HELDOUT}
     features = feature_folder(output, settings, RESUME_KEYS, resume, overwrite)
 
     log = logger(quiet)
-    with torch_threads(threads):
+    with torch_threads(c.threads):
         log(f"{data_name}: {len(train_set) + len(heldout)} conversations, training on the first {len(train_set)}, "
             f"the last {HELDOUT} held out")
         target, tokenizer = load_frozen_target(source, log)
         lm_head = target.get_output_embeddings().weight.detach().float()
         vocab, hidden_size = lm_head.shape
-        params = make_heads(heads, hidden_size, lm_head, style)
-        optimizer = torch.optim.AdamW(params.values(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        params = make_heads(c.heads, hidden_size, lm_head, c.head_style)
+        optimizer = torch.optim.AdamW(params.values(), lr=c.lr, betas=(0.9, 0.95), weight_decay=0.0)
         state = None
         if resume and checkpoint_dir(output) is not None:
             folder = checkpoint_dir(output)
@@ -361,43 +292,50 @@ def train_medusa(model_spec: str, output: Path, *, heads: int = 4, style: str = 
         if state is None:
             state = {"settings": settings, "step": 0, "rows": 0, "seconds": 0.0, "losses": []}
         state["settings"] = settings
-        subset = vocab_subset(labels.numpy(), vocab_subset_size, vocab)
-        _train_loop(params, lm_head, optimizer, hidden, labels, subset, state, output, minutes=minutes, steps=steps,
-                    batch=batch, lr=lr, seed=seed, save_every=save_every, quiet=quiet)
+        subset = vocab_subset(labels.numpy(), c.vocab_subset, vocab)
+        _train_loop(params, lm_head, optimizer, hidden, labels, subset, state, output, c, quiet=quiet)
 
         table = accuracy(params, lm_head, held_hidden, held_labels, subset)
         base = base_accuracy(lm_head, held_hidden, held_next)
         result = MedusaHeads(
             [[(params[f"{k}.0.linear.weight"].detach().numpy(), params[f"{k}.0.linear.bias"].detach().numpy())]
-             for k in range(heads)],
-            [params[f"{k}.1.weight"].detach().numpy() for k in range(heads)] if style == "own" else None,
+             for k in range(c.heads)],
+            [params[f"{k}.1.weight"].detach().numpy() for k in range(c.heads)] if c.head_style == "own" else None,
             vocab_subset=subset.numpy())
-        summary = {
+        record = {
             "method": "medusa",
             "target": {"model": model_spec, "name": source.name, "vocab_size": vocab, "hidden_size": hidden_size},
-            "settings": {**settings, "minutes": minutes, "steps": steps, "threads": torch.get_num_threads(),
-                         "save_every": save_every},
+            "settings": {**settings, "minutes": c.minutes, "steps": c.steps, "threads": torch.get_num_threads(),
+                         "save_every": c.save_every},
             "rows": {"train": len(labels), "heldout": len(held_labels)},
             **run_record(state, feature_seconds, table, last=10),
         }
-        summary["base_lm_head_top1_on_heldout"] = base  # 1.0 (up to near-ties) for self-distilled data
+        record["base_lm_head_top1_on_heldout"] = base  # 1.0 (up to near-ties) for self-distilled data
         save_heads(result, output, {"vocab_size": vocab, "base_model": model_spec, "accuracy": table,
-                                    "training": {k: summary["settings"][k] for k in ("data", "samples", "style", "heads")}})
-        write_record(output, summary, log, "held-out accuracy (full vocabulary):",
+                                    "training": {k: record["settings"][k] for k in ("data", "samples", "style", "heads")}})
+        write_record(output, record, log, "held-out accuracy (full vocabulary):",
                      (f"head {row['head']} ({row['predicts']}): top-1 {row['top1']:.1%}  top-5 {row['top5']:.1%}  "
                       f"({row['rows']} rows)" for row in table))
-        return summary
+        return record
 
 
-def _train_loop(params, lm_head, optimizer, hidden, labels, subset, state, output, *, minutes, steps, batch, lr,
-                seed, save_every, quiet) -> None:
+def summary(result: dict, output: Path) -> list[str]:
+    """What the command prints after training."""
+    return [(f"Medusa heads written to {output} ({len(result['accuracy'])} heads, {result['steps']} steps, "
+             f"{result['rows']['train']} training rows, {result['seconds'] / 60:.1f} min of head training)"),
+            "held-out accuracy: " + "; ".join(f"head {r['head']} top-1 {r['top1']:.1%} top-5 {r['top5']:.1%}"
+                                              for r in result["accuracy"])]
+
+
+def _train_loop(params, lm_head, optimizer, hidden, labels, subset, state, output, config: Config, *,
+                quiet) -> None:
     import torch
 
     trainable = list(params.values())
 
     def step(number: int):
-        rng = np.random.default_rng([seed, number])
-        pick = torch.from_numpy(rng.integers(0, len(labels), min(batch, len(labels))))
+        rng = np.random.default_rng([config.seed, number])
+        pick = torch.from_numpy(rng.integers(0, len(labels), min(config.batch, len(labels))))
         h, y = hidden[pick].float(), labels[pick]
         loss, parts = medusa_loss(params, lm_head, h, y, torch.unique(torch.cat([subset, y[y >= 0]])))
         loss.backward()
@@ -406,5 +344,4 @@ def _train_loop(params, lm_head, optimizer, hidden, labels, subset, state, outpu
         optimizer.zero_grad(set_to_none=True)
         return loss.item(), {"ce": " ".join(f"{c:.2f}" for c in parts)}, {"rows": state["rows"] + len(pick)}
 
-    run_steps(step, params, optimizer, state, output, minutes=minutes, steps=steps, lr=lr, warmup=WARMUP_STEPS,
-              save_every=save_every, desc="heads", quiet=quiet)
+    run_steps(step, params, optimizer, state, output, config, warmup=WARMUP_STEPS, desc="heads", quiet=quiet)

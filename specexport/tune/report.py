@@ -1,23 +1,22 @@
-"""The profile report: Markdown with the measured tables, and PNG plots (matplotlib, headless)."""
+"""The profile report: Markdown with the measured tables, and PNG plots (matplotlib, headless). Reports name the
+bundle and the hardware, never a path on the machine that made them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import matplotlib
 import numpy as np
 
-from specexport.profiles.measure import errors
+from specexport.tune.measure import errors
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
 
 
 def plots(measured, folder: Path) -> list[str]:
     """latency.png, accept_lengths.png and predicted_vs_measured.png in `folder`; returns their names."""
-    try:
-        import matplotlib
-    except ImportError:
-        return []
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = []
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for context, curve in measured.verify_ms.items():
@@ -70,8 +69,6 @@ def plots(measured, folder: Path) -> list[str]:
 def _save(fig, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    import matplotlib.pyplot as plt
-
     plt.close(fig)
     return path.name
 
@@ -124,6 +121,6 @@ def markdown(measured, meta: dict, images: list[str]) -> str:
         c = measured.chosen
         out += ["", f"Chosen: **{c['tree']}** ({c['tokens']} tokens, depth {c['depth']}): predicted "
                     f"{c['predicted_tokens_per_s']:.1f} tokens/s, measured {c.get('measured_tokens_per_s', 0):.1f}.",
-                "", "```json", str(c["choices"]), "```"]
+                "", "The settings the profile records:", "", "```json", json.dumps(c["settings"]), "```"]
     out += [""] + [f"![{Path(name).stem}]({name})" for name in images]
     return "\n".join(out) + "\n"

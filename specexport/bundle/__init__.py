@@ -6,16 +6,14 @@ size and sha256 of every other file in the folder, so a copied or edited bundle 
 Standard library only: the runtime (and a C++ one) must be able to read this without torch.
 """
 
-import contextlib
 import hashlib
 import json
-import os
-import shutil
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from specexport.bundle import kinds, methods
 from specexport.errors import UserError
+from specexport.fsutil import staged_output
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -44,75 +42,9 @@ def write_manifest(folder: Path, manifest: dict) -> dict:
     return final
 
 
-@contextmanager
-def staged_output(dest: Path, overwrite: bool = False):
-    """Yield an empty folder beside `dest`; on success it replaces `dest`, on any exception it vanishes (with any
-    parent folders it made). So an interrupted export never leaves a half-written bundle where a good one was
-    expected. `overwrite` replaces only a bundle or an empty folder, never other files."""
-    dest = Path(dest)
-    check_replaceable(dest, overwrite, "a specexport bundle", lambda folder: (folder / MANIFEST).is_file())
-    made = [p for p in [dest.parent, *dest.parent.parents] if not p.exists()]
-    check_writable(dest)
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        temp = dest.parent / f".{dest.name}.partial-{os.getpid()}"
-        shutil.rmtree(temp, ignore_errors=True)
-        temp.mkdir()
-    except OSError as e:
-        _remove_empty(made)
-        raise UserError(f"cannot write {dest}: {e.strerror or e}") from None
-    try:
-        yield temp
-        _replace(temp, dest)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        _remove_empty(made)
-        raise
-
-
-def check_replaceable(dest: Path, overwrite: bool, kind: str, is_kind) -> None:
-    """One clear error unless `dest` may be written: it does not exist, or `overwrite` is given and it is an empty
-    folder or one that `is_kind` (it holds `kind`). Never the current folder or one above it."""
-    if dest.exists() and Path.cwd().resolve().is_relative_to(dest.resolve()):
-        raise UserError(f"the output {dest} is the current folder or holds it; give a folder to write into")
-    if not dest.exists():
-        return
-    if not overwrite:
-        raise UserError(f"{dest} already exists (pass --overwrite to replace it)")
-    if not dest.is_dir() or (any(dest.iterdir()) and not is_kind(dest)):
-        raise UserError(f"{dest} is not {kind}; --overwrite replaces only that (remove it yourself if it must go)")
-
-
-def check_writable(path: Path) -> None:
-    """One clear error when a file stands where one of `path`'s folders should be."""
-    blocking = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
-    if blocking is not None:
-        raise UserError(f"cannot write {path}: {blocking} is a file, not a folder")
-
-
-def _remove_empty(folders: list[Path]) -> None:
-    """Remove the folders an output made for itself (deepest first), where they are still empty."""
-    for folder in folders:
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-
-
-def _replace(new: Path, dest: Path) -> None:
-    """Rename `new` to `dest`; an existing `dest` is moved aside first and deleted last."""
-    if not dest.exists():
-        new.rename(dest)
-        return
-    old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-    dest.rename(old)
-    try:
-        new.rename(dest)
-    except BaseException:
-        old.rename(dest)
-        raise
-    if old.is_dir():
-        shutil.rmtree(old)
-    else:
-        old.unlink()
+def staged_bundle(dest: Path, overwrite: bool = False):
+    """A staged output folder (fsutil.staged_output) that --overwrite may replace only when it is a bundle."""
+    return staged_output(dest, overwrite, "a specexport bundle", lambda folder: (folder / MANIFEST).is_file())
 
 
 @dataclass(frozen=True)
@@ -167,24 +99,16 @@ def load_bundle(path, verify: bool = True) -> Bundle:
     return bundle
 
 
-# What the runtime reads from a manifest, by dotted key: a missing key or a wrong type is one clear error at load,
-# not a crash mid-run. Counts must be >= 1.
-_COUNT, _LIST, _TEXT = "count", list, str
-_REQUIRED = {"model.name": _TEXT, "model.vocab": _COUNT, "method.name": _TEXT, "precision": _TEXT, "flavour": _TEXT,
-             "max_context": _COUNT, "graphs.target.file": _TEXT, "tokenizer.files": _LIST}
-_METHODS = {
-    "none": {},
-    "ngram": {"max_ngram": _COUNT, "min_ngram": _COUNT, "max_matches": _COUNT, "draft_length": _COUNT},
-    "draft": {"draft_length": _COUNT, "draft_branching": _LIST, "graphs.draft.file": _TEXT},
-    "medusa": {"tree": _LIST, "heads_count": _COUNT, "top_k": _COUNT, "graphs.medusa_heads.file": _TEXT},
-    "eagle": {"depth": _COUNT, "top_k": _COUNT, "total_tokens": _COUNT, "graph_top_k": _COUNT, "version": _COUNT,
-              "graphs.draft.file": _TEXT},
-}
-_METHODS["eagle3"] = _METHODS["eagle"]
+# What the runtime reads from every manifest, by dotted key: a missing key or a wrong type is one clear error at
+# load, not a crash mid-run. Each method's section adds its own keys (bundle/methods).
+_REQUIRED = {"model.name": kinds.TEXT, "model.vocab": kinds.COUNT, "method.name": kinds.TEXT,
+             "precision": kinds.TEXT, "flavour": kinds.TEXT, "max_context": kinds.COUNT,
+             "graphs.target.file": kinds.TEXT, "tokenizer.files": kinds.LIST}
 
 
 def check_manifest(manifest: dict, where) -> None:
-    """Every key the runtime reads is present with its type (see _REQUIRED, _METHODS); the method is known."""
+    """Every key the runtime reads is present with its type (_REQUIRED and the method's section); the method is
+    known."""
     def get(key: str):
         value = manifest
         for part in key.split("."):
@@ -195,20 +119,16 @@ def check_manifest(manifest: dict, where) -> None:
 
     def check(key: str, kind) -> None:
         value = get(key)
-        if kind == _COUNT:
-            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-        else:
-            ok = isinstance(value, kind)
-        if not ok:
-            want = "a positive integer" if kind == _COUNT else f"a {kind.__name__}"
-            raise UserError(f"{where} is malformed: {key} must be {want}, not {value!r:.40}")
+        if not kinds.has_type(value, kind):
+            raise UserError(f"{where} is malformed: {key} must be {kinds.type_name(kind)}, not {value!r:.40}")
 
     for key, kind in _REQUIRED.items():
         check(key, kind)
-    name = manifest["method"]["name"]
-    if name not in _METHODS:
-        raise UserError(f"{where}: unknown method {name!r:.40} (this specexport runs {', '.join(_METHODS)})")
-    for key, kind in _METHODS[name].items():
+    try:
+        section = methods.get(manifest["method"]["name"])
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+    for key, kind in section.SCHEMA.items():
         check(key if key.startswith("graphs.") else f"method.{key}", kind)
     if not isinstance(manifest.get("profile") or {}, dict):
         raise UserError(f"{where} is malformed: profile must be an object")

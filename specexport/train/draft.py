@@ -19,6 +19,7 @@ numbers besides the data order, which follows from the seed, so a resumed run re
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import shutil
 import sys
@@ -26,13 +27,42 @@ import time
 from pathlib import Path
 
 from specexport.errors import UserError
-from specexport.exporter.training import (CLIP_NORM, check_settings, HELDOUT, WARMUP_STEPS, TokenStream, checkpoint_dir,
-                                          eval_sequences, load_checkpoint, load_frozen_target, logger, prepare_output,
-                                          run_steps, same_settings, sharegpt_split, torch_threads, write_json)
+from specexport.exporter.sources import load_config, resolve, save_generation_config, save_tokenizer
+from specexport.fsutil import write_json
+from specexport.options import setting
+from specexport.train import loop
+from specexport.train.data import HELDOUT, TokenStream, eval_sequences, sharegpt_split
+from specexport.train.loop import (CLIP_NORM, WARMUP_STEPS, check_settings, load_frozen_target, logger, run_steps,
+                                   torch_threads)
+from specexport.train.output import checkpoint_dir, load_checkpoint, prepare_output, same_settings
 
 EVAL_SEQUENCES = 100  # held-out sequences for the before/after agreement
 MICRO_ELEMENTS = 2**25  # logits elements per micro-batch: one [tokens, vocab] fp32 tensor of 128 MB
 RESUME_KEYS = ("model", "layers", "batch", "seq_len", "lr", "seed", "top_k", "data", "conversations")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """How to distil a draft: the options of `specexport train --method draft`."""
+
+    minutes: float = loop.minutes(30.0)
+    steps: int | None = loop.steps()
+    batch: int = loop.batch(8)
+    lr: float = loop.lr(1e-3)
+    seed: int = loop.seed()
+    save_every: int | None = loop.save_every()
+    data: Path | None = loop.data()
+    threads: int | None = loop.threads()
+    layers: int = setting(4, "draft: layers (the target's first N).")
+    seq_len: int = setting(256, "draft: tokens per sequence.")
+    top_k: int | None = setting(None, "draft: KL over the target's top K tokens only (default: all).")
+
+    def check(self) -> None:
+        check_settings(self, [
+            (self.layers >= 1, f"--layers must be >= 1, got {self.layers}"),
+            (self.seq_len >= 2, f"--seq-len must be >= 2, got {self.seq_len}"),
+            (self.top_k is None or self.top_k >= 1, f"--top-k must be >= 1, got {self.top_k}"),
+        ])
 
 
 # --------------------------------------------------------------------------------------------------- model
@@ -129,8 +159,6 @@ def evaluate(draft, target, sequences: list[list[int]], quiet: bool = True, desc
 
 def write_model(output: Path, draft, target, tokenizer) -> None:
     """OUTPUT/ as a Hugging Face model folder, each file written to a temp folder first, then moved in."""
-    from specexport.exporter.sources import save_generation_config, save_tokenizer
-
     temp = output / "model.tmp"
     shutil.rmtree(temp, ignore_errors=True)
     draft.save_pretrained(temp)
@@ -144,54 +172,42 @@ def write_model(output: Path, draft, target, tokenizer) -> None:
 # ------------------------------------------------------------------------------------------------------ main
 
 
-def _check_args(layers, minutes, steps, batch, seq_len, lr, top_k, save_every):
-    check_settings([
-        (layers >= 1, f"--layers must be >= 1, got {layers}"),
-        (seq_len >= 2, f"--seq-len must be >= 2, got {seq_len}"),
-        (top_k is None or top_k >= 1, f"--top-k must be >= 1, got {top_k}"),
-    ], minutes=minutes, steps=steps, batch=batch, lr=lr, save_every=save_every)
+def train(model_spec: str, output: Path, config: Config = Config(), *, resume: bool = False, overwrite: bool = False,
+          quiet: bool = False, offline: bool | None = None) -> dict:
+    """Distil a `config.layers`-layer draft of `model_spec` into `output`; returns what it writes to training.json.
 
-
-def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: float = 30.0, steps: int | None = None,
-                batch: int = 8, seq_len: int = 256, lr: float = 1e-3, seed: int = 0, top_k: int | None = None,
-                save_every: int | None = None, resume: bool = False, overwrite: bool = False,
-                data_path: Path | None = None, threads: int | None = None, quiet: bool = False) -> dict:
-    """Distil a `layers`-layer draft of `model_spec` into `output`; returns what it writes to training.json.
-
-    The budget is `minutes` of training steps (loading and the two evaluations come on top) and, if given,
-    `steps`; the learning-rate schedule follows `steps` when given, else the clock. `save_every`: checkpoint
-    every that many steps (default: every 5 minutes, and at the end). `threads`: torch threads (default: all
-    cores; on a busy machine 1 is often several times faster, as every parallel region waits for a preempted
-    thread).
+    The budget is `config.minutes` of training steps (loading and the two evaluations come on top) and, if given,
+    `config.steps`; the learning-rate schedule follows the steps when given, else the clock. `offline`: never
+    download the model (None: HF_HUB_OFFLINE decides).
     """
     import torch
 
-    from specexport.exporter.sources import load_config, resolve
-
-    output = Path(output)
-    _check_args(layers, minutes, steps, batch, seq_len, lr, top_k, save_every)
-    source = resolve(model_spec)
-    config = load_config(source)
-    if layers >= config.num_hidden_layers:
-        raise UserError(f"--layers must be below the target's {config.num_hidden_layers} layers, got {layers}")
-    if top_k and top_k > config.vocab_size:
-        raise UserError(f"--top-k must be at most the vocabulary size {config.vocab_size}, got {top_k}")
-    train_set, heldout, data_name = sharegpt_split(data_path)
+    output, c = Path(output), config
+    c.check()
+    source = resolve(model_spec, offline=offline)
+    target_config = load_config(source)
+    if c.layers >= target_config.num_hidden_layers:
+        raise UserError(f"--layers must be below the target's {target_config.num_hidden_layers} layers, got {c.layers}")
+    if c.top_k and c.top_k > target_config.vocab_size:
+        raise UserError(f"--top-k must be at most the vocabulary size {target_config.vocab_size}, got {c.top_k}")
+    train_set, heldout, data_name = sharegpt_split(c.data)
     prepare_output(output, resume, overwrite)
-    settings = {"model": model_spec, "layers": layers, "batch": batch, "seq_len": seq_len, "lr": lr, "seed": seed,
-                "top_k": top_k, "data": data_name, "conversations": len(train_set), "heldout": HELDOUT}
+    settings = {"model": model_spec, "layers": c.layers, "batch": c.batch, "seq_len": c.seq_len, "lr": c.lr,
+                "seed": c.seed, "top_k": c.top_k, "data": data_name, "conversations": len(train_set),
+                "heldout": HELDOUT}
 
     log = logger(quiet)
-    with torch_threads(threads):
+    with torch_threads(c.threads):
         log(f"{data_name}: {len(train_set) + len(heldout)} conversations, training on the first {len(train_set)}, "
             f"the last {HELDOUT} held out")
         target, tokenizer = load_frozen_target(source, log)
-        draft = make_draft(target, layers)
+        draft = make_draft(target, c.layers)
         params = trainable(draft)
-        optimizer = torch.optim.AdamW(params.values(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+        optimizer = torch.optim.AdamW(params.values(), lr=c.lr, betas=(0.9, 0.95), weight_decay=0.0)
         vocab = target.config.vocab_size
-        micro = max(d for d in range(1, batch + 1) if batch % d == 0 and (d == 1 or d * seq_len * vocab <= MICRO_ELEMENTS))
-        held = eval_sequences(tokenizer, heldout, seq_len, EVAL_SEQUENCES)
+        micro = max(d for d in range(1, c.batch + 1)
+                    if c.batch % d == 0 and (d == 1 or d * c.seq_len * vocab <= MICRO_ELEMENTS))
+        held = eval_sequences(tokenizer, heldout, c.seq_len, EVAL_SEQUENCES)
 
         if resume:
             folder = checkpoint_dir(output)
@@ -202,23 +218,22 @@ def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: floa
             state = {"settings": settings, "step": 0, "tokens": 0, "seconds": 0.0,
                      "data": {"epoch": 0, "index": 0, "offset": 0}, "losses": [],
                      "eval_before": evaluate(draft, target, held, quiet, "held-out eval (before)")}
-        log(f"self:{layers} draft on {state['eval_before']['tokens']} held-out tokens: top-1 agreement "
+        log(f"self:{c.layers} draft on {state['eval_before']['tokens']} held-out tokens: top-1 agreement "
             f"{state['eval_before']['agreement']:.1%}, KL {state['eval_before']['kl']:.3f}")
         state["settings"] = settings  # the same resume keys; minutes / steps may change between runs
-        stream = TokenStream(tokenizer, train_set, seq_len, seed, state["data"])
-        _train_loop(draft, target, optimizer, stream, state, output, minutes=minutes, steps=steps, batch=batch,
-                    lr=lr, micro=micro, top_k=top_k, save_every=save_every, quiet=quiet)
+        stream = TokenStream(tokenizer, train_set, c.seq_len, c.seed, state["data"])
+        _train_loop(draft, target, optimizer, stream, state, output, c, micro=micro, quiet=quiet)
 
         after = evaluate(draft, target, held, quiet, "held-out eval (after)")
         write_model(output, draft, target, tokenizer)
         losses = state["losses"]
-        summary = {
+        record = {
             "method": "draft",
-            "target": {"model": model_spec, "name": source.name, "layers": config.num_hidden_layers},
-            "draft": {"layers": layers, "trained": f"layers 0-{layers - 1} and the final norm",
+            "target": {"model": model_spec, "name": source.name, "layers": target_config.num_hidden_layers},
+            "draft": {"layers": c.layers, "trained": f"layers 0-{c.layers - 1} and the final norm",
                       "frozen": "embeddings and LM head (the target's)"},
-            "settings": {**settings, "minutes": minutes, "steps": steps, "micro_batch": micro,
-                         "threads": torch.get_num_threads(), "save_every": save_every},
+            "settings": {**settings, "minutes": c.minutes, "steps": c.steps, "micro_batch": micro,
+                         "threads": torch.get_num_threads(), "save_every": c.save_every},
             "steps": state["step"],
             "tokens": state["tokens"],
             "seconds": round(state["seconds"], 1),
@@ -228,21 +243,29 @@ def train_draft(model_spec: str, output: Path, *, layers: int = 4, minutes: floa
             "data_position": state["data"],
             "eval": {"before": state["eval_before"], "after": after},
         }
-        write_json(output / "training.json", summary)
+        write_json(output / "training.json", record)
         log(f"after {state['step']} steps: top-1 agreement {after['agreement']:.1%}, KL {after['kl']:.3f}")
-        return summary
+        return record
 
 
-def _train_loop(draft, target, optimizer, stream, state, output, *, minutes, steps, batch, lr, micro, top_k,
-                save_every, quiet) -> None:
+def summary(result: dict, output: Path) -> list[str]:
+    """What the command prints after training."""
+    before, after = result["eval"]["before"], result["eval"]["after"]
+    return [(f"draft written to {output} ({result['draft']['layers']} layers, {result['steps']} steps, "
+             f"{result['tokens']} tokens, {result['seconds'] / 60:.1f} min)"),
+            (f"held-out top-1 agreement with the target: {before['agreement']:.1%} -> {after['agreement']:.1%}; "
+             f"KL {before['kl']:.3f} -> {after['kl']:.3f} ({after['tokens']} tokens)")]
+
+
+def _train_loop(draft, target, optimizer, stream, state, output, config: Config, *, micro, quiet) -> None:
     def step(number: int):
         start = time.monotonic()
-        ids = stream.batch(batch)
-        loss = train_step(draft, target, optimizer, ids, micro, top_k)
+        ids = stream.batch(config.batch)
+        loss = train_step(draft, target, optimizer, ids, micro, config.top_k)
         shown = {"tok_s": f"{ids.numel() / (time.monotonic() - start):.0f}"}
         return loss, shown, {"tokens": state["tokens"] + ids.numel(), "data": stream.position}
 
     draft.train()
-    run_steps(step, trainable(draft), optimizer, state, output, minutes=minutes, steps=steps, lr=lr,
-              warmup=WARMUP_STEPS, save_every=save_every, desc="training", quiet=quiet)
+    run_steps(step, trainable(draft), optimizer, state, output, config, warmup=WARMUP_STEPS, desc="training",
+              quiet=quiet)
     draft.eval()

@@ -1,0 +1,125 @@
+"""export, build: a model (and a speculation method) in, a bundle out (the export extra: torch, onnx, ...)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from specexport import profiles
+from specexport.bundle.describe import numerics_lines
+from specexport.cli.common import IntList, SettingOptions, path_option
+from specexport.errors import UserError
+from specexport.exporter import methods, sources
+from specexport.exporter.export import ExportOptions, export_bundle
+from specexport.exporter.graph import FLAVOURS, PRECISIONS, GraphOptions
+
+BACKENDS = ["onnxruntime", "tensorrt"]
+DEFAULT_CPU_PRECISION = "int8"  # AMX/VNNI DynamicQuantizeMatMul: cheap decode, and cheap wide verify
+# each method's run-time settings (saved in the bundle) and its build-only options, as options
+SETTINGS = SettingOptions({name: m.runtime.Settings for name, m in methods.METHODS.items()}, build=True)
+OPTIONS = SettingOptions({name: m.Options for name, m in methods.METHODS.items()})
+
+
+def model_options(f):
+    f = click.option("--offline", is_flag=True,
+                     help="Never download: the model must be local (also HF_HUB_OFFLINE=1).")(f)
+    return click.option("--model", "model_spec", required=True,
+                        help="HF folder, .gguf file, Hugging Face id (org/name, downloaded when not cached) or alias "
+                             f"({', '.join(sources.ALIASES)}).")(f)
+
+
+def export_options(f):
+    f = click.option("--max-context", type=int, default=None, help="Context limit (default: the model's).")(f)
+    f = click.option("--flavour", type=click.Choice(FLAVOURS), default=None,
+                     help="ort: ONNX Runtime fused ops (default). onnx: standard ONNX ops only (for TensorRT).")(f)
+    f = click.option("--aux-layers", type=IntList(), default="",
+                     help="Also output the inputs of these layers, e.g. 2,15,27.")(f)
+    f = click.option("--no-validate", is_flag=True, help="Skip the numerics check against transformers.")(f)
+    f = click.option("--fused-accept/--no-fused-accept", default=True, show_default=True,
+                     help="Acceptance inside the target graph, greedy and sampling: a step returns the accepted rows "
+                          "and the bonus token, not logits.")(f)
+    return click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")(f)
+
+
+def _print_export(manifest: dict, output: Path) -> None:
+    click.echo(f"bundle written to {output}")
+    lines = numerics_lines(manifest)
+    if lines:
+        click.echo("numerics:")
+        click.echo("\n".join(lines))
+
+
+@click.command()
+@model_options
+@click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
+@path_option("--output", required=True, help="Bundle folder to write.")
+@export_options
+def export(model_spec, offline, precision, output, max_context, flavour, aux_layers, no_validate, fused_accept,
+           overwrite):
+    """Export a model's target graph and manifest into a bundle folder.
+
+    \b
+    Examples:
+      specexport export --model smollm2-135m --output smol-fp32
+      specexport export --model ./my-llama --precision int4 --output my-llama-int4
+      specexport export --model smollm2-135m --flavour onnx --precision fp16 --output smol-trt
+    """
+    graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept)
+    options = ExportOptions(graph=graph, max_context=max_context, validate=not no_validate)
+    _print_export(export_bundle(model_spec, output, options, overwrite=overwrite, offline=offline or None), output)
+
+
+@click.command()
+@model_options
+@click.option("--method", type=click.Choice(list(methods.METHODS)), default="none", show_default=True,
+              help="Speculation method.")
+@SETTINGS
+@OPTIONS
+@click.option("--backend", type=click.Choice(BACKENDS), default=None, help="[default: the profile's, else onnxruntime]")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=None,
+              help=f"[default: the profile's, else {DEFAULT_CPU_PRECISION} (onnxruntime on CPU)]")
+@click.option("--profile", "profile_spec", default=None,
+              help="Hardware profile: auto (detect this machine), a bundled name (h100-sxm, cpu-2core, ...) or a "
+                   "file. It sets precision, backend, flavour, context limit and the method's settings unless given.")
+@path_option("--output", default=None, help="Bundle folder (default: ./MODEL-METHOD-BACKEND-PRECISION).")
+@export_options
+def build(model_spec, offline, method, backend, precision, profile_spec, output, max_context, flavour, aux_layers,
+          no_validate, fused_accept, overwrite, **method_kwargs):
+    """Export a model and compile it for a backend into a ready-to-run bundle.
+
+    \b
+    Examples:
+      specexport build --model smollm2-135m --method none
+      specexport build --model smollm2-135m --method ngram --draft-length 8
+      specexport build --model smollm2-135m --method draft --draft-model self:6 --draft-tree 2,1,1
+      specexport build --model smollm2-135m --method medusa --tree small_15
+      specexport build --model llama3-8b --method medusa --heads ./medusa-heads --tree mc_sim_7b_63
+      specexport build --model smollm2-135m --precision fp32 --output smol-fp32
+      specexport build --model llama3-8b --method none --precision int4
+      specexport build --model smollm2-135m --method medusa --profile auto
+      specexport build --model smollm2-135m --method eagle3 --depth 3 --top-k 2 --total-tokens 6
+      specexport build --model llama3-8b --method eagle --draft ./EAGLE-LLaMA3-Instruct-8B
+    """
+    settings = SETTINGS.given(method_kwargs, method)
+    method_options = OPTIONS.given(method_kwargs, method)
+    profile = chosen = None
+    if profile_spec is not None:
+        profile, chosen = profiles.resolve_profile(profile_spec)
+        backend, precision = backend or profile.engine.backend, precision or profile.engine.precision
+        flavour = flavour or profile.engine.flavour
+        settings = profiles.merge(profile, methods.get(method).runtime, settings)
+        click.echo(f"profile {profile.name} ({profile.description}; "
+                   f"{'measured' if profile.measured else 'not measured on this hardware'})", err=True)
+    backend = backend or "onnxruntime"
+    if backend == "tensorrt":
+        raise UserError("the tensorrt backend needs TensorRT >= 10.14 and a GPU, neither found here; "
+                        "export a standard-ONNX graph with --flavour onnx --precision fp16 instead")
+    precision = precision or DEFAULT_CPU_PRECISION
+    if output is None:
+        output = Path(f"{sources.resolve(model_spec, offline=offline or None).name}-{method}-{backend}-{precision}")
+    graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept)
+    options = ExportOptions(graph=graph, max_context=max_context, optimize=True, validate=not no_validate,
+                            method=method, settings=settings, method_options=method_options,
+                            profile=None if profile is None else {**profile.as_dict(), **chosen})
+    _print_export(export_bundle(model_spec, output, options, overwrite=overwrite, offline=offline or None), output)

@@ -1,0 +1,143 @@
+"""run, bench, info: the runtime's commands (numpy, onnxruntime, tokenizers; no torch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from specexport.bundle import load_bundle
+from specexport.bundle.describe import describe
+from specexport.cli import needs_extra
+from specexport.cli.common import PARAM, SettingOptions, path_option
+from specexport.errors import UserError
+from specexport.fsutil import write_json
+from specexport.runtime import methods
+from specexport.runtime.bench import encode_prompts, read_prompts, run_bench, summary_lines
+from specexport.runtime.generate import Engine
+from specexport.runtime.sampling import SamplingParams
+
+# run-time overrides of a bundle's settings: every method's, as one set of options (--top-k is run's sampling)
+OVERRIDES = SettingOptions({name: m.Settings for name, m in methods.METHODS.items()}, taken=("--top-k",))
+
+
+def _engine(bundle: Path, threads: int | None, kwargs: dict) -> Engine:
+    engine = Engine.load(bundle, threads=threads)
+    engine.configure(**{name: kwargs[PARAM + name] for name in OVERRIDES.field})
+    for warning in engine.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    return engine
+
+
+@click.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@click.option("--prompt", default=None, help="Prompt text (the chat template is applied when the model has one).")
+@click.option("--prompt-ids", default=None, help="The prompt as comma-separated token ids instead of text.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--stop-id", type=int, multiple=True, help="Stop token id, besides the model's end-of-sequence ids (repeatable).")
+@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--threads", type=int, default=None, help="ORT intra-op threads (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@OVERRIDES
+def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_id, raw, threads,
+        as_json, **overrides):
+    """Generate from a prompt with a bundle, streaming the text, then print stats.
+
+    The method's settings (tree, draft length, ...) default to the bundle's; the options below override them.
+
+    \b
+    Examples:
+      specexport run smollm2-135m-none-onnxruntime-int8 --prompt "Write a haiku about the sea."
+      specexport run smol-fp32 --prompt "Tell me a story" --temperature 0.7 --top-p 0.9 --seed 1
+      specexport run smol-fp32 --prompt "List three colours" --json
+      specexport run smol-fp32 --prompt-ids 1,504,3300 --max-new-tokens 16
+    """
+    if (prompt is None) == (prompt_ids is None):
+        raise UserError("give exactly one of --prompt and --prompt-ids")
+    if prompt_ids is not None:
+        try:
+            prompt = [int(t) for t in prompt_ids.split(",")]
+        except ValueError:
+            raise UserError(f"--prompt-ids must be comma-separated integers, got '{prompt_ids}'") from None
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    params = SamplingParams(temperature=temperature or 0.0, top_k=top_k, top_p=top_p, seed=seed)
+    engine = _engine(bundle, threads, overrides)
+    vocab = engine.bundle.manifest["model"]["vocab"]
+    if any(not 0 <= t < vocab for t in stop_id):
+        raise UserError(f"--stop-id must be a token id in 0..{vocab - 1}")
+    stop_ids = tuple(sorted(engine.tokenizer.eos_token_ids | set(stop_id)))
+    stream = None if as_json else (lambda text: click.echo(text, nl=False))
+    result = engine.generate(prompt, max_new_tokens=max_new_tokens, sampling=params, stop=tuple(stop),
+                             stop_ids=stop_ids, chat=not raw, on_text=stream)
+    s = result.stats
+    if as_json:
+        click.echo(json.dumps({"text": result.text, "tokens": result.tokens, "stop_reason": result.stop_reason,
+                               "method": engine.bundle.method, **s.as_dict()}))
+        return
+    click.echo()
+    click.echo(f"[{s.new_tokens} tokens in {s.seconds:.2f} s: {s.tokens_per_s:.1f} tokens/s, "
+               f"time to first token {s.ttft_s * 1000:.0f} ms, {s.steps} steps, method {engine.describe()}, "
+               f"tau {s.tau:.2f}, accepted {s.accepted}/{s.drafted} drafts, "
+               f"profile {(engine.bundle.manifest.get('profile') or {}).get('name', 'none')}, "
+               f"stop: {result.stop_reason}]", err=True)
+
+
+@click.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+@path_option("--prompts", "prompts_file", required=True, help="JSON lines with a 'prompt' field (and optional 'id').")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@path_option("--json", "json_out", default=None, help="Write the results here.")
+@click.option("--compare-hf", is_flag=True,
+              help="Also time transformers generate on the same model (needs the export extra).")
+@click.option("--threads", type=int, default=None)
+@OVERRIDES
+def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, **overrides):
+    """Benchmark a bundle's method against plain decoding on the same engine (greedy, batch 1).
+
+    \b
+    Examples:
+      specexport bench smollm2-135m-none-onnxruntime-int8 --prompts prompts.jsonl
+      specexport bench smol-fp32 --prompts prompts.jsonl --compare-hf --json results.json
+    """
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if json_out is not None and (json_out.is_dir() or not json_out.parent.is_dir()):
+        raise UserError(f"--json {json_out}: " + ("is a folder" if json_out.is_dir() else "its folder does not exist"))
+    hf_speed, hf = None, {"hf_tokens_per_s": None, "hf_speedup": None}
+    if compare_hf:
+        try:
+            from specexport.exporter.reference import hf_speed  # torch and transformers, only for this option
+        except ModuleNotFoundError as e:
+            needs_extra("bench --compare-hf", "export", e)
+    prompts = read_prompts(prompts_file)
+    engine = _engine(bundle, threads, overrides)
+    progress = lambda text: click.echo(text, err=True)  # noqa: E731
+    result = run_bench(engine, prompts, max_new_tokens=max_new_tokens, progress=progress)
+    if hf_speed is not None:
+        rate = hf_speed(engine.bundle.manifest["model"]["source"], encode_prompts(engine, prompts),
+                        sorted(engine.tokenizer.eos_token_ids), max_new_tokens, progress)
+        hf = {"hf_tokens_per_s": rate, "hf_speedup": round(result["tokens_per_s"] / rate, 3) if rate else None}
+    result.update(hf)
+    click.echo("\n".join(summary_lines(result)))
+    if json_out:
+        write_json(json_out, result)
+        click.echo(f"results written to {json_out}")
+
+
+@click.command()
+@click.argument("bundle", type=click.Path(path_type=Path))
+def info(bundle):
+    """Show a bundle's manifest: model, method, precision, graphs and numerics (checksums are verified).
+
+    \b
+    Examples:
+      specexport info smollm2-135m-none-onnxruntime-int8
+    """
+    click.echo("\n".join(describe(load_bundle(bundle))))

@@ -1,0 +1,108 @@
+"""A draft model at export time: the draft (another model with the target's vocabulary, or the target's first N
+layers) becomes its own step graph with its own KV cache."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from specexport.errors import UserError
+from specexport.exporter import sources, validate
+from specexport.exporter.graph import GraphOptions
+from specexport.exporter.methods.plan import Plan, Target
+from specexport.exporter.save import ExportContext, write_graph
+from specexport.options import setting
+from specexport.runtime.methods import draft
+
+
+@dataclass(frozen=True)
+class Options:
+    draft_model: str | None = setting(None, "draft: a model with the target's vocabulary (folder, .gguf, HF id or "
+                                            "alias), or self:N (the target's first N layers).")
+
+
+class DraftPlan(Plan):
+    extra_graphs = 1
+
+    def __init__(self, options: Options, settings: draft.Settings, target: Target):
+        super().__init__(settings)
+        if not options.draft_model:
+            raise UserError("--method draft needs --draft-model (a model, or self:N for the target's first N layers)")
+        self.spec, self.model = options.draft_model, None
+        if parse_self_draft(self.spec, target.dims.layers) is None:
+            try:  # fail early on a draft that is not a model or has another vocabulary size
+                vocab = sources.load_config(sources.resolve(self.spec)).vocab_size
+            except UserError as e:
+                raise UserError(f"--draft-model: {e}") from None
+            if vocab != target.dims.vocab:
+                raise UserError(f"draft model {self.spec} has a different vocabulary than the target ({vocab} vs "
+                                f"{target.dims.vocab} tokens); a draft must share the target's tokenizer")
+
+    def write_graphs(self, ctx: ExportContext) -> dict[str, dict]:
+        self.model, name = load_draft_model(self.spec, ctx.model, ctx.tokenizer, ctx.dims.layers)
+        ctx.step(f"building the draft graph ({name}, {self.model.config.num_hidden_layers} layers)")
+        plain = GraphOptions(precision=ctx.graph.precision, flavour=ctx.graph.flavour)
+        return {"draft": write_graph(self.model, "draft", plain, ctx.max_context, ctx.folder, ctx.quiet)}
+
+    def validate(self, ctx: ExportContext, graphs: dict[str, dict]) -> dict:
+        # the draft's quality shows in the accept length; its numerics are checked case by case
+        return {"draft": validate.check_graph(self.model, ctx.tokenizer, ctx.folder, graphs["draft"],
+                                              ctx.graph.precision, agreement=False)}
+
+    def manifest(self) -> dict:
+        s = self.settings
+        return {"draft_model": self.spec, "draft_length": s.draft_length, "draft_branching": list(s.branching)}
+
+
+class DraftExport:
+    Options = Options
+    runtime = draft.METHOD
+
+    def plan(self, options: Options, settings: draft.Settings, target: Target) -> DraftPlan:
+        return DraftPlan(options, settings, target)
+
+
+def parse_self_draft(spec: str, target_layers: int) -> int | None:
+    """N for "self:N", None for any other draft spec."""
+    if not spec.startswith("self:"):
+        return None
+    try:
+        n = int(spec[5:])
+    except ValueError:
+        raise UserError(f"--draft-model self:N needs an integer N, got '{spec}'") from None
+    if not 1 <= n < target_layers:
+        raise UserError(f"--draft-model self:{n}: N must be in 1..{target_layers - 1} (the target has {target_layers} "
+                        "layers)")
+    return n
+
+
+def self_draft(model, n: int):
+    """The target's first n layers + its final norm and LM head, sharing the target's tensors."""
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = n
+    with torch.device("meta"):
+        draft_model = type(model)(config)
+    keep = {k: v for k, v in model.state_dict().items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
+    draft_model.load_state_dict(keep, assign=True, strict=True)
+    draft_model.model.rotary_emb = model.model.rotary_emb  # its inverse frequencies are a buffer outside the state dict
+    return draft_model.eval()
+
+
+def load_draft_model(spec: str, target, target_tokenizer, target_layers: int):
+    """(draft model, description); checks that the vocabularies match."""
+    n = parse_self_draft(spec, target_layers)
+    if n is not None:
+        return self_draft(target, n), f"self:{n}"
+    source = sources.resolve(spec)
+    model, tokenizer = sources.load_model(source)
+    if model.config.vocab_size != target.config.vocab_size or tokenizer.get_vocab() != target_tokenizer.get_vocab():
+        raise UserError(f"draft model {source.name} has a different vocabulary than the target "
+                        f"({len(tokenizer.get_vocab())} vs {len(target_tokenizer.get_vocab())} tokens); "
+                        "a draft must share the target's tokenizer")
+    return model, source.name
+
+
+METHOD = DraftExport()

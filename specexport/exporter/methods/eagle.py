@@ -1,0 +1,95 @@
+"""EAGLE-1/2 and EAGLE-3 at export time: the draft decoder (shipped for the model, published, or trained here) is
+checked against the target, becomes its own graph with its own KV cache, and the target graph returns the
+features it reads (EAGLE-3: fc of three layers' inputs, computed in the target graph)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from specexport.errors import UserError
+from specexport.exporter import validate
+from specexport.exporter.arch import ARCHS, dims_from_config, extract_weights, spec_for
+from specexport.exporter.eagle import load_draft
+from specexport.exporter.eagle_graph import (EAGLE_TOP_K, TargetFeatures, build_draft_graph, draft_dims, draft_weights,
+                                             rope_for)
+from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions
+from specexport.exporter.methods.plan import ASSETS, Plan, Target, settings_dict
+from specexport.exporter.save import ExportContext, save_graph
+from specexport.options import setting
+from specexport.runtime.backend import GraphSession
+from specexport.runtime.methods import eagle
+
+
+@dataclass(frozen=True)
+class Options:
+    draft: str | None = setting(None, "eagle, eagle3: the draft folder, a published EAGLE-1/2/3 checkpoint or one "
+                                      "trained with specexport train (default: the draft shipped for the model).")
+
+
+class EaglePlan(Plan):
+    extra_graphs = 1
+
+    def __init__(self, method: str, version: int, options: Options, settings: eagle.Settings, target: Target):
+        super().__init__(settings)
+        eagle.EagleMethod.static_tree(settings, EAGLE_TOP_K)
+        self.where = Path(options.draft) if options.draft else ASSETS / f"{method}-{target.name}"
+        if not self.where.exists():
+            if options.draft:
+                raise UserError(f"EAGLE draft {self.where} not found")
+            raise UserError(f"no {method} draft ships for {target.name}: pass --draft PATH (a published checkpoint "
+                            f"folder, or train one with specexport train --method {method} --model ...)")
+        self.draft = load_draft(self.where, target.dims.layers)
+        if self.draft.config.version != version:
+            raise UserError(f"{self.where} is an EAGLE-{self.draft.config.version} draft: use --method "
+                            f"{METHOD_OF_VERSION[self.draft.config.version]}")
+        self.draft.check(target.dims, str(self.where))
+        if self.draft.config.draft_vocab < EAGLE_TOP_K:
+            raise UserError(f"{self.where}: a draft vocabulary of {self.draft.config.draft_vocab} is below the "
+                            f"{EAGLE_TOP_K} candidates the draft graph returns")
+
+    def graph_options(self, graph: GraphOptions) -> GraphOptions:
+        aux = tuple(sorted(set(graph.aux_layers) | set(self.draft.config.aux_layers)))
+        return replace(graph, fused_accept=True, aux_layers=aux)
+
+    def extensions(self) -> tuple:
+        return (TargetFeatures(self.draft),)
+
+    def write_graphs(self, ctx: ExportContext) -> dict[str, dict]:
+        """draft.onnx: the draft decoder with its own KV cache (exporter/eagle_graph.py)."""
+        c = self.draft.config
+        ctx.step(f"building the {'EAGLE-3' if c.version == 3 else 'EAGLE-1/2'} draft graph (draft vocabulary "
+                 f"{c.draft_vocab})")
+        model = ctx.model
+        spec, dims = spec_for(model.config.model_type), dims_from_config(model.config)
+        target = extract_weights(spec, dims, model.state_dict())
+        ddims = draft_dims(self.draft, dims)
+        plain = GraphOptions(precision=ctx.graph.precision, flavour=ctx.graph.flavour)
+        builder = DecoderGraphBuilder(ARCHS["llama"], ddims, draft_weights(self.draft, target), plain,
+                                      rope_for(self.draft, ctx.max_context + 64))
+        return {"draft": save_graph(build_draft_graph(builder, self.draft), "draft", plain, ddims, ctx.folder)}
+
+    def validate(self, ctx: ExportContext, graphs: dict[str, dict]) -> dict:
+        session = GraphSession(ctx.folder / graphs["target"]["file"], graphs["target"])
+        draft_session = GraphSession(ctx.folder / graphs["draft"]["file"], graphs["draft"], spin=False)
+        return {"eagle": validate.eagle(ctx.model, session, draft_session, self.draft)}
+
+    def manifest(self) -> dict:
+        c = self.draft.config
+        return {**settings_dict(self.settings), "graph_top_k": EAGLE_TOP_K, "draft": str(self.where.resolve()),
+                "version": c.version, "draft_vocab": c.draft_vocab, "aux_layers": list(c.aux_layers),
+                "accuracy": self.draft.meta.get("accuracy")}
+
+
+class EagleExport:
+    Options = Options
+
+    def __init__(self, method: str, runtime: eagle.EagleMethod):
+        self.method, self.runtime = method, runtime
+
+    def plan(self, options: Options, settings: eagle.Settings, target: Target) -> EaglePlan:
+        return EaglePlan(self.method, self.runtime.version, options, settings, target)
+
+
+METHOD_OF_VERSION = {1: "eagle", 3: "eagle3"}  # the draft architectures (EAGLE-2 runs EAGLE-1's drafts)
+EAGLE1, EAGLE3 = EagleExport("eagle", eagle.EAGLE1), EagleExport("eagle3", eagle.EAGLE3)

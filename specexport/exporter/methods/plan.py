@@ -1,0 +1,75 @@
+"""What a speculation method does to an export: a `Plan` made before the target loads (so bad heads, drafts or trees
+fail before any work), then asked, in order, for the target graph's options and extensions, its own graphs, its
+numerics and its manifest section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from specexport.exporter.graph import GraphOptions
+from specexport.exporter.save import ExportContext
+from specexport.options import fields
+
+ASSETS = Path(__file__).parent.parent / "assets"  # proposers shipped for known models: ASSETS/<method>-<model>
+
+
+@dataclass(frozen=True)
+class Target:
+    """The target as known before loading it: its short name (for shipped assets) and dims."""
+
+    name: str
+    dims: object  # arch.Dims
+
+
+class Plan:
+    """A method that adds nothing to the export (plain decoding; a lookup whose settings are its whole section).
+    Methods with graphs of their own override what they add."""
+
+    extra_graphs = 0  # graphs of its own (progress steps)
+
+    def __init__(self, settings):
+        self.settings = settings
+
+    def graph_options(self, graph: GraphOptions) -> GraphOptions:
+        """The target graph's options (Medusa and EAGLE need the fused acceptance, EAGLE-3 its aux layers)."""
+        return graph
+
+    def extensions(self) -> tuple:
+        """What it adds to the target graph (graph.GraphExtension)."""
+        return ()
+
+    def write_graphs(self, ctx: ExportContext) -> dict[str, dict]:
+        """Its own graphs, written into ctx.folder: name -> manifest entry."""
+        return {}
+
+    def validate(self, ctx: ExportContext, graphs: dict[str, dict]) -> dict:
+        """Its numerics (added to the manifest's), against the PyTorch reference."""
+        return {}
+
+    def manifest(self) -> dict:
+        """Its manifest section (the name is added by the export): the run-time settings, and what it was made of."""
+        return settings_dict(self.settings)
+
+
+def settings_dict(settings) -> dict:
+    """Run-time settings as manifest values (tuples as lists)."""
+    return {f.name: list(v) if isinstance(v := getattr(settings, f.name), tuple) else v
+            for f in fields(type(settings)) if f.build}
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    pass
+
+
+class SettingsOnly:
+    """The export of a method that adds no graph (plain decoding, prompt lookup): its settings are its section."""
+
+    Options = NoOptions
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+
+    def plan(self, options: NoOptions, settings, target: Target) -> Plan:
+        return Plan(settings)

@@ -1,0 +1,77 @@
+"""Graphs into a bundle folder: build a decoder's graph from a transformers model, save it, describe it for the
+manifest; and the export's context that a speculation method's plan writes its own graphs with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import onnx
+from onnx import TensorProto
+from tqdm import tqdm
+
+from specexport.exporter.arch import dims_from_config, extract_weights, rope_tables, spec_for
+from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions
+
+
+@dataclass
+class ExportContext:
+    """What an export has in hand once the target is loaded (the method plans' write_graphs and validate get it)."""
+
+    source: object  # sources.ModelSource
+    dims: object  # arch.Dims of the target
+    model: object  # the transformers target, fp32, eval
+    tokenizer: object
+    folder: Path  # the staging folder the bundle is written into
+    graph: GraphOptions  # the export's precision and flavour (plain outputs)
+    max_context: int
+    quiet: bool
+    step: Callable[[str], None]  # announces a progress step
+
+
+def decoder_builder(model, graph: GraphOptions, max_context: int) -> DecoderGraphBuilder:
+    """A graph builder over a transformers decoder's weights and its rotary tables."""
+    spec, dims = spec_for(model.config.model_type), dims_from_config(model.config)
+    rotary = model.model.rotary_emb
+    rope = rope_tables(rotary.inv_freq.detach().float().numpy(), float(rotary.attention_scaling), max_context)
+    return DecoderGraphBuilder(spec, dims, extract_weights(spec, dims, model.state_dict()), graph, rope)
+
+
+def write_graph(model, name: str, graph: GraphOptions, max_context: int, folder: Path, quiet: bool,
+                extensions: tuple = ()) -> dict:
+    """`name`.onnx, the step graph of a transformers decoder (with a method's extensions); its manifest entry."""
+    builder = decoder_builder(model, graph, max_context)
+    with tqdm(total=builder.d.layers, desc=name, unit="layer", disable=quiet, leave=False) as bar:
+        proto = builder.build(extensions, on_layer=lambda i: bar.update(1))
+    return save_graph(proto, name, graph, builder.d, folder)
+
+
+def save_graph(proto, name: str, graph: GraphOptions, dims, folder: Path) -> dict:
+    """Save `name`.onnx (weights in `name`.onnx.data); returns its manifest entry."""
+    onnx.save(proto, folder / f"{name}.onnx", save_as_external_data=True, location=f"{name}.onnx.data",
+              size_threshold=1024)
+    return {
+        "file": f"{name}.onnx",
+        "flavour": graph.flavour,
+        "layers": dims.layers,
+        "kv_heads": dims.kv_heads,
+        "head_dim": dims.head_dim,
+        "kv_dtype": graph.precision if graph.precision in ("fp16", "bf16") else "fp32",
+        "bias_width": "total" if graph.flavour == "ort" else "capacity",
+        "aux_layers": list(graph.aux_layers),
+        "fused_accept": graph.fused_accept,
+        "inputs": _io(proto.graph.input),
+        "outputs": _io(proto.graph.output),
+    }
+
+
+def _io(values) -> list[dict]:
+    return [
+        {
+            "name": v.name,
+            "dtype": TensorProto.DataType.Name(v.type.tensor_type.elem_type).lower(),
+            "shape": [dim.dim_param or dim.dim_value for dim in v.type.tensor_type.shape.dim],
+        }
+        for v in values
+    ]

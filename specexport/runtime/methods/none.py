@@ -1,0 +1,54 @@
+"""Plain decoding: no drafts, every step verifies the root alone. Also the baseline of `bench` and `profile`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specexport.runtime.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Settings:
+    pass
+
+
+class PlainDecoding:
+    max_drafts = 0
+
+    def wants(self, fused: bool) -> tuple[str, ...]:
+        return ()
+
+    def start(self, prompt_len: int, capacity: int) -> None:
+        pass
+
+    def observe(self, outputs: dict, rows) -> None:
+        pass
+
+    def propose(self, history: list[int]) -> DraftTree:
+        return DraftTree.root_only(history[-1])
+
+    def accepted(self, path: list[int]) -> None:
+        pass
+
+
+class Plain:
+    Settings = Settings
+    profile_section = None  # nothing for a profile to choose
+
+    def settings(self, section: dict, given: dict) -> Settings:
+        return Settings()
+
+    def proposer(self, engine, settings: Settings, sampler) -> PlainDecoding:
+        return PlainDecoding()
+
+    def describe(self, settings: Settings) -> str:
+        return ""
+
+    def tree_info(self, settings: Settings) -> dict | None:
+        return None
+
+    def tokens_per_step(self, settings: Settings) -> int:
+        return 1
+
+
+METHOD = Plain()
