@@ -367,7 +367,7 @@ def test_cli_run_overrides(eagle_engine, tmp_path):
     assert result.exit_code == 0, result.output
     assert len(json.loads(result.stdout)["tokens"]) == 8
     fails(["run", bundle, "--prompt", "x", "--total-tokens", "1"], "--total-tokens must be in 2..")
-    fails(["run", bundle, "--prompt", "x", "--tree", "[[3, 1]]"], "missing")
+    fails(["run", bundle, "--prompt", "x", "--tree", "[[3, 1]]"], "has no parent")
 
 
 def test_eagle3_with_layers0_keys_loads(tmp_path):

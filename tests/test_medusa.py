@@ -357,4 +357,4 @@ def test_medusa_cli_end_to_end(tiny_folder, tmp_path):
     assert run.exit_code == 0 and json.loads(run.output)["method"] == "medusa", run.output
     fails(["run", out, "--prompt", "hello", "--typical"], "--typical needs --temperature > 0")
     fails(["run", out, "--prompt", "hello", "--tree", "bushy"], "unknown tree")
-    fails(["run", out, "--prompt", "hello", "--tree", "small_7"], "needs head 3, but there are only 3 heads")
+    fails(["run", out, "--prompt", "hello", "--tree", "small_7"], "is 4 deep; there are only 3 heads")

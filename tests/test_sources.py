@@ -16,21 +16,19 @@ import torch
 from hub_mirror import HubMirror, folder_files
 
 from specexport.errors import UserError
+from specexport.exporter import hub as hf_hub
 from specexport.exporter import sources
+from specexport.exporter.hub import cached_snapshot, hf_cache_dir, offline_mode, set_offline
 from specexport.exporter.sources import (
     ALIASES,
     GGUF_MAGIC,
     ModelSource,
     PipFile,
-    cached_snapshot,
-    hf_cache_dir,
     load_config,
     load_model,
-    offline_mode,
     resolve,
     save_generation_config,
     save_tokenizer,
-    set_offline,
 )
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -327,7 +325,7 @@ def test_whole_sharded_snapshot_resolves():
      ({"HF_HUB_OFFLINE": ""}, False), ({"TRANSFORMERS_OFFLINE": "1"}, True)],
 )  # fmt: skip
 def test_offline_mode_follows_the_environment(monkeypatch, env, offline):
-    monkeypatch.setattr(sources, "_offline", None)  # nothing decided yet in this process
+    monkeypatch.setattr(hf_hub, "_offline", None)  # nothing decided yet in this process
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
     for name, value in env.items():
@@ -336,7 +334,7 @@ def test_offline_mode_follows_the_environment(monkeypatch, env, offline):
 
 
 def test_set_offline_overrides_the_environment(monkeypatch):
-    monkeypatch.setattr(sources, "_offline", None)
+    monkeypatch.setattr(hf_hub, "_offline", None)
     set_offline(False)
     assert offline_mode() is False  # HF_HUB_OFFLINE=1 in the tests' environment
     monkeypatch.delenv("HF_HUB_OFFLINE")
@@ -348,7 +346,7 @@ def test_loading_keeps_the_users_offline_choice(monkeypatch):
     """_transformers() sets HF_HUB_OFFLINE=1 for loading; later resolves still follow what the user had set."""
     import huggingface_hub.constants
 
-    monkeypatch.setattr(sources, "_offline", None)
+    monkeypatch.setattr(hf_hub, "_offline", None)
     monkeypatch.delenv("HF_HUB_OFFLINE")  # the user is online
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # and huggingface_hub was imported so
     sources._transformers()

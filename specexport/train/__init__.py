@@ -1,7 +1,7 @@
 """Training proposers for a target on ShareGPT, on a CPU: one module per trainer, found through this registry.
 
 Each trainer has a frozen `Config` (its options, with their defaults and help: the train command's options come
-from these fields), `train(model_spec, output, config, *, resume, overwrite, quiet, offline) -> dict` (what it
+from these fields), `train(model_spec, output, config, *, resume, overwrite, quiet) -> dict` (what it
 writes to training.json) and `summary(result, output) -> list[str]` (what the command prints after training).
 The modules it shares: data (ShareGPT and the target's features of it), loop (shared options, checks, the
 schedule and the step loop), output (the output folder, checkpoints, cached features, training.json).

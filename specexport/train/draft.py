@@ -173,18 +173,17 @@ def write_model(output: Path, draft, target, tokenizer) -> None:
 
 
 def train(model_spec: str, output: Path, config: Config = Config(), *, resume: bool = False, overwrite: bool = False,
-          quiet: bool = False, offline: bool | None = None) -> dict:
+          quiet: bool = False) -> dict:
     """Distil a `config.layers`-layer draft of `model_spec` into `output`; returns what it writes to training.json.
 
     The budget is `config.minutes` of training steps (loading and the two evaluations come on top) and, if given,
-    `config.steps`; the learning-rate schedule follows the steps when given, else the clock. `offline`: never
-    download the model (None: HF_HUB_OFFLINE decides).
+    `config.steps`; the learning-rate schedule follows the steps when given, else the clock.
     """
     import torch
 
     output, c = Path(output), config
     c.check()
-    source = resolve(model_spec, offline=offline)
+    source = resolve(model_spec)
     target_config = load_config(source)
     if c.layers >= target_config.num_hidden_layers:
         raise UserError(f"--layers must be below the target's {target_config.num_hidden_layers} layers, got {c.layers}")

@@ -344,13 +344,13 @@ def accuracy(module, data: dict, t2d: np.ndarray, steps: int, max_len: int, hot:
 
 
 def train(model_spec: str, output: Path, config: Config = Config3(), *, resume: bool = False,
-          overwrite: bool = False, quiet: bool = False, offline: bool | None = None) -> dict:
+          overwrite: bool = False, quiet: bool = False) -> dict:
     """An EAGLE draft for `model_spec` into `output` (EAGLE-3 for a Config3, else EAGLE-1/2); returns what it writes
-    to training.json. `offline`: never download the model (None: HF_HUB_OFFLINE decides)."""
+    to training.json."""
     import torch
 
     output, c, version = Path(output), config, config.version
-    source = resolve(model_spec, offline=offline)
+    source = resolve(model_spec)
     dims = dims_from_config(load_config(source))
     c.check(dims.vocab)
     draft_vocab, aux = c.vocabulary(dims.vocab), c.aux(dims.layers)

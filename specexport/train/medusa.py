@@ -241,19 +241,19 @@ def vocab_subset(labels: np.ndarray, size: int, vocab: int):
 
 
 def train(model_spec: str, output: Path, config: Config = Config(), *, resume: bool = False, overwrite: bool = False,
-          quiet: bool = False, offline: bool | None = None) -> dict:
+          quiet: bool = False) -> dict:
     """Medusa heads for `model_spec` into `output`; returns what it writes to training.json.
 
     `config.samples` sequences of features (each a prompt's greedy continuation of up to `new_tokens` tokens when
     self-distilling, else a window of prompt_tokens + new_tokens tokens of ShareGPT text), then `config.minutes` of
     head training (and at most `config.steps` steps when given; the schedule follows the steps when given, else the
-    clock). `offline`: never download the model (None: HF_HUB_OFFLINE decides).
+    clock).
     """
     import torch
 
     output, c = Path(output), config
     c.check()
-    source = resolve(model_spec, offline=offline)
+    source = resolve(model_spec)
     load_config(source)  # a clear error for a folder that is not a model, before reading the data
     train_set, heldout, data_name = sharegpt_split(c.data)
     settings = {"model": model_spec, "heads": c.heads, "style": c.head_style,
