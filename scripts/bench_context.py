@@ -14,9 +14,9 @@ import argparse
 
 import numpy as np
 
-from specexport.profiles.measure import median_ms
 from specexport.runtime import tree
 from specexport.runtime.generate import Engine
+from specexport.tune.measure import median_ms
 
 
 def main() -> None:

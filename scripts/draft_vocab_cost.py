@@ -10,18 +10,19 @@ from pathlib import Path
 
 import numpy as np
 
-from specexport.profiles.measure import median_ms
+from specexport.exporter import sources
+from specexport.exporter.arch import dims_from_config
+from specexport.exporter.eagle import default_aux_layers
+from specexport.exporter.export import optimize_graph
+from specexport.exporter.graph import GraphOptions
+from specexport.exporter.methods.eagle import write_draft_graph
+from specexport.runtime import tree
+from specexport.runtime.backend import GraphSession
+from specexport.train.eagle import init_draft
+from specexport.tune.measure import median_ms
 
 
 def main():
-    from specexport.exporter import sources
-    from specexport.exporter.arch import dims_from_config
-    from specexport.exporter.eagle import default_aux_layers
-    from specexport.exporter.export import _optimize, _write_eagle_graph
-    from specexport.exporter.graph import GraphOptions
-    from specexport.train.eagle import init_draft
-    from specexport.runtime import tree
-    from specexport.runtime.backend import GraphSession
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m")
@@ -39,8 +40,8 @@ def main():
             draft = init_draft(model, 3, default_aux_layers(dims.layers), hot)
             folder = Path(tmp) / str(size)
             folder.mkdir()
-            info = _write_eagle_graph(model, draft, graph, 4096, folder)
-            _optimize(folder, info)
+            info = write_draft_graph(model, draft, graph, 4096, folder)
+            optimize_graph(folder, info)
             session = GraphSession(folder / info["file"], info)
             cache = session.new_cache(args.context + 16)
             cache.advance(args.context)

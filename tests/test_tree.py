@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from specexport.runtime.tree import HIDDEN, ancestor_mask, attention_bias, causal_bias, chain, check_parents, children, depths
+from specexport.runtime.tree import (HIDDEN, AcceptMode, DraftTree, ancestor_mask, attention_bias, causal_bias, chain,
+                                     check_parents, children, depths, subtree)
 
 H = HIDDEN
 
@@ -164,3 +165,32 @@ def test_invalid_parents(parents):
 def test_parents_are_flattened_int64():
     parents = check_parents(np.array([[-1, 0, 0]], dtype=np.int32))
     assert parents.dtype == np.int64 and parents.tolist() == [-1, 0, 0]
+
+
+# ---- the step's tree ------------------------------------------------------------------------------
+
+
+def test_draft_tree_is_root_first():
+    """A hand-drawn step tree: root 7 with children 8 and 9, and 10 below 8. The same indices are the verify rows,
+    the acceptance path and the cache rows to commit."""
+    t = DraftTree([7, 8, 9, 10], [-1, 0, 0, 1])
+    assert (len(t), t.drafts, t.mode) == (4, 3, AcceptMode.TOPK)
+    assert DraftTree.root_only(7) == DraftTree([7], [-1]) and DraftTree.root_only(7).drafts == 0
+    cut = t.truncated(2)
+    assert (cut.tokens, cut.parents) == ([7, 8], [-1, 0])
+    assert t.truncated(9) is t
+    q = np.arange(8.0).reshape(4, 2)
+    sampled = DraftTree([7, 8, 9, 10], [-1, 0, 1, 2], AcceptMode.WITH_REPLACEMENT, q)
+    np.testing.assert_array_equal(sampled.truncated(3).q, q[:3])  # row r: what node r's children were drawn from
+    assert attention_bias(t.parents, 2)[0, 0].tolist() == [[0, 0, 0, HIDDEN, HIDDEN, HIDDEN],
+                                                           [0, 0, 0, 0, HIDDEN, HIDDEN],
+                                                           [0, 0, 0, HIDDEN, 0, HIDDEN],
+                                                           [0, 0, 0, 0, HIDDEN, 0]]
+
+
+def test_subtree_reindexes_parents():
+    tokens, parents = [7, 8, 9, 10, 11], [-1, 0, 0, 1, 3]
+    assert subtree(tokens, parents, [0, 1, 3]) == ([7, 8, 10], [-1, 0, 1])
+    assert subtree(tokens, parents, [0, 2]) == ([7, 9], [-1, 0])
+    with pytest.raises(KeyError):
+        subtree(tokens, parents, [0, 3])  # not ancestor-closed: node 3 without its parent 1

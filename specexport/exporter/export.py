@@ -84,7 +84,7 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
         if options.optimize:
             step("optimizing the graphs for onnxruntime")
             for info in graphs.values():
-                _optimize(tmp, info)
+                optimize_graph(tmp, info)
         numerics = {}
         if options.validate:
             step("validating against transformers")
@@ -138,7 +138,7 @@ def _check_runnable(options: ExportOptions) -> None:
                         "graph with `specexport export --precision bf16 --no-validate` (for TensorRT)")
 
 
-def _optimize(folder: Path, graph_info: dict) -> None:
+def optimize_graph(folder: Path, graph_info: dict) -> None:
     """Let ORT fuse and constant-fold once, at build time; the bundle keeps the optimized graph."""
     raw = folder / graph_info["file"]
     optimized = raw.with_suffix(".opt.onnx")

@@ -8,7 +8,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 import onnxruntime as ort
 
 from specexport.errors import UserError

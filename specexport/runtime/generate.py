@@ -136,6 +136,10 @@ class Engine:
             self._graphs[name] = self._session(name, spin=False)
         return self._graphs[name]
 
+    def side_graphs(self) -> list[GraphSession]:
+        """The other graphs loaded so far (their calls and time: GraphSession.calls, .seconds)."""
+        return list(self._graphs.values())
+
     def _session(self, name: str, spin: bool) -> GraphSession:
         info = self.bundle.graphs[name]
         return GraphSession(self.bundle.file(info["file"]), info, threads=self.threads, device=self.device, spin=spin)

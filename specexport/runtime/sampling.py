@@ -12,7 +12,6 @@ import numpy as np
 
 from specexport.errors import UserError
 
-
 MAX_TEMPERATURE = 1000.0  # far past any useful setting; keeps the graph's float32 sampling parameters finite
 
 

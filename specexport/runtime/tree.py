@@ -18,6 +18,13 @@ import numpy as np
 
 MAX_DRAFT_LENGTH = 64  # draft tokens per chain (the depth of a draft model's or a lookup's tree)
 
+def check_draft_length(n: int) -> None:
+    from specexport.errors import UserError
+
+    if not 1 <= n <= MAX_DRAFT_LENGTH:
+        raise UserError(f"--draft-length must be in 1..{MAX_DRAFT_LENGTH}, got {n}")
+
+
 # Additive bias for a hidden position: finite, so that a row is never all -inf in any dtype.
 HIDDEN = np.float32(-1e9)
 

@@ -32,8 +32,15 @@ from specexport.fsutil import write_json
 from specexport.options import setting
 from specexport.train import loop
 from specexport.train.data import HELDOUT, TokenStream, eval_sequences, sharegpt_split
-from specexport.train.loop import (CLIP_NORM, WARMUP_STEPS, check_settings, load_frozen_target, logger, run_steps,
-                                   torch_threads)
+from specexport.train.loop import (
+    CLIP_NORM,
+    WARMUP_STEPS,
+    check_settings,
+    load_frozen_target,
+    logger,
+    run_steps,
+    torch_threads,
+)
 from specexport.train.output import checkpoint_dir, load_checkpoint, prepare_output, same_settings
 
 EVAL_SEQUENCES = 100  # held-out sequences for the before/after agreement
@@ -42,17 +49,9 @@ RESUME_KEYS = ("model", "layers", "batch", "seq_len", "lr", "seed", "top_k", "da
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(loop.Budget):
     """How to distil a draft: the options of `specexport train --method draft`."""
 
-    minutes: float = loop.minutes(30.0)
-    steps: int | None = loop.steps()
-    batch: int = loop.batch(8)
-    lr: float = loop.lr(1e-3)
-    seed: int = loop.seed()
-    save_every: int | None = loop.save_every()
-    data: Path | None = loop.data()
-    threads: int | None = loop.threads()
     layers: int = setting(4, "draft: layers (the target's first N).")
     seq_len: int = setting(256, "draft: tokens per sequence.")
     top_k: int | None = setting(None, "draft: KL over the target's top K tokens only (default: all).")

@@ -33,10 +33,14 @@ from specexport.exporter.sources import load_config, resolve
 from specexport.options import setting
 from specexport.train import loop
 from specexport.train.data import eos_and_pad, feature_groups, greedy_continuations, sharegpt_split
-from specexport.train.loop import (WARMUP_STEPS, check_settings, feature_checks, load_frozen_target, logger, run_steps,
-                                   torch_threads)
-from specexport.train.output import (ChunkFolder, checkpoint_dir, feature_folder, load_checkpoint, run_record,
-                                     write_record)
+from specexport.train.output import (
+    ChunkFolder,
+    checkpoint_dir,
+    feature_folder,
+    load_checkpoint,
+    run_record,
+    write_record,
+)
 
 DECAY = 0.8  # loss weight of unrolled step i: DECAY ** i
 EAGLE1_FEATURE_WEIGHT, EAGLE1_TOKEN_WEIGHT = 1.0, 0.1  # EAGLE-1: SmoothL1 on features + CE on tokens
@@ -47,25 +51,15 @@ RESUME_KEYS = ("model", "version", "data", "samples", "new_tokens", "prompt_toke
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(loop.FeatureBudget):
     """How to train an EAGLE-1/2 draft: the options of `specexport train --method eagle`."""
 
     version: ClassVar[int] = 1
     minutes: float = loop.minutes(35.0)
-    steps: int | None = loop.steps()
     batch: int = loop.batch(16)
     lr: float = loop.lr(8e-4)
-    seed: int = loop.seed()
-    save_every: int | None = loop.save_every()
-    data: Path | None = loop.data()
-    threads: int | None = loop.threads()
-    self_distill: bool = loop.self_distill()
-    samples: int = loop.samples(1024)
-    new_tokens: int = loop.new_tokens()
     ttt_steps: int = setting(5, "eagle, eagle3: unrolled training-time-test steps (each step drafts one token "
                                 "further).")
-    prompt_tokens: int = loop.prompt_tokens()
-    feature_batch: int = loop.feature_batch()
 
     def vocabulary(self, vocab: int) -> int:
         """The draft's vocabulary for a target of `vocab` tokens: EAGLE-1 drafts over all of them."""
@@ -77,10 +71,10 @@ class Config:
 
     def check(self, vocab: int) -> None:
         draft_vocab = self.vocabulary(vocab)
-        check_settings(self, [
+        loop.check_settings(self, [
             (1 <= draft_vocab <= vocab, f"--draft-vocab must be in 1..{vocab}, got {draft_vocab}"),
             (1 <= self.ttt_steps <= 16, f"--ttt-steps must be in 1..16, got {self.ttt_steps}"),
-        ] + feature_checks(self))
+        ] + loop.feature_checks(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,9 +363,9 @@ def train(model_spec: str, output: Path, config: Config = Config3(), *, resume: 
                                                  ("batch", "lr", "ttt_steps", "draft_vocab", "samples")],
                               resume, overwrite)
 
-    log = logger(quiet)
-    with torch_threads(c.threads):
-        target, tokenizer = load_frozen_target(source, log)
+    log = loop.logger(quiet)
+    with loop.torch_threads(c.threads):
+        target, tokenizer = loop.load_frozen_target(source, log)
         cache = FeatureChunks(features)
         started = time.monotonic()
         build_features(target, tokenizer, train_set, heldout, cache, settings, log, quiet)
@@ -460,4 +454,4 @@ def _train_loop(module, params, optimizer, data, t2d, state, output, config: Con
         optimizer.zero_grad(set_to_none=True)
         return loss.item(), {"ce": " ".join(f"{c:.2f}" for c in parts)}, {}
 
-    run_steps(step, params, optimizer, state, output, config, warmup=WARMUP_STEPS * 5, desc="draft", quiet=quiet)
+    loop.run_steps(step, params, optimizer, state, output, config, warmup=loop.WARMUP_STEPS * 5, desc="draft", quiet=quiet)

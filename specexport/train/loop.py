@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from specexport.errors import UserError
@@ -85,6 +86,32 @@ def prompt_tokens():
 
 def feature_batch():
     return setting(32, "Sequences per target call while caching features.", option=False)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The options every trainer has; a trainer's Config subclasses it and declares again, with its own default,
+    those whose defaults differ."""
+
+    minutes: float = minutes(30.0)
+    steps: int | None = steps()
+    batch: int = batch(8)
+    lr: float = lr(1e-3)
+    seed: int = seed()
+    save_every: int | None = save_every()
+    data: Path | None = data()
+    threads: int | None = threads()
+
+
+@dataclass(frozen=True)
+class FeatureBudget(Budget):
+    """The options of the trainers that cache the target's features first (Medusa, EAGLE)."""
+
+    self_distill: bool = self_distill()
+    samples: int = samples(1024)
+    new_tokens: int = new_tokens()
+    prompt_tokens: int = prompt_tokens()
+    feature_batch: int = feature_batch()
 
 
 def feature_checks(config) -> list[tuple[bool, str]]:

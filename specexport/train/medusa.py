@@ -34,10 +34,25 @@ from specexport.exporter.sources import load_config, resolve
 from specexport.options import setting
 from specexport.train import loop
 from specexport.train.data import HELDOUT, eos_and_pad, feature_groups, greedy_continuations, sharegpt_split
-from specexport.train.loop import (CLIP_NORM, WARMUP_STEPS, check_settings, feature_checks, load_frozen_target,
-                                   logger, run_steps, torch_threads)
-from specexport.train.output import (ChunkFolder, checkpoint_dir, feature_folder, load_checkpoint, run_record,
-                                     same_settings, write_record)
+from specexport.train.loop import (
+    CLIP_NORM,
+    WARMUP_STEPS,
+    check_settings,
+    feature_checks,
+    load_frozen_target,
+    logger,
+    run_steps,
+    torch_threads,
+)
+from specexport.train.output import (
+    ChunkFolder,
+    checkpoint_dir,
+    feature_folder,
+    load_checkpoint,
+    run_record,
+    same_settings,
+    write_record,
+)
 
 DECAY = 0.8  # loss weight of head k: DECAY ** k
 STYLES = ("shared", "own")
@@ -47,27 +62,17 @@ RESUME_KEYS = ("model", "heads", "style", "data", "samples", "new_tokens", "prom
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Config(loop.FeatureBudget):
     """How to train Medusa heads: the options of `specexport train --method medusa`."""
 
     minutes: float = loop.minutes(20.0)
-    steps: int | None = loop.steps()
     batch: int = loop.batch(2048)
-    lr: float = loop.lr(1e-3)
-    seed: int = loop.seed()
-    save_every: int | None = loop.save_every()
-    data: Path | None = loop.data()
-    threads: int | None = loop.threads()
+    samples: int = loop.samples(1536)
     heads: int = setting(4, "medusa: number of heads.")
     head_style: str = setting("shared", "medusa: project through the target's LM head (shared, small files) or each "
                                         "head's own (own).")
-    self_distill: bool = loop.self_distill()
-    samples: int = loop.samples(1536)
-    new_tokens: int = loop.new_tokens()
     vocab_subset: int = setting(8192, "medusa: the most frequent tokens, scored per step besides the batch's "
                                       "labels, and the vocabulary the heads propose from.")
-    prompt_tokens: int = loop.prompt_tokens()
-    feature_batch: int = loop.feature_batch()
 
     def check(self) -> None:
         check_settings(self, [

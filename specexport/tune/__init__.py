@@ -31,7 +31,7 @@ from specexport.profiles.detect import detect
 from specexport.profiles.schema import Measurements
 from specexport.prompts import AGREEMENT_PROMPTS
 from specexport.runtime.generate import Engine
-from specexport.tune import chain, eagle, medusa, measure
+from specexport.tune import chain, eagle, measure, medusa
 from specexport.tune.report import markdown, plots
 
 

@@ -13,7 +13,6 @@ decoding; the best measured wins.
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from specexport.options import fields
@@ -59,8 +58,7 @@ class ChainTuner:
         longest, bundle_length = max(lengths), engine.settings.draft_length
         try:
             engine.configure(draft_length=longest)
-            draft = engine.graph("draft") if "draft" in engine.bundle.graphs else None
-            rec = record_runs(engine, t.ids, t.new_tokens, t.progress, draft=draft)
+            rec = record_runs(engine, t.ids, t.new_tokens, t.progress)
         finally:
             engine.configure()
         ranked = sorted((predict(measured, rec, settings_at(engine, k), k, t.context) for k in lengths),

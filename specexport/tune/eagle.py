@@ -92,7 +92,7 @@ class EagleTuner:
             for k in self.top_ks(engine):
                 engine.configure(depth=deepest, top_k=k, total_tokens=min(t.max_tokens, k + (deepest - 1) * k * k + 1),
                                  tree="dynamic")
-                recs[k] = record_runs(engine, t.ids, t.new_tokens, t.progress, draft=engine.graph("draft"))
+                recs[k] = record_runs(engine, t.ids, t.new_tokens, t.progress)
         finally:
             engine.configure()
         auto = finalists(predict_rows(measured, recs, draft_ms, t.max_tokens, t.context))

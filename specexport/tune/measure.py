@@ -72,11 +72,11 @@ class Recording:
         return round(1000 * self.draft_s / self.draft_calls, 3) if self.draft_calls else 0.0
 
 
-def record_runs(engine: Engine, prompts: list[list[int]], new_tokens: int, progress, draft=None) -> Recording:
-    """Greedy runs of the engine's method with its current settings; `draft`: the proposer's graph session, whose
-    calls are counted apart (GraphSession keeps its call count and time)."""
+def record_runs(engine: Engine, prompts: list[list[int]], new_tokens: int, progress) -> Recording:
+    """Greedy runs of the engine's method with its current settings. The proposer's own graph calls (a draft
+    model's, EAGLE's) are counted apart from the rest of the step (GraphSession keeps its call count and time)."""
     rec = Recording([], [], 0, 0.0, 0.0, 0.0, 0)
-    calls, seconds = (draft.calls, draft.seconds) if draft is not None else (0, 0.0)
+    before = {id(g): (g.calls, g.seconds) for g in engine.side_graphs()}
     for ids in prompts:
         records = []
         result = engine.generate(ids, max_new_tokens=new_tokens, on_step=records.append)
@@ -87,8 +87,9 @@ def record_runs(engine: Engine, prompts: list[list[int]], new_tokens: int, progr
         rec.seconds += result.stats.seconds - result.stats.ttft_s
         rec.verify_s += sum(r.verify_s for r in records)
         progress(1)
-    if draft is not None:
-        rec.draft_calls, rec.draft_s = draft.calls - calls, draft.seconds - seconds
+    for g in engine.side_graphs():
+        calls, seconds = before.get(id(g), (0, 0.0))
+        rec.draft_calls, rec.draft_s = rec.draft_calls + g.calls - calls, rec.draft_s + g.seconds - seconds
     return rec
 
 

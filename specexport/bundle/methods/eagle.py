@@ -17,8 +17,8 @@ def describe(section: dict) -> list[str]:
 
 
 def numerics(numerics: dict) -> list[str]:
-    if "eagle" not in numerics:
+    e = numerics.get("eagle")
+    if e is None:
         return []
-    e = numerics["eagle"]
     return [f"  eagle features       max |diff| {e['feature_max_abs_diff']:.2e}; draft graph max |diff| "
             f"{e['draft_max_abs_diff']:.2e}, top-k tokens {e['draft_topk_match']:.0%} equal"]

@@ -8,24 +8,14 @@ says what it adds to the export (methods/plan.py). Plain decoding and prompt loo
 
 from __future__ import annotations
 
-from typing import Protocol
-
 from specexport.errors import UserError
 from specexport.exporter.methods import draft, eagle, medusa
-from specexport.exporter.methods.plan import Plan, SettingsOnly, Target
+from specexport.exporter.methods.plan import ExportMethod, NoOptions, Plan
 from specexport.runtime import methods as runtime_methods
 
-
-class ExportMethod(Protocol):
-    Options: type
-    runtime: runtime_methods.RuntimeMethod
-
-    def plan(self, options, settings, target: Target) -> Plan: ...
-
-
 METHODS: dict[str, ExportMethod] = {
-    "none": SettingsOnly(runtime_methods.METHODS["none"]),
-    "ngram": SettingsOnly(runtime_methods.METHODS["ngram"]),
+    "none": ExportMethod(NoOptions, runtime_methods.METHODS["none"], Plan),
+    "ngram": ExportMethod(NoOptions, runtime_methods.METHODS["ngram"], Plan),
     "draft": draft.METHOD,
     "medusa": medusa.METHOD,
     "eagle": eagle.EAGLE1,

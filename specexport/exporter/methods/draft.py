@@ -11,23 +11,17 @@ import torch
 from specexport.errors import UserError
 from specexport.exporter import sources, validate
 from specexport.exporter.graph import GraphOptions
-from specexport.exporter.methods.plan import Plan, Target
+from specexport.exporter.methods.plan import ExportMethod, Plan, Target
 from specexport.exporter.save import ExportContext, write_graph
 from specexport.options import setting
 from specexport.runtime.methods import draft
-
-
-@dataclass(frozen=True)
-class Options:
-    draft_model: str | None = setting(None, "draft: a model with the target's vocabulary (folder, .gguf, HF id or "
-                                            "alias), or self:N (the target's first N layers).")
 
 
 class DraftPlan(Plan):
     extra_graphs = 1
 
     def __init__(self, options: Options, settings: draft.Settings, target: Target):
-        super().__init__(settings)
+        super().__init__(options, settings, target)
         if not options.draft_model:
             raise UserError("--method draft needs --draft-model (a model, or self:N for the target's first N layers)")
         self.spec, self.model = options.draft_model, None
@@ -56,12 +50,10 @@ class DraftPlan(Plan):
         return {"draft_model": self.spec, "draft_length": s.draft_length, "draft_branching": list(s.branching)}
 
 
-class DraftExport:
-    Options = Options
-    runtime = draft.METHOD
-
-    def plan(self, options: Options, settings: draft.Settings, target: Target) -> DraftPlan:
-        return DraftPlan(options, settings, target)
+@dataclass(frozen=True)
+class Options:
+    draft_model: str | None = setting(None, "draft: a model with the target's vocabulary (folder, .gguf, HF id or "
+                                            "alias), or self:N (the target's first N layers).")
 
 
 def parse_self_draft(spec: str, target_layers: int) -> int | None:
@@ -105,4 +97,4 @@ def load_draft_model(spec: str, target, target_tokenizer, target_layers: int):
     return model, source.name
 
 
-METHOD = DraftExport()
+METHOD = ExportMethod(Options, draft.METHOD, DraftPlan)

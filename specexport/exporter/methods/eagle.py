@@ -5,33 +5,34 @@ features it reads (EAGLE-3: fc of three layers' inputs, computed in the target g
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from specexport.errors import UserError
 from specexport.exporter import validate
 from specexport.exporter.arch import ARCHS, dims_from_config, extract_weights, spec_for
-from specexport.exporter.eagle import load_draft
-from specexport.exporter.eagle_graph import (EAGLE_TOP_K, TargetFeatures, build_draft_graph, draft_dims, draft_weights,
-                                             rope_for)
+from specexport.exporter.eagle import EagleDraft, load_draft
+from specexport.exporter.eagle_graph import (
+    EAGLE_TOP_K,
+    TargetFeatures,
+    build_draft_graph,
+    draft_dims,
+    draft_weights,
+    rope_for,
+)
 from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions
-from specexport.exporter.methods.plan import ASSETS, Plan, Target, settings_dict
+from specexport.exporter.methods.plan import ASSETS, ExportMethod, Plan, Target, settings_dict
 from specexport.exporter.save import ExportContext, save_graph
 from specexport.options import setting
 from specexport.runtime.backend import GraphSession
 from specexport.runtime.methods import eagle
 
 
-@dataclass(frozen=True)
-class Options:
-    draft: str | None = setting(None, "eagle, eagle3: the draft folder, a published EAGLE-1/2/3 checkpoint or one "
-                                      "trained with specexport train (default: the draft shipped for the model).")
-
-
 class EaglePlan(Plan):
     extra_graphs = 1
 
     def __init__(self, method: str, version: int, options: Options, settings: eagle.Settings, target: Target):
-        super().__init__(settings)
+        super().__init__(options, settings, target)
         eagle.EagleMethod.static_tree(settings, EAGLE_TOP_K)
         self.where = Path(options.draft) if options.draft else ASSETS / f"{method}-{target.name}"
         if not self.where.exists():
@@ -56,18 +57,11 @@ class EaglePlan(Plan):
         return (TargetFeatures(self.draft),)
 
     def write_graphs(self, ctx: ExportContext) -> dict[str, dict]:
-        """draft.onnx: the draft decoder with its own KV cache (exporter/eagle_graph.py)."""
         c = self.draft.config
         ctx.step(f"building the {'EAGLE-3' if c.version == 3 else 'EAGLE-1/2'} draft graph (draft vocabulary "
                  f"{c.draft_vocab})")
-        model = ctx.model
-        spec, dims = spec_for(model.config.model_type), dims_from_config(model.config)
-        target = extract_weights(spec, dims, model.state_dict())
-        ddims = draft_dims(self.draft, dims)
         plain = GraphOptions(precision=ctx.graph.precision, flavour=ctx.graph.flavour)
-        builder = DecoderGraphBuilder(ARCHS["llama"], ddims, draft_weights(self.draft, target), plain,
-                                      rope_for(self.draft, ctx.max_context + 64))
-        return {"draft": save_graph(build_draft_graph(builder, self.draft), "draft", plain, ddims, ctx.folder)}
+        return {"draft": write_draft_graph(ctx.model, self.draft, plain, ctx.max_context, ctx.folder)}
 
     def validate(self, ctx: ExportContext, graphs: dict[str, dict]) -> dict:
         session = GraphSession(ctx.folder / graphs["target"]["file"], graphs["target"])
@@ -81,15 +75,22 @@ class EaglePlan(Plan):
                 "accuracy": self.draft.meta.get("accuracy")}
 
 
-class EagleExport:
-    Options = Options
+@dataclass(frozen=True)
+class Options:
+    draft: str | None = setting(None, "eagle, eagle3: the draft folder, a published EAGLE-1/2/3 checkpoint or one "
+                                      "trained with specexport train (default: the draft shipped for the model).")
 
-    def __init__(self, method: str, runtime: eagle.EagleMethod):
-        self.method, self.runtime = method, runtime
 
-    def plan(self, options: Options, settings: eagle.Settings, target: Target) -> EaglePlan:
-        return EaglePlan(self.method, self.runtime.version, options, settings, target)
+def write_draft_graph(model, draft: EagleDraft, graph: GraphOptions, max_context: int, folder: Path) -> dict:
+    """draft.onnx: the draft decoder with its own KV cache (exporter/eagle_graph.py); its manifest entry."""
+    spec, dims = spec_for(model.config.model_type), dims_from_config(model.config)
+    target = extract_weights(spec, dims, model.state_dict())
+    ddims = draft_dims(draft, dims)
+    builder = DecoderGraphBuilder(ARCHS["llama"], ddims, draft_weights(draft, target), graph,
+                                  rope_for(draft, max_context + 64))
+    return save_graph(build_draft_graph(builder, draft), "draft", graph, ddims, folder)
 
 
 METHOD_OF_VERSION = {1: "eagle", 3: "eagle3"}  # the draft architectures (EAGLE-2 runs EAGLE-1's drafts)
-EAGLE1, EAGLE3 = EagleExport("eagle", eagle.EAGLE1), EagleExport("eagle3", eagle.EAGLE3)
+EAGLE1 = ExportMethod(Options, eagle.EAGLE1, partial(EaglePlan, "eagle", 1))
+EAGLE3 = ExportMethod(Options, eagle.EAGLE3, partial(EaglePlan, "eagle3", 3))

@@ -12,7 +12,7 @@ from specexport.exporter import validate
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.medusa import load_heads
 from specexport.exporter.medusa_graph import HeadsAtAcceptedRow, build_heads_graph
-from specexport.exporter.methods.plan import ASSETS, Plan, Target
+from specexport.exporter.methods.plan import ASSETS, ExportMethod, Plan, Target
 from specexport.exporter.save import ExportContext, decoder_builder, save_graph
 from specexport.options import setting
 from specexport.runtime.backend import GraphSession
@@ -21,17 +21,11 @@ from specexport.runtime.methods import medusa
 TOP_K = 10  # candidates per head in the graph: any tree with ranks < 10 runs on the bundle
 
 
-@dataclass(frozen=True)
-class Options:
-    heads: str | None = setting(None, "medusa: heads folder or file, any published layout (default: the heads "
-                                      "shipped for the model).")
-
-
 class MedusaPlan(Plan):
     extra_graphs = 1
 
     def __init__(self, options: Options, settings: medusa.Settings, target: Target):
-        super().__init__(settings)
+        super().__init__(options, settings, target)
         self.where = Path(options.heads) if options.heads else ASSETS / f"medusa-{target.name}"
         if not options.heads and not self.where.is_dir():
             raise UserError(f"no Medusa heads ship for {target.name}: pass --heads PATH (published heads, or train "
@@ -68,12 +62,10 @@ class MedusaPlan(Plan):
                 "accuracy": h.meta.get("accuracy")}
 
 
-class MedusaExport:
-    Options = Options
-    runtime = medusa.METHOD
-
-    def plan(self, options: Options, settings: medusa.Settings, target: Target) -> MedusaPlan:
-        return MedusaPlan(options, settings, target)
+@dataclass(frozen=True)
+class Options:
+    heads: str | None = setting(None, "medusa: heads folder or file, any published layout (default: the heads "
+                                      "shipped for the model).")
 
 
-METHOD = MedusaExport()
+METHOD = ExportMethod(Options, medusa.METHOD, MedusaPlan)

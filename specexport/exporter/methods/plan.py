@@ -4,6 +4,7 @@ numerics and its manifest section."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,7 +29,7 @@ class Plan:
 
     extra_graphs = 0  # graphs of its own (progress steps)
 
-    def __init__(self, settings):
+    def __init__(self, options, settings, target: Target):
         self.settings = settings
 
     def graph_options(self, graph: GraphOptions) -> GraphOptions:
@@ -63,13 +64,12 @@ class NoOptions:
     pass
 
 
-class SettingsOnly:
-    """The export of a method that adds no graph (plain decoding, prompt lookup): its settings are its section."""
+@dataclass(frozen=True)
+class ExportMethod:
+    """A method at export time: its build-only options (a frozen dataclass of options.setting fields, which the CLI
+    makes `build` options from), its runtime method (whose Settings the bundle saves), and its plan, made from
+    (options, settings, target) before any work."""
 
-    Options = NoOptions
-
-    def __init__(self, runtime):
-        self.runtime = runtime
-
-    def plan(self, options: NoOptions, settings, target: Target) -> Plan:
-        return Plan(settings)
+    Options: type
+    runtime: object
+    plan: Callable[..., Plan]

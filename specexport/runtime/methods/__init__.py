@@ -12,30 +12,7 @@ from typing import Protocol
 from specexport.errors import UserError
 from specexport.options import fields
 from specexport.runtime.methods import draft, eagle, medusa, ngram, none
-from specexport.runtime.tree import DraftTree
-
-
-class Proposer(Protocol):
-    """What guesses a step's tree. The engine calls, per generation, `start`, then per step `propose`, verifies and
-    accepts the tree, and calls `accepted` and (when it `wants` target outputs) `observe`.
-
-    - `max_drafts`: the most draft nodes a tree can hold (the engine reserves that much KV cache).
-    - `wants(fused)`: the target outputs it reads (Medusa's candidates or hidden states, EAGLE's features); the
-      engine asks the target for them on every prompt chunk and every step. `fused`: whether the step accepts
-      inside the graph.
-    - `observe(outputs, rows)`: those outputs, and the rows now committed (the prompt chunk's, or the accepted
-      path's); the last one is where the next step grows from.
-    - `propose(history)`: the step's tree, root first; its root is history[-1], emitted but not yet verified.
-    - `accepted(path)`: the accepted tree nodes, root first (a proposer with a KV cache keeps their rows).
-    """
-
-    max_drafts: int
-
-    def wants(self, fused: bool) -> tuple[str, ...]: ...
-    def start(self, prompt_len: int, capacity: int) -> None: ...
-    def observe(self, outputs: dict, rows) -> None: ...
-    def propose(self, history: list[int]) -> DraftTree: ...
-    def accepted(self, path: list[int]) -> None: ...
+from specexport.runtime.proposer import Proposer
 
 
 class RuntimeMethod(Protocol):

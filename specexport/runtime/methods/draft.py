@@ -12,8 +12,9 @@ import numpy as np
 from specexport.errors import UserError
 from specexport.options import from_section, setting, with_given
 from specexport.runtime import tree
+from specexport.runtime.proposer import Proposer
 from specexport.runtime.sampling import SamplingParams, probabilities, sample
-from specexport.runtime.tree import MAX_DRAFT_LENGTH, AcceptMode, DraftTree
+from specexport.runtime.tree import MAX_DRAFT_LENGTH, AcceptMode, DraftTree, check_draft_length
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class Settings:
         return int(np.cumprod(self.branching).sum())
 
 
-class DraftModel:
+class DraftModel(Proposer):
     def __init__(self, session, branching: tuple[int, ...], sampling: SamplingParams, rng: np.random.Generator):
         self.session = session
         self.branching = tuple(branching)
@@ -44,14 +45,8 @@ class DraftModel:
         self.root_row = 0  # the draft cache's row of the step's root (the last history row)
         self.forwarded = 0  # tree nodes whose K/V are in the draft cache after root_row (the root included)
 
-    def wants(self, fused: bool) -> tuple[str, ...]:
-        return ()
-
     def start(self, prompt_len: int, capacity: int) -> None:
         self.cache = self.session.new_cache(capacity + self.max_drafts)
-
-    def observe(self, outputs: dict, rows) -> None:
-        pass
 
     def propose(self, history: list[int]) -> DraftTree:
         new = history[self.cache.length:]  # committed since the last step (the root is last)
@@ -108,8 +103,7 @@ class Draft:
 
     def settings(self, section: dict, given: dict) -> Settings:
         s = with_given(from_section(Settings, section, "the bundle's draft settings"), given, "draft")
-        if not 1 <= s.draft_length <= MAX_DRAFT_LENGTH:
-            raise UserError(f"--draft-length must be in 1..{MAX_DRAFT_LENGTH}, got {s.draft_length}")
+        check_draft_length(s.draft_length)
         given_tree = given.get("draft_branching", ())
         if len(given_tree) > s.draft_length or any(not 1 <= b <= 8 for b in s.draft_branching):
             raise UserError(f"--draft-tree must give 1..8 children for at most --draft-length ({s.draft_length}) "

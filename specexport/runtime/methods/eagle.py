@@ -20,6 +20,7 @@ import numpy as np
 from specexport.errors import UserError
 from specexport.options import from_section, setting, with_given
 from specexport.runtime import rank_tree, tree
+from specexport.runtime.proposer import Proposer
 from specexport.runtime.tree import DraftTree
 
 MAX_DEPTH, MAX_TOTAL = rank_tree.MAX_DEPTH, rank_tree.MAX_NODES + 1
@@ -67,7 +68,7 @@ class CandidateTree:
         return tree.subtree(self.tokens, self.parents, chosen)
 
 
-class Eagle:
+class Eagle(Proposer):
     def __init__(self, session, settings: Settings, static: rank_tree.RankTree | None):
         self.session, self.static = session, static
         self.depth, self.top_k, self.total = settings.depth, settings.top_k, settings.total_tokens
@@ -88,9 +89,6 @@ class Eagle:
 
     def observe(self, outputs: dict, rows) -> None:
         self.pending.append(outputs["eagle_features"][0, list(rows)])
-
-    def accepted(self, path: list[int]) -> None:
-        pass
 
     def propose(self, history: list[int]) -> DraftTree:
         feats = np.concatenate(self.pending) if self.pending else np.zeros((0, 0), np.float32)

@@ -16,6 +16,7 @@ import numpy as np
 from specexport.errors import UserError
 from specexport.options import setting, with_given
 from specexport.runtime import rank_tree
+from specexport.runtime.proposer import Proposer
 from specexport.runtime.tree import AcceptMode, DraftTree
 
 
@@ -28,7 +29,7 @@ class Settings:
                                    "follows the model's distribution (longer accepts in exchange).", build=False)
 
 
-class MedusaHeads:
+class MedusaHeads(Proposer):
     def __init__(self, tree: rank_tree.RankTree, heads_session=None, typical: bool = False):
         self.tree, self.parents = tree, tree.parents
         self.max_drafts = tree.size - 1
@@ -54,9 +55,6 @@ class MedusaHeads:
             return DraftTree.root_only(history[-1])
         return DraftTree(self.tree.medusa_tokens(history[-1], self.candidates), self.parents, self.mode,
                          candidates=np.array(self.candidates))
-
-    def accepted(self, path: list[int]) -> None:
-        pass
 
 
 class Medusa:

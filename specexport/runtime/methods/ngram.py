@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from specexport.errors import UserError
 from specexport.options import from_section, setting, with_given
 from specexport.runtime.ngram import NgramIndex
-from specexport.runtime.tree import MAX_DRAFT_LENGTH, DraftTree
+from specexport.runtime.proposer import Proposer
+from specexport.runtime.tree import DraftTree, check_draft_length
 
 
 @dataclass(frozen=True)
@@ -18,28 +19,25 @@ class Settings:
     min_ngram: int = setting(2, "ngram: shortest n-gram looked up.")
     max_matches: int = setting(1, "ngram: matches merged into a tree.")
 
+    def __post_init__(self):
+        check_draft_length(self.draft_length)
+        if not (1 <= self.min_ngram <= self.max_ngram <= 16 and 1 <= self.max_matches <= 16):
+            raise UserError("n-gram options must satisfy 1 <= --min-ngram <= --max-ngram <= 16, "
+                            "1 <= --max-matches <= 16")
 
-class NgramLookup:
+
+class NgramLookup(Proposer):
     def __init__(self, s: Settings):
         self.index = NgramIndex(max_ngram=s.max_ngram, min_ngram=s.min_ngram, draft_len=s.draft_length,
                                 max_matches=s.max_matches)
         self.max_drafts = s.draft_length * s.max_matches
 
-    def wants(self, fused: bool) -> tuple[str, ...]:
-        return ()
-
     def start(self, prompt_len: int, capacity: int) -> None:
         self.index.reset()
-
-    def observe(self, outputs: dict, rows) -> None:
-        pass
 
     def propose(self, history: list[int]) -> DraftTree:
         tokens, parents = self.index.propose(history)
         return DraftTree(tokens, parents)
-
-    def accepted(self, path: list[int]) -> None:
-        pass
 
 
 class Ngram:
@@ -47,13 +45,8 @@ class Ngram:
     profile_section = "ngram"
 
     def settings(self, section: dict, given: dict) -> Settings:
-        s = with_given(from_section(Settings, section, "the bundle's n-gram settings"), given, "n-gram")
-        if not 1 <= s.draft_length <= MAX_DRAFT_LENGTH:
-            raise UserError(f"--draft-length must be in 1..{MAX_DRAFT_LENGTH}, got {s.draft_length}")
-        if not (1 <= s.min_ngram <= s.max_ngram <= 16 and 1 <= s.max_matches <= 16):
-            raise UserError("n-gram options must satisfy 1 <= --min-ngram <= --max-ngram <= 16, "
-                            "1 <= --max-matches <= 16")
-        return s
+        """The bundle's settings with `given` over them (each Settings checks itself)."""
+        return with_given(from_section(Settings, section, "the bundle's n-gram settings"), given, "n-gram")
 
     def proposer(self, engine, settings: Settings, sampler) -> NgramLookup:
         return NgramLookup(settings)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specexport.runtime.proposer import Proposer
 from specexport.runtime.tree import DraftTree
 
 
@@ -12,23 +13,12 @@ class Settings:
     pass
 
 
-class PlainDecoding:
+class PlainDecoding(Proposer):
     max_drafts = 0
-
-    def wants(self, fused: bool) -> tuple[str, ...]:
-        return ()
-
-    def start(self, prompt_len: int, capacity: int) -> None:
-        pass
-
-    def observe(self, outputs: dict, rows) -> None:
-        pass
 
     def propose(self, history: list[int]) -> DraftTree:
         return DraftTree.root_only(history[-1])
 
-    def accepted(self, path: list[int]) -> None:
-        pass
 
 
 class Plain:
