@@ -1,6 +1,6 @@
 """EAGLE draft decoders: the published checkpoint layouts, loaded strictly, and the PyTorch module.
 
-Two architectures (reference/medusa_eagle.md §3-4):
+Two architectures:
 
 - EAGLE-1/2 (`version` 1): x = fc(cat(embed(token), feature)) (+ bias), one Llama decoder layer without its
   input norm, no final norm; the target's LM head scores the output. The feature is the target's last hidden

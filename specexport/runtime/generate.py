@@ -105,7 +105,8 @@ class Engine:
         notes = bundle.manifest.get("runtime") or {}
         self.first_token_alone = bool(notes.get("prefill_first_token_alone"))
         self.warnings = []  # what a caller should tell the user (the CLI prints them)
-        if notes.get("int8_weight_bits", 7) > cpu.int8_weight_bits():
+        ort_int8 = bundle.precision == "int8" and bundle.manifest["flavour"] == "ort"
+        if notes.get("int8_weight_bits", 8 if ort_int8 else 0) > cpu.int8_weight_bits():  # older bundles: 8 bits
             self.warnings.append("this int8 bundle was built for a CPU with VNNI/AMX; this CPU's int8 kernels saturate "
                                  "on its 8-bit weights (logits off by ~1): rebuild it on this machine")
         self.fused_accept = "accept_rows" in self.target.outputs  # greedy and sampling acceptance inside the graph
@@ -146,8 +147,9 @@ class Engine:
 
     def proposer(self, sampler: Sampler, plain: bool = False) -> methods.Proposer:
         """The bundle's proposer with the current settings; `plain`: plain decoding (the baseline)."""
-        method = methods.PLAIN if plain else self.method
-        return method.proposer(self, self.settings if not plain else method.settings({}, {}), sampler)
+        if plain:
+            return methods.PLAIN.proposer(self, methods.PLAIN.Settings(), sampler)
+        return self.method.proposer(self, self.settings, sampler)
 
     def accepts_in_graph(self, sampler: Sampler, mode: AcceptMode) -> bool:
         """Whether steps accept inside the target graph: greedy always; sampling where the graph takes the random
