@@ -1,6 +1,8 @@
 """Mistakes a user can fix (bad input, missing files): the one exception type, and helpers that
 turn a failure into its one line."""
 
+from pathlib import Path
+
 
 class UserError(Exception):
     """A problem the user can fix; the CLI prints its message on one line and exits 1."""
@@ -13,8 +15,6 @@ def first_line(error: Exception) -> str:
 
 def read_user_text(path, expected: str) -> str:
     """A file the user named, as UTF-8 text; one clear error when it is not text (`expected`: what it should hold)."""
-    from pathlib import Path
-
     try:
         return Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError:

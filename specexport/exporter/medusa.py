@@ -21,6 +21,7 @@ instead of 49152 makes the heads' share of a CPU step six times smaller and rare
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,8 +113,6 @@ class MedusaHeads:
 
 def save_heads(heads: MedusaHeads, folder: Path, config: dict) -> None:
     """Our format into `folder` (which must exist): weights first, then config.json, each via a temp name."""
-    import os
-
     from safetensors.numpy import save_file
 
     folder = Path(folder)

@@ -16,11 +16,11 @@ from enum import Enum
 
 import numpy as np
 
+from specexport.errors import UserError
+
 MAX_DRAFT_LENGTH = 64  # draft tokens per chain (the depth of a draft model's or a lookup's tree)
 
 def check_draft_length(n: int) -> None:
-    from specexport.errors import UserError
-
     if not 1 <= n <= MAX_DRAFT_LENGTH:
         raise UserError(f"--draft-length must be in 1..{MAX_DRAFT_LENGTH}, got {n}")
 

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+from jinja2 import TemplateError
 
 from specexport.errors import UserError
 
@@ -86,8 +87,6 @@ def render(tokenizer, conversation: dict, max_tokens: int) -> list[int]:
     if not messages:
         return []
     if getattr(tokenizer, "chat_template", None):
-        from jinja2 import TemplateError
-
         try:
             text = tokenizer.apply_chat_template(messages, tokenize=False)
         except (TemplateError, ValueError, TypeError):
@@ -167,8 +166,6 @@ def eval_sequences(tokenizer, heldout: list[dict], seq_len: int, count: int) -> 
 def first_prompts(tokenizer, conversations: list[dict], max_tokens: int, seed: int) -> list[list[int]]:
     """Each conversation's first user turn as a chat prompt (with the assistant's generation prompt), in a
     seeded order, keeping those of at most `max_tokens` tokens; lazily, as a generator."""
-    from jinja2 import TemplateError
-
     order = np.random.default_rng(seed).permutation(len(conversations))
     for index in order:
         turns = conversations[int(index)].get("conversations", [])

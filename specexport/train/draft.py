@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from specexport.errors import UserError
 from specexport.exporter.sources import load_config, resolve, save_generation_config, save_tokenizer
 from specexport.fsutil import write_json
@@ -142,8 +144,6 @@ def train_step(draft, target, optimizer, ids, micro: int, top_k: int | None) -> 
 def evaluate(draft, target, sequences: list[list[int]], quiet: bool = True, desc: str = "eval") -> dict:
     """Teacher-forced over the sequences: how often the draft's top token is the target's, and the KL."""
     import torch
-    from tqdm import tqdm
-
     agree = kl = tokens = 0
     with torch.no_grad():
         for seq in tqdm(sequences, desc=desc, disable=quiet, leave=False, file=sys.stderr):

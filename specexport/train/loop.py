@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tqdm import tqdm
+
 from specexport.errors import UserError
 from specexport.exporter.sources import load_model
 from specexport.options import setting
@@ -186,8 +188,6 @@ def run_steps(step, params: dict, optimizer, state: dict, output: Path, config, 
 
     `step(number)` runs optimizer step `number` at the rate already set and returns (loss, what the bar shows,
     updates to `state`); draws seeded by the number make a resumed run repeat an uninterrupted one."""
-    from tqdm import tqdm
-
     budget, steps, save_every = config.minutes * 60, config.steps, config.save_every
     by_steps = steps is not None
     warmup = max(1, min(warmup, steps // 10)) if by_steps else warmup

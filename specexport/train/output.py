@@ -13,6 +13,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from tqdm import tqdm
+
 from specexport.errors import UserError, first_line
 from specexport.fsutil import check_replaceable, write_json
 
@@ -165,8 +167,6 @@ class ChunkFolder:
         """Write the held-out chunk once, then a chunk per training group (`samples` sequences in all), skipping
         the chunks already there. `write(name, groups)` makes and saves one chunk and returns what the progress
         bar shows of it."""
-        from tqdm import tqdm
-
         if not (self.folder / "heldout.safetensors").is_file():
             groups = list(heldout_groups)
             log(f"held-out features ({sum(map(len, groups))} sequences) ...")
