@@ -227,7 +227,8 @@ def test_training_time_test_equals_drafting_a_chain(version):
 # ------------------------------------------------------------------------------------------------ training
 
 
-TRAIN = dict(samples=48, new_tokens=32, prompt_tokens=64, batch=8, lr=3e-3, threads=1, feature_batch=16, ttt_steps=3)
+TRAIN = dict(samples=48, new_tokens=32, prompt_tokens=64, batch=8, lr=3e-3, threads=1, feature_batch=16, ttt_steps=3,
+             self_share=1.0)  # the tiny random model: its own continuations are what is learnable
 EAGLE3 = dict(draft_vocab=128, aux_layers=AUX)
 
 
@@ -442,3 +443,34 @@ def test_profile_command_chooses_eagle_settings(eagle_engine, tiny_folder, train
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
     assert (manifest["method"]["depth"], manifest["method"]["top_k"], manifest["method"]["total_tokens"]) == \
         (chosen.depth, chosen.top_k, chosen.total_tokens)
+
+
+def test_warm_restart_carries_the_training_on(tiny_folder, sharegpt, trained, tmp_path):
+    """--init starts from a draft's weights and vocabulary; token-passes, time and the accuracy curve add up."""
+    first, folder = trained
+    again = train_eagle(tiny_folder, tmp_path / "again", sharegpt, steps=4, init=folder)
+    before, after = first["training"], again["training"]
+    assert before["token_passes"] > 0 and len(before["curve"]) >= 1
+    assert 0 < after["token_passes"] - before["token_passes"] <= 4 * TRAIN["batch"] * (64 + 32)  # 4 steps more
+    assert after["seconds"] > before["seconds"]
+    assert after["curve"][:len(before["curve"])] == before["curve"] and len(after["curve"]) > len(before["curve"])
+    np.testing.assert_array_equal(load_draft(tmp_path / "again").hot_ids, load_draft(folder).hot_ids)
+    with pytest.raises(UserError, match="is an EAGLE-3 draft, not EAGLE-1"):
+        train_eagle(tiny_folder, tmp_path / "wrong", sharegpt, method="eagle", steps=1, init=folder)
+
+
+def test_feature_mix_spreads_the_share_of_continuations():
+    from specexport.train.data import feature_groups
+
+    class Words:  # a tokenizer that is enough for first_prompts and the windows
+        chat_template, eos_token = None, ""
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [ord(c) for c in text]}
+
+    conversations = [{"conversations": [{"from": "human", "value": f"prompt {i}"},
+                                        {"from": "gpt", "value": f"answer {i} " * 4}]} for i in range(40)]
+    settings = {"data": "self", "prompt_tokens": 16, "new_tokens": 8, "feature_batch": 2}
+    kinds = [kind for kind, _ in feature_groups(Words(), conversations, 16, 0, settings, share=0.25)]
+    assert kinds == ["text", "text", "text", "self"] * 2
+    assert {k for k, _ in feature_groups(Words(), conversations, 6, 0, settings)} == {"self"}

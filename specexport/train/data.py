@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 from pathlib import Path
 
@@ -185,20 +186,22 @@ def first_prompts(tokenizer, conversations: list[dict], max_tokens: int, seed: i
             yield ids
 
 
-def feature_groups(tokenizer, source, count: int, seed: int, settings: dict):
-    """The inputs of each feature chunk, `feature_batch` at a time, `count` in all: prompts (data "self") or
-    ShareGPT windows (data "sharegpt"). Cheap to make, so a resume can skip the chunks already cached."""
-    if settings["data"] == "self":
-        items = first_prompts(tokenizer, source, settings["prompt_tokens"], seed)
-    else:
-        stream = TokenStream(tokenizer, source, settings["prompt_tokens"] + settings["new_tokens"], seed)
-        items = iter(stream.window, None)
+def feature_groups(tokenizer, source, count: int, seed: int, settings: dict, share: float | None = None):
+    """The inputs of each feature chunk, `feature_batch` at a time, `count` in all, as (kind, items): "self", prompts
+    whose continuation the target writes (slow: decoding), or "text", ShareGPT windows it reads teacher-forced (a
+    prefill: cheap). `share`: the share of "self" groups, spread evenly (default: all of them for data "self", none
+    for "sharegpt"). Cheap to make, so a resume can skip the chunks already cached."""
+    share = (1.0 if settings["data"] == "self" else 0.0) if share is None else share
+    prompts = first_prompts(tokenizer, source, settings["prompt_tokens"], seed)
+    windows = iter(TokenStream(tokenizer, source, settings["prompt_tokens"] + settings["new_tokens"], seed).window, None)
+    made = 0
     while count > 0:
-        group = [x for _, x in zip(range(min(settings["feature_batch"], count)), items)]
+        kind = "self" if math.floor((made + 1) * share) > math.floor(made * share) else "text"
+        group = [x for _, x in zip(range(min(settings["feature_batch"], count)), prompts if kind == "self" else windows)]
         if not group:
             return
-        count -= len(group)
-        yield group
+        count, made = count - len(group), made + 1
+        yield kind, group
 
 
 def greedy_continuations(model, prompts: list[list[int]], new_tokens: int, eos: set[int], pad: int):

@@ -2,15 +2,20 @@
 
 Two phases, both resumable:
 
-1. Features. Self-distilled by default: the target's own greedy continuation of each ShareGPT prompt (so the
-   accepted prefixes the draft sees at run time look like its training data), then one teacher-forced pass
-   over prompt + continuation that records, per position, the draft's input feature (EAGLE-3: the inputs of
-   the three aux layers, concatenated; EAGLE-1: the last hidden state after the final norm) and the target's
-   argmax. `sharegpt` data uses conversation windows instead of generating. Chunks land in OUTPUT/features/.
+1. Features. A mix (`self_share`) of the target's own greedy continuations of ShareGPT prompts (what the draft
+   meets at run time, but decoding is slow) and ShareGPT conversation windows read teacher-forced (a prefill:
+   many times cheaper per token). One teacher-forced pass over each sequence records, per position, the draft's
+   input feature (EAGLE-3: the inputs of the three aux layers, concatenated; EAGLE-1: the last hidden state after
+   the final norm), the target's argmax and its top SOFT_LABELS tokens with their log-probs. The held-out set is
+   always the target's own continuations. Chunks land in OUTPUT/features/.
 2. Draft. The EAGLE-3 training-time test: `ttt_steps` unrolled steps, step i feeding the draft its own output
    hidden from step i-1 and attending to the true prefix plus its own earlier steps at the same position, each
-   predicting the target's argmax i tokens further on; loss sum_i 0.8^i CE (EAGLE-1 adds the feature
-   regression, SmoothL1, as in its paper). Only positions that predict a generated token count.
+   predicting the target's next token i tokens further on; loss sum_i 0.8^i of the cross-entropy against the
+   target's top-k distribution (soft labels, over the draft vocabulary) and against its argmax, half each
+   (positions whose target argmax is outside the draft vocabulary do not count); EAGLE-1 adds the feature
+   regression, SmoothL1, as in its paper. Only positions that predict
+   a generated token (or any token of a text window) count. `init` starts from an earlier draft's weights (a
+   warm restart: a long training carried across sessions through the committed fp16 weights).
 
 EAGLE-3's reduced draft vocabulary (`draft_vocab` most frequent target tokens, the d2t map) keeps the draft's
 LM head small. The result is saved in the published layout (model.safetensors + config.json).
@@ -28,7 +33,7 @@ import numpy as np
 
 from specexport.errors import UserError
 from specexport.exporter.arch import dims_from_config
-from specexport.exporter.eagle import DraftConfig, DraftModule, EagleDraft, default_aux_layers, save_draft
+from specexport.exporter.eagle import DraftConfig, DraftModule, EagleDraft, default_aux_layers, load_draft, save_draft
 from specexport.exporter.sources import load_config, resolve
 from specexport.options import setting
 from specexport.train import loop
@@ -43,11 +48,14 @@ from specexport.train.output import (
 )
 
 DECAY = 0.8  # loss weight of unrolled step i: DECAY ** i
+SOFT_LABELS = 8  # the target's top tokens kept per position as soft labels
+SOFT_WEIGHT = 0.5  # the loss: this much cross-entropy against the soft labels, the rest against the argmax
+CURVE_SAMPLES = 16  # held-out sequences scored at each checkpoint (the accuracy curve)
 EAGLE1_FEATURE_WEIGHT, EAGLE1_TOKEN_WEIGHT = 1.0, 0.1  # EAGLE-1: SmoothL1 on features + CE on tokens
 CLIP = 0.5
 EVAL_SAMPLES = 48
-RESUME_KEYS = ("model", "version", "data", "samples", "new_tokens", "prompt_tokens", "batch", "lr", "seed",
-               "draft_vocab", "ttt_steps", "aux_layers")
+RESUME_KEYS = ("model", "version", "self_share", "soft_labels", "samples", "new_tokens", "prompt_tokens", "batch",
+               "lr", "seed", "draft_vocab", "ttt_steps", "aux_layers", "init")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,8 +66,14 @@ class Config(loop.FeatureBudget):
     minutes: float = loop.minutes(35.0)
     batch: int = loop.batch(16)
     lr: float = loop.lr(8e-4)
-    ttt_steps: int = setting(5, "eagle, eagle3: unrolled training-time-test steps (each step drafts one token "
+    samples: int = loop.samples(4096)
+    ttt_steps: int = setting(4, "eagle, eagle3: unrolled training-time-test steps (each step drafts one token "
                                 "further).")
+    self_share: float = setting(0.25, "eagle, eagle3: the share of sequences that are the target's own continuations "
+                                      "of ShareGPT prompts (the rest: ShareGPT windows read teacher-forced, far "
+                                      "cheaper).")
+    init: Path | None = setting(None, "eagle, eagle3: start from this draft's weights (a warm restart, e.g. of the "
+                                      "shipped draft); its draft vocabulary is kept.")
 
     def vocabulary(self, vocab: int) -> int:
         """The draft's vocabulary for a target of `vocab` tokens: EAGLE-1 drafts over all of them."""
@@ -74,6 +88,7 @@ class Config(loop.FeatureBudget):
         loop.check_settings(self, [
             (1 <= draft_vocab <= vocab, f"--draft-vocab must be in 1..{vocab}, got {draft_vocab}"),
             (1 <= self.ttt_steps <= 16, f"--ttt-steps must be in 1..16, got {self.ttt_steps}"),
+            (0 <= self.self_share <= 1, f"--self-share must be in 0..1, got {self.self_share}"),
         ] + loop.feature_checks(self))
 
 
@@ -98,7 +113,8 @@ class Config3(Config):
 
 
 def sequence_features(model, sequences: list[list[int]], prompt_lens: list[int], aux: tuple[int, ...], version: int):
-    """Teacher-forced features of whole sequences: per sequence (features [n, F] fp16, target argmax [n])."""
+    """Teacher-forced features of whole sequences: per sequence (features [n, F] fp16, target argmax [n], its top
+    SOFT_LABELS ids [n, K] int32 and log-probs [n, K] fp16)."""
     import torch
 
     longest = max(len(s) for s in sequences)
@@ -112,21 +128,25 @@ def sequence_features(model, sequences: list[list[int]], prompt_lens: list[int],
         result = []
         for b, s in enumerate(sequences):
             n = len(s)
-            argmax = head(states[-1][b, :n]).argmax(-1)
-            result.append((feats[b, :n].to(torch.float16).numpy(), argmax.numpy().astype(np.int64)))
+            logp = head(states[-1][b, :n]).float().log_softmax(-1)
+            top = logp.topk(SOFT_LABELS, -1)
+            result.append((feats[b, :n].to(torch.float16).numpy(), top.indices[:, 0].numpy().astype(np.int64),
+                           top.indices.numpy().astype(np.int32), top.values.to(torch.float16).numpy()))
     return result
 
 
 class FeatureChunks(ChunkFolder):
-    """Chunks of sequences: tokens, starts, lengths, prompt_lens, features (fp16), argmax."""
+    """Chunks of sequences: tokens, starts, lengths, prompt_lens, features (fp16), argmax, top_ids, top_logp."""
 
     def write(self, name: str, sequences, prompt_lens, feats) -> int:
         lengths = [len(s) for s in sequences]
         self.save(name, {"tokens": np.concatenate([np.asarray(s, np.int64) for s in sequences]),
                          "starts": np.cumsum([0] + lengths[:-1]).astype(np.int64),
                          "lengths": np.asarray(lengths, np.int64), "prompt_lens": np.asarray(prompt_lens, np.int64),
-                         "features": np.ascontiguousarray(np.concatenate([f for f, _ in feats])),
-                         "argmax": np.concatenate([a for _, a in feats])})
+                         "features": np.ascontiguousarray(np.concatenate([f[0] for f in feats])),
+                         "argmax": np.concatenate([f[1] for f in feats]),
+                         "top_ids": np.concatenate([f[2] for f in feats]),
+                         "top_logp": np.concatenate([f[3] for f in feats])})
         return int(sum(lengths))
 
     @staticmethod
@@ -141,7 +161,8 @@ class FeatureChunks(ChunkFolder):
         for p in parts:
             starts.append(p["starts"] + offset)
             offset += len(p["tokens"])
-        data = {k: np.concatenate([p[k] for p in parts]) for k in ("tokens", "lengths", "prompt_lens", "features", "argmax")}
+        keys = ("tokens", "lengths", "prompt_lens", "features", "argmax", "top_ids", "top_logp")
+        data = {k: np.concatenate([p[k] for p in parts]) for k in keys}
         data["starts"] = np.concatenate(starts)
         return data
 
@@ -153,17 +174,19 @@ def build_features(model, tokenizer, train_set, heldout, cache: FeatureChunks, s
     eos, pad = eos_and_pad(model, tokenizer)
 
     def write(name, groups):
-        group = [x for g in groups for x in g]
-        if settings["data"] == "self":
-            made = greedy_continuations(model, group, new_tokens, eos, pad)
-            sequences = [p + t.tolist() for p, (t, _) in zip(group, made)]
-            prompt_lens = [len(p) for p in group]
-        else:
-            sequences, prompt_lens = group, [1] * len(group)
+        sequences, prompt_lens = [], []
+        for kind, group in groups:
+            if kind == "self":  # the target's continuation; only the generated tokens are labels
+                made = greedy_continuations(model, group, new_tokens, eos, pad)
+                sequences += [p + t.tolist() for p, (t, _) in zip(group, made)]
+                prompt_lens += [len(p) for p in group]
+            else:  # a window of text: every token is a label
+                sequences, prompt_lens = sequences + group, prompt_lens + [1] * len(group)
         return cache.write(name, sequences, prompt_lens, sequence_features(model, sequences, prompt_lens, aux, version))
 
-    cache.fill(feature_groups(tokenizer, heldout, EVAL_SAMPLES, settings["seed"] + 1, settings),
-               feature_groups(tokenizer, train_set, settings["samples"], settings["seed"], settings),
+    share = settings["self_share"]
+    cache.fill(feature_groups(tokenizer, heldout, EVAL_SAMPLES, settings["seed"] + 1, settings, share=1.0),
+               feature_groups(tokenizer, train_set, settings["samples"], settings["seed"], settings, share=share),
                settings["samples"], write, log, quiet)
 
 
@@ -243,70 +266,84 @@ def ttt_forward(module, feats, ids, positions, steps: int):
 
 
 def make_batch(data: dict, rows: np.ndarray, t2d: np.ndarray, steps: int, max_len: int):
-    """Padded tensors for sequences `rows`: features, ids, positions, and per step the labels (draft ids,
-    -100 where not counted) and the target feature index."""
+    """Padded tensors for sequences `rows`: features, ids, positions, per step the labels (draft ids of the target's
+    argmax, -100 where not counted or outside the draft vocabulary) and the soft labels (the target's top tokens as
+    draft ids, -1 outside it, and their probabilities renormalised over those inside), and the lengths."""
     import torch
 
     lengths = np.minimum(data["lengths"][rows], max_len)
-    t = int(lengths.max())
+    t, k = int(lengths.max()), data["top_ids"].shape[1]
     feats = np.zeros((len(rows), t, data["features"].shape[1]), np.float32)
     ids = np.zeros((len(rows), t), np.int64)
-    argmax = np.full((len(rows), t), -1, np.int64)
+    top_ids = np.zeros((len(rows), t, k), np.int64)
+    top_logp = np.full((len(rows), t, k), -np.inf, np.float32)
     counted = np.zeros((len(rows), t), bool)
     for b, (r, n) in enumerate(zip(rows, lengths)):
         s = data["starts"][r]
         feats[b, :n] = data["features"][s:s + n]
         ids[b, :n] = data["tokens"][s:s + n]
-        argmax[b, :n] = data["argmax"][s:s + n]
+        top_ids[b, :n] = data["top_ids"][s:s + n]
+        top_logp[b, :n] = data["top_logp"][s:s + n]
         counted[b, max(0, data["prompt_lens"][r] - 1):n] = True  # labels that predict a generated token
-    labels = []
+    draft_ids = t2d[top_ids]  # [B, T, K]: -1 outside the draft vocabulary
+    probs = np.where(draft_ids >= 0, np.exp(top_logp), 0.0)
+    probs = probs / np.maximum(probs.sum(-1, keepdims=True), 1e-12)
+    labels, soft = [], []
     for i in range(steps):
-        j = 1 + i  # step i at index t predicts argmax[t + 1 + i]
+        j = 1 + i  # step i at index t predicts the target's token after t + j
+        first = draft_ids[:, j:, 0]  # the target's argmax, as a draft id
         lab = np.full((len(rows), t), -100, np.int64)
-        src = argmax[:, j:]
-        ok = counted[:, j:] & (src >= 0)
-        mapped = np.where(ok, t2d[np.maximum(src, 0)], -100)
-        lab[:, :t - j] = np.where(mapped >= 0, mapped, -100)
+        lab[:, :t - j] = np.where(counted[:, j:] & (first >= 0), first, -100)
+        soft_ids, soft_p = np.zeros((len(rows), t, k), np.int64), np.zeros((len(rows), t, k), np.float32)
+        soft_ids[:, :t - j], soft_p[:, :t - j] = np.maximum(draft_ids[:, j:], 0), probs[:, j:]
         labels.append(torch.from_numpy(lab))
-    return (torch.from_numpy(feats), torch.from_numpy(ids), torch.arange(t)[None].expand(len(rows), t), labels,
+        soft.append((torch.from_numpy(soft_ids), torch.from_numpy(soft_p)))
+    return (torch.from_numpy(feats), torch.from_numpy(ids), torch.arange(t)[None].expand(len(rows), t), labels, soft,
             torch.from_numpy(lengths))
 
 
 def draft_loss(module, batch, steps: int):
-    """sum_i DECAY^i CE(step i) (EAGLE-1 adds its feature regression); also per-step CE values."""
+    """sum_i DECAY^i of step i's cross-entropy against the target's soft labels and its argmax (SOFT_WEIGHT; EAGLE-1
+    adds its feature regression); also each step's cross-entropy against the argmax, for the progress bar."""
     import torch.nn.functional as F
 
-    feats, ids, positions, labels, _ = batch
+    feats, ids, positions, labels, soft, _ = batch
     outs = ttt_forward(module, feats, ids, positions, steps)
     total, parts = 0.0, []
-    for i, ((hidden, logits), lab) in enumerate(zip(outs, labels)):
-        if not bool((lab >= 0).any()):
+    for i, ((hidden, logits), lab, (soft_ids, soft_p)) in enumerate(zip(outs, labels, soft)):
+        counted = lab >= 0
+        if not bool(counted.any()):
             parts.append(float("nan"))
             continue
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=-100)
-        loss = ce
+        logp = logits.float().log_softmax(-1)[counted]  # [N, Vd]
+        hard = -logp.gather(-1, lab[counted][:, None]).mean()  # what greedy acceptance rewards: the argmax
+        soft = -(soft_p[counted] * logp.gather(-1, soft_ids[counted])).sum(-1).mean()  # more signal per token
+        loss = SOFT_WEIGHT * soft + (1 - SOFT_WEIGHT) * hard
         if module.c.version == 1:
             j = 1 + i
-            valid = (lab[:, :-j] >= 0) if j < lab.shape[1] else None
+            valid = counted[:, :-j] if j < lab.shape[1] else None
             if valid is not None and bool(valid.any()):
                 reg = F.smooth_l1_loss(hidden[:, :-j][valid], feats[:, j:][valid])
-                loss = EAGLE1_FEATURE_WEIGHT * reg + EAGLE1_TOKEN_WEIGHT * ce
+                loss = EAGLE1_FEATURE_WEIGHT * reg + EAGLE1_TOKEN_WEIGHT * loss
         total = total + DECAY ** i * loss
-        parts.append(ce.item())
+        parts.append(hard.item())
     return total, parts
 
 
-def accuracy(module, data: dict, t2d: np.ndarray, steps: int, max_len: int, hot: np.ndarray) -> list[dict]:
-    """Per unrolled step, on held-out sequences: top-1 / top-5 of the draft against the target's argmax (a label
-    outside the draft vocabulary counts as a miss), and the chance a whole chain of i+1 drafts is right."""
+def accuracy(module, data: dict, t2d: np.ndarray, steps: int, max_len: int, hot: np.ndarray,
+             count: int | None = None) -> list[dict]:
+    """Per unrolled step, on (the first `count`) held-out sequences: top-1 / top-5 of the draft against the
+    target's argmax (a label outside the draft vocabulary counts as a miss), and the chance a whole chain of i+1
+    drafts is right."""
     import torch
 
     hits1, hits5, counts, chain = np.zeros(steps), np.zeros(steps), np.zeros(steps), np.zeros(steps)
+    total = min(count or len(data["lengths"]), len(data["lengths"]))
     with torch.no_grad():
-        for start in range(0, len(data["lengths"]), 8):
-            rows = np.arange(start, min(start + 8, len(data["lengths"])))
+        for start in range(0, total, 8):
+            rows = np.arange(start, min(start + 8, total))
             batch = make_batch(data, rows, t2d, steps, max_len)
-            feats, ids, positions, _, lengths = batch
+            feats, ids, positions, _, _, lengths = batch
             outs = ttt_forward(module, feats, ids, positions, steps)
             all_ok = None
             for i, (_, logits) in enumerate(outs):
@@ -353,14 +390,18 @@ def train(model_spec: str, output: Path, config: Config = Config3(), *, resume: 
         raise UserError(f"--aux-layers {bad} out of range: the target has {dims.layers} layers")
     train_set, heldout, data_name = sharegpt_split(c.data)
     max_len = c.prompt_tokens + c.new_tokens
-    settings = {"model": model_spec, "version": version, "data": "self" if c.self_distill else "sharegpt",
-                "samples": c.samples, "new_tokens": c.new_tokens, "prompt_tokens": c.prompt_tokens, "batch": c.batch,
+    settings = {"model": model_spec, "version": version, "self_share": c.self_share, "soft_labels": SOFT_LABELS,
+                "data": "self", "init": str(c.init) if c.init else None, "samples": c.samples, "new_tokens": c.new_tokens, "prompt_tokens": c.prompt_tokens, "batch": c.batch,
                 "lr": c.lr, "seed": c.seed, "draft_vocab": draft_vocab, "ttt_steps": c.ttt_steps,
                 "aux_layers": list(aux), "feature_batch": c.feature_batch, "data_file": data_name,
                 "conversations": len(train_set)}
+    start = _initial_draft(c, version, dims, aux)
+    if start is not None:
+        aux, settings["aux_layers"], settings["draft_vocab"] = start.config.aux_layers, list(start.config.aux_layers), \
+            start.config.draft_vocab
     # the features depend on these; more samples only add chunks after the cached ones
     features = feature_folder(output, settings, [k for k in RESUME_KEYS if k not in
-                                                 ("batch", "lr", "ttt_steps", "draft_vocab", "samples")],
+                                                 ("batch", "lr", "ttt_steps", "draft_vocab", "samples", "init")],
                               resume, overwrite)
 
     log = loop.logger(quiet)
@@ -376,7 +417,7 @@ def train(model_spec: str, output: Path, config: Config = Config3(), *, resume: 
             raise UserError("the data gave no training sequences (all prompts too long or empty?)")
         counted = np.concatenate([train["argmax"][s + max(0, p - 1):s + n] for s, n, p in
                                   zip(train["starts"], train["lengths"], train["prompt_lens"])])
-        hot = draft_vocabulary(counted, draft_vocab, dims.vocab)
+        hot = start.hot_ids if start is not None else draft_vocabulary(counted, draft_vocab, dims.vocab)
         t2d = np.full(dims.vocab, -1, np.int64)
         t2d[hot] = np.arange(len(hot))
         coverage = float(np.isin(counted, hot).mean())
@@ -385,7 +426,8 @@ def train(model_spec: str, output: Path, config: Config = Config3(), *, resume: 
 
         embed = target.get_input_embeddings().weight.detach().float()
         head = target.get_output_embeddings().weight.detach().float()
-        module = DraftModule.from_draft(init_draft(target, version, aux, hot), embed, head, trainable=True)
+        draft = start if start is not None else init_draft(target, version, aux, hot)
+        module = DraftModule.from_draft(draft, embed, head, trainable=True)
         del target
         params = {k: v for k, v in module.p.items() if k != "d2t"}
         optimizer = torch.optim.AdamW(params.values(), lr=c.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -394,9 +436,20 @@ def train(model_spec: str, output: Path, config: Config = Config3(), *, resume: 
             state = load_checkpoint(checkpoint_dir(output), params, optimizer)
             log(f"resuming at step {state['step']} ({state['seconds'] / 60:.1f} min of training)")
         if state is None:
-            state = {"step": 0, "seconds": 0.0, "losses": []}
+            before = start.meta.get("training", {}) if start is not None else {}  # a warm restart carries these on
+            state = {"step": 0, "seconds": 0.0, "losses": [], "token_passes": 0,
+                     "earlier": {"token_passes": before.get("token_passes", 0), "seconds": before.get("seconds", 0.0)},
+                     "curve": list(before.get("curve", []))}
         state["settings"] = settings
-        _train_loop(module, params, optimizer, train, t2d, state, output, c, max_len=max_len, quiet=quiet)
+
+        def score(state):  # a point of the held-out accuracy curve, at every checkpoint
+            table = accuracy(module, held, t2d, c.ttt_steps, max_len, hot, CURVE_SAMPLES)
+            state["curve"].append({"token_passes": state["earlier"]["token_passes"] + state["token_passes"],
+                                   "seconds": round(state["earlier"]["seconds"] + state["seconds"], 1),
+                                   "top1": [row["top1"] for row in table]})
+
+        _train_loop(module, params, optimizer, train, t2d, state, output, c, max_len=max_len, quiet=quiet,
+                    on_save=score)
         table = accuracy(module, held, t2d, c.ttt_steps, max_len, hot)
         record = {
             "method": f"eagle{version}" if version == 3 else "eagle",
@@ -407,13 +460,34 @@ def train(model_spec: str, output: Path, config: Config = Config3(), *, resume: 
             "data": {"train_sequences": int(len(train["lengths"])), "train_tokens": int(len(train["tokens"])),
                      "heldout_sequences": int(len(held["lengths"])), "draft_vocab_coverage": round(coverage, 4)},
             **run_record(state, feature_seconds, table, last=20),
+            "training": _totals(state),
         }
         save_draft(module.to_draft(), output, {"accuracy": table, "base_model": model_spec,
-                                               "draft_vocab_coverage": round(coverage, 4)})
+                                               "draft_vocab_coverage": round(coverage, 4), "training": _totals(state)})
         write_record(output, record, log, "held-out accuracy against the target's greedy tokens:",
                      (f"step {row['step']} ({row['predicts']}): top-1 {row['top1']:.1%}  top-5 {row['top5']:.1%}  "
                       f"whole chain right {row['chain']:.1%}  ({row['positions']} positions)" for row in table))
         return record
+
+
+def _initial_draft(c: Config, version: int, dims, aux: tuple[int, ...]) -> EagleDraft | None:
+    """The draft a warm restart starts from (`c.init`), checked against the target and the settings."""
+    if c.init is None:
+        return None
+    draft = load_draft(c.init, dims.layers)
+    if draft.config.version != version:
+        raise UserError(f"--init {c.init} is an EAGLE-{draft.config.version} draft, not EAGLE-{version}")
+    draft.check(dims, str(c.init))
+    given = getattr(c, "aux_layers", None)
+    if given and tuple(given) != tuple(draft.config.aux_layers):
+        raise UserError(f"--aux-layers {list(given)} differ from --init's {list(draft.config.aux_layers)}")
+    return draft
+
+
+def _totals(state: dict) -> dict:
+    """What a warm restart carries on: token-passes and seconds of training in all, and the accuracy curve."""
+    return {"token_passes": state["earlier"]["token_passes"] + state["token_passes"],
+            "seconds": round(state["earlier"]["seconds"] + state["seconds"], 1), "curve": state["curve"]}
 
 
 def summary(result: dict, output: Path) -> list[str]:
@@ -437,7 +511,8 @@ def bf16_matmuls() -> bool:
         return False
 
 
-def _train_loop(module, params, optimizer, data, t2d, state, output, config: Config, *, max_len, quiet) -> None:
+def _train_loop(module, params, optimizer, data, t2d, state, output, config: Config, *, max_len, quiet,
+                on_save=None) -> None:
     import torch
 
     bf16 = bf16_matmuls()
@@ -446,12 +521,15 @@ def _train_loop(module, params, optimizer, data, t2d, state, output, config: Con
 
     def step(number: int):
         rows = np.random.default_rng([config.seed, number]).choice(count, min(config.batch, count), replace=False)
+        batch = make_batch(data, rows, t2d, config.ttt_steps, max_len)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, parts = draft_loss(module, make_batch(data, rows, t2d, config.ttt_steps, max_len), config.ttt_steps)
+            loss, parts = draft_loss(module, batch, config.ttt_steps)
         loss.backward()
         torch.nn.utils.clip_grad_value_(trainable, CLIP)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.item(), {"ce": " ".join(f"{c:.2f}" for c in parts)}, {}
+        passes = state.get("token_passes", 0) + int(batch[-1].sum())  # tokens through one training step each
+        return loss.item(), {"ce": " ".join(f"{c:.2f}" for c in parts)}, {"token_passes": passes}
 
-    loop.run_steps(step, params, optimizer, state, output, config, warmup=loop.WARMUP_STEPS * 5, desc="draft", quiet=quiet)
+    loop.run_steps(step, params, optimizer, state, output, config, warmup=loop.WARMUP_STEPS * 5, desc="draft",
+                   quiet=quiet, on_save=on_save)

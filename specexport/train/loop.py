@@ -67,8 +67,8 @@ def threads():
 
 
 def self_distill():
-    return setting(True, "medusa, eagle, eagle3: train on the target's own greedy continuations of ShareGPT prompts, "
-                         "or on the ShareGPT text itself (Medusa-1). [default: --self-distill]",
+    return setting(True, "medusa: train on the target's own greedy continuations of ShareGPT prompts, or on the "
+                         "ShareGPT text itself (Medusa-1). [default: --self-distill]",
                    flags=("--self-distill/--no-self-distill",))
 
 
@@ -109,7 +109,6 @@ class Budget:
 class FeatureBudget(Budget):
     """The options of the trainers that cache the target's features first (Medusa, EAGLE)."""
 
-    self_distill: bool = self_distill()
     samples: int = samples(1024)
     new_tokens: int = new_tokens()
     prompt_tokens: int = prompt_tokens()
@@ -180,14 +179,21 @@ def learning_rate(base: float, step: int, progress: float, warmup: int) -> float
 
 
 def run_steps(step, params: dict, optimizer, state: dict, output: Path, config, *, warmup: int, desc: str,
-              quiet: bool) -> None:
+              quiet: bool, on_save=None) -> None:
     """The loop every trainer shares: optimizer steps until `config.steps` or `config.minutes` of training time
     (counted across resumes), the learning-rate schedule (peak `config.lr`, warmup of at most `warmup` steps,
     cosine), a progress bar, and checkpoints every `config.save_every` steps (None: every SAVE_EVERY_S seconds)
     and at the end.
 
     `step(number)` runs optimizer step `number` at the rate already set and returns (loss, what the bar shows,
-    updates to `state`); draws seeded by the number make a resumed run repeat an uninterrupted one."""
+    updates to `state`); draws seeded by the number make a resumed run repeat an uninterrupted one. `on_save(state)`
+    runs before each checkpoint (e.g. to score the held-out set: an accuracy curve)."""
+
+    def save():
+        if on_save is not None:
+            on_save(state)
+        save_checkpoint(output, params, optimizer, state)
+
     budget, steps, save_every = config.minutes * 60, config.steps, config.save_every
     by_steps = steps is not None
     warmup = max(1, min(warmup, steps // 10)) if by_steps else warmup
@@ -209,7 +215,7 @@ def run_steps(step, params: dict, optimizer, state: dict, output: Path, config, 
             bar.set_postfix(step=state["step"], loss=f"{loss:.4f}", **shown)
             due = state["step"] % save_every == 0 if save_every else time.monotonic() - last_save >= SAVE_EVERY_S
             if due:
-                save_checkpoint(output, params, optimizer, state)
+                save()
                 saved_at, last_save = state["step"], time.monotonic()
     if saved_at != state["step"] or checkpoint_dir(output) is None:
-        save_checkpoint(output, params, optimizer, state)
+        save()

@@ -68,6 +68,7 @@ class Config(loop.FeatureBudget):
     minutes: float = loop.minutes(20.0)
     batch: int = loop.batch(2048)
     samples: int = loop.samples(1536)
+    self_distill: bool = loop.self_distill()
     heads: int = setting(4, "medusa: number of heads.")
     head_style: str = setting("shared", "medusa: project through the target's LM head (shared, small files) or each "
                                         "head's own (own).")
@@ -134,13 +135,13 @@ def build_features(model, tokenizer, train_set, heldout, cache: FeatureCache, se
     heads, new_tokens = settings["heads"], settings["new_tokens"]
     eos, pad = eos_and_pad(model, tokenizer)
 
-    def run(group):
-        if settings["data"] == "self":
+    def run(kind, group):
+        if kind == "self":
             return greedy_continuations(model, group, new_tokens, eos, pad)
         return teacher_forced(model, group)
 
     def write(name, groups):
-        return cache.write(name, [s for group in groups for s in run(group)], heads)
+        return cache.write(name, [s for kind, group in groups for s in run(kind, group)], heads)
 
     cache.fill(feature_groups(tokenizer, heldout, EVAL_SAMPLES, settings["seed"] + 1, settings),
                feature_groups(tokenizer, train_set, settings["samples"], settings["seed"], settings),
