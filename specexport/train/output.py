@@ -164,12 +164,12 @@ class ChunkFolder:
         os.replace(temp, self.folder / f"{name}.safetensors")
 
     def fill(self, heldout_groups, train_groups, samples: int, write, log, quiet: bool) -> None:
-        """Write the held-out chunk once, then a chunk per training group (`samples` sequences in all), skipping
-        the chunks already there. `write(name, groups)` makes and saves one chunk and returns what the progress
+        """Write the held-out chunk once, then a chunk per training group ((kind, items); `samples` sequences in all),
+        skipping the chunks already there. `write(name, groups)` makes and saves one chunk and returns what the progress
         bar shows of it."""
         if not (self.folder / "heldout.safetensors").is_file():
             groups = list(heldout_groups)
-            log(f"held-out features ({sum(map(len, groups))} sequences) ...")
+            log(f"held-out features ({sum(len(items) for _, items in groups)} sequences) ...")
             write("heldout", groups)
         done = len(self.chunks())
         bar = tqdm(total=samples, unit="seq", desc="features", disable=quiet, file=sys.stderr, dynamic_ncols=True)
@@ -177,4 +177,4 @@ class ChunkFolder:
             for index, group in enumerate(train_groups):
                 if index >= done:
                     bar.set_postfix(made=write(f"chunk_{index:05d}", [group]))
-                bar.update(len(group))
+                bar.update(len(group[1]))
