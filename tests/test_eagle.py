@@ -474,3 +474,12 @@ def test_feature_mix_spreads_the_share_of_continuations():
     kinds = [kind for kind, _ in feature_groups(Words(), conversations, 16, 0, settings, share=0.25)]
     assert kinds == ["text", "text", "text", "self"] * 2
     assert {k for k, _ in feature_groups(Words(), conversations, 6, 0, settings)} == {"self"}
+
+
+def test_each_checkpoint_leaves_an_fp16_draft_to_carry_on_from(trained):
+    """OUTPUT/latest: the draft at the last checkpoint in fp16, loadable and warm-restartable (a long training outlives
+    a session through it)."""
+    summary, folder = trained
+    latest = load_draft(folder / "latest")
+    assert latest.config.version == 3 and latest.meta["training"]["token_passes"] == summary["training"]["token_passes"]
+    np.testing.assert_allclose(latest.weights["q"], load_draft(folder).weights["q"], atol=2e-3)

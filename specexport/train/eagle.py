@@ -44,6 +44,7 @@ from specexport.train.output import checkpoint_dir, feature_folder, load_checkpo
 DECAY = 0.8  # loss weight of unrolled step i: DECAY ** i
 SOFT_WEIGHT = 0.5  # the loss: this much cross-entropy against the soft labels, the rest against the argmax
 CURVE_SAMPLES = 16  # held-out sequences scored at each checkpoint (the accuracy curve)
+LATEST = "latest"  # OUTPUT/latest/: the fp16 draft at the last checkpoint, what a long training carries on from
 EAGLE1_FEATURE_WEIGHT, EAGLE1_TOKEN_WEIGHT = 1.0, 0.1  # EAGLE-1: SmoothL1 on features + CE on tokens
 CLIP = 0.5
 RESUME_KEYS = ("model", "version", "self_share", "soft_labels", "samples", "new_tokens", "prompt_tokens", "batch",
@@ -310,11 +311,13 @@ def train(model_spec: str, output: Path, config: Config = Config3(), *, resume: 
                      "curve": list(before.get("curve", []))}
         state["settings"] = settings
 
-        def score(state):  # a point of the held-out accuracy curve, at every checkpoint
+        def score(state):  # at every checkpoint: a point of the held-out accuracy curve, and the fp16 draft so far
             table = accuracy(module, held, t2d, c.ttt_steps, max_len, hot, CURVE_SAMPLES)
             state["curve"].append({"token_passes": state["earlier"]["token_passes"] + state["token_passes"],
                                    "seconds": round(state["earlier"]["seconds"] + state["seconds"], 1),
                                    "top1": [row["top1"] for row in table]})
+            save_draft(module.to_draft(), output / LATEST, {"base_model": model_spec, "training": _totals(state)},
+                       half=True)
 
         _train_loop(module, params, optimizer, train, t2d, state, output, c, max_len=max_len, quiet=quiet,
                     on_save=score)
