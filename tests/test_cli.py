@@ -299,7 +299,7 @@ def test_output_exists(tiny_folder, tmp_path):
     (["--method", "draft", "--draft-model", "self:1", "--draft-length", "8", "--draft-tree", "4,4"],
      "makes 116 nodes; at most 64"),
     (["--method", "ngram", "--draft-model", "self:1"], "--draft-model does not apply to --method ngram (it applies to draft)"),
-    (["--method", "medusa", "--depth", "3"], "--depth does not apply to --method medusa (it applies to eagle, eagle3)"),
+    (["--method", "medusa", "--depth", "3"], "--depth does not apply to --method medusa (it applies to eagle, eagle3"),
     (["--method", "ngram", "--min-ngram", "3", "--max-ngram", "2"], "n-gram options must satisfy"),
 ])
 def test_bad_method_options(tiny_folder, tmp_path, args, match):

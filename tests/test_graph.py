@@ -223,7 +223,8 @@ def test_builder_checks_options():
     weights = arch.extract_weights(spec, dims, m.state_dict())
     rope = arch.rope_tables(np.ones(8, np.float32), 1.0, 8)
     for bad, match in [(dict(aux_layers=(3,)), "out of range"), (dict(precision="int3"), "unknown precision 'int3'"),
-                       (dict(flavour="trt"), "unknown graph flavour 'trt'")]:
+                       (dict(flavour="tensorrt"), "unknown graph flavour 'tensorrt'"),
+                       (dict(flavour="trt", precision="int8"), "trt flavour takes precision")]:
         with pytest.raises(UserError, match=match):
             DecoderGraphBuilder(spec, dims, weights, GraphOptions(**bad), rope)
 

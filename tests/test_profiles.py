@@ -202,7 +202,7 @@ def test_profile_command_chooses_a_draft_length(tiny_folder, tmp_path):
                                     "--draft-length", "2"])
     assert run.exit_code == 0 and "(draft length 2)" in run.output, run.output
     for bad, message in ((["--draft-length", "0"], "--draft-length must be in 1..64"),
-                         (["--depth", "2"], "--depth applies to eagle, eagle3 bundles; this one is 'ngram'")):
+                         (["--depth", "2"], "--depth applies to eagle, eagle3")):
         wrong = CliRunner().invoke(main, ["run", str(tmp_path / "b"), "--prompt", "ab"] + bad)
         assert wrong.exit_code == 1 and message in wrong.output, wrong.output
 

@@ -23,6 +23,11 @@ COMMANDS = {
     "train": ("specexport.cli.train", "train", "Train a proposer for a target model on ShareGPT (on this CPU)."),
     "profile": ("specexport.cli.profile", "profile", "Measure a bundle on this hardware and write a profile that picks "
                                                      "its tree."),
+    "embed": ("specexport.cli.embed", None, "Compile and link flags for libspecexport (C/C++), or build it."),
+    "datastore": ("specexport.cli.datastore", "train", "Generate a bundle's outputs on ShareGPT prompts into a datastore "
+                                                       "for suffix lookup."),
+    "check-trt": ("specexport.cli.check_trt", "export", "Lint a bundle's ONNX graphs for TensorRT's parser, statically "
+                                                         "(no TensorRT needed)."),
 }
 # what each extra installs, by the top-level module names an import error reports
 EXTRAS = {"export": {"torch", "transformers", "onnx", "gguf", "accelerate", "safetensors", "tqdm", "huggingface_hub"},
@@ -48,7 +53,7 @@ class Group(click.Group):
             return None
         module, extra, _ = COMMANDS[name]
         try:
-            return getattr(importlib.import_module(module), name)
+            return getattr(importlib.import_module(module), name.replace("-", "_"))
         except ModuleNotFoundError as e:
             needs_extra(name, extra, e)
 

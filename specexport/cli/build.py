@@ -42,7 +42,8 @@ def model_options(f):
 def export_options(f):
     f = click.option("--max-context", type=int, default=None, help="Context limit (default: the model's).")(f)
     f = click.option("--flavour", type=click.Choice(FLAVOURS), default=None,
-                     help="ort: ONNX Runtime fused ops (default). onnx: standard ONNX ops only (for TensorRT).")(f)
+                     help="ort: ONNX Runtime fused ops (default). onnx: standard ONNX ops only. trt: the standard "
+                          "ops TensorRT parses (static cache, fp16/bf16/int4; `specexport check-trt` lints it).")(f)
     f = click.option("--aux-layers", type=IntList(), default="",
                      help="Also output the inputs of these layers, e.g. 2,15,27.")(f)
     f = click.option("--no-validate", is_flag=True, help="Skip the numerics check against transformers.")(f)
@@ -73,7 +74,7 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
     Examples:
       specexport export --model smollm2-135m --output smol-fp32
       specexport export --model ./my-llama --precision int4 --output my-llama-int4
-      specexport export --model smollm2-135m --flavour onnx --precision fp16 --output smol-trt
+      specexport export --model smollm2-135m --flavour trt --precision fp16 --output smol-trt
     """
     graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept)
     options = ExportOptions(graph=graph, max_context=max_context, validate=not no_validate)
@@ -110,6 +111,9 @@ def build(model_spec, method, backend, precision, profile_spec, output, max_cont
       specexport build --model smollm2-135m --method medusa --profile auto
       specexport build --model smollm2-135m --method eagle3 --depth 3 --top-k 2 --total-tokens 6
       specexport build --model llama3-8b --method eagle --draft ./EAGLE-LLaMA3-Instruct-8B
+      specexport build --model smollm2-135m --method suffix
+      specexport build --model llama3-8b --method suffix --datastore llama3-8b.npz --total-tokens 16
+      specexport build --model smollm2-135m --method hybrid --total-tokens 6
     """
     settings = SETTINGS.given(method_kwargs, method)
     method_options = OPTIONS.given(method_kwargs, method)
@@ -123,8 +127,8 @@ def build(model_spec, method, backend, precision, profile_spec, output, max_cont
                    f"{'measured' if profile.measured else 'not measured on this hardware'})", err=True)
     backend = backend or "onnxruntime"
     if backend == "tensorrt":
-        raise UserError("the tensorrt backend needs TensorRT >= 10.14 and a GPU, neither found here; "
-                        "export a standard-ONNX graph with --flavour onnx --precision fp16 instead")
+        raise UserError("the tensorrt backend needs TensorRT >= 10.15 and a GPU, neither found here; "
+                        "export its graphs with --flavour trt --precision fp16 instead (specexport check-trt lints them)")
     precision = precision or DEFAULT_CPU_PRECISION
     if output is None:
         output = Path(f"{sources.resolve(model_spec).name}-{method}-{backend}-{precision}")

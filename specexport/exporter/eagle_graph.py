@@ -86,7 +86,7 @@ def build_draft_graph(builder, draft):
                    helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["rows", EAGLE_TOP_K])]
     cos, sin, bias = builder.step_constants()
     lengths = builder._attention_lengths(builder._seq_len())
-    embed = g.const("embed", builder.w["embed"], compute=builder.opt.precision in ("fp32", "fp16", "bf16"))
+    embed = g.const("embed", builder.w["embed"], compute=True)
     emb = g.op("Gather", [embed, "input_ids"])
     if c.version == 3:
         e, _ = builder.norm(emb, None, w["in_norm"], "in_norm")

@@ -7,7 +7,7 @@ import importlib.metadata as md
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnxruntime as ort
@@ -59,6 +59,13 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
     method = methods.get(options.method)
     settings = method.runtime.settings({}, options.settings)
     method_options = with_given(method.Options(), options.method_options, f"--method {options.method}")
+    if options.graph.flavour == "trt":  # ORT's optimizer would put com.microsoft ops into the standard graph
+        options = replace(options, optimize=False)
+    if options.profile is not None:  # a tree over the profile's token budget fails before any work
+        limit, tokens = options.profile["limits"]["max_tree_tokens"], method.runtime.tokens_per_step(settings)
+        if tokens > limit:
+            raise UserError(f"the {options.method} tree has {tokens} tokens per step (root included), over the "
+                            f"max_tree_tokens = {limit} of profile {options.profile['name']}")
     _check_runnable(options)
     source = sources.resolve(model_spec)
     config = sources.load_config(source)
@@ -135,7 +142,7 @@ def _check_runnable(options: ExportOptions) -> None:
         return
     if options.optimize or "CUDAExecutionProvider" not in ort.get_available_providers():
         raise UserError("bf16 graphs do not run on ONNX Runtime's CPU provider: use fp16 for GPUs, or write the bf16 "
-                        "graph with `specexport export --precision bf16 --no-validate` (for TensorRT)")
+                        "graph with `--flavour trt --precision bf16 --no-validate` (for TensorRT)")
 
 
 def optimize_graph(folder: Path, graph_info: dict) -> None:

@@ -19,8 +19,15 @@ and `logits_indices` must select every row of the step; the nodes also run on ot
 Deterministic candidates are accepted in parallel: after rejecting the earlier siblings, whose
 tokens then have no mass, child x of row r is accepted when u * (1 - their mass) < p_r(x). Sampled
 drafts change the residual with each rejection (max(0, p - q), renormalised), so a Loop runs over
-the sibling rank, all rows at once: one pass for a chain. On TensorRT, TopK caps k at 3840, so
-top-p over a larger vocabulary needs the runtime's acceptance there.
+the sibling rank, all rows at once: one pass for a chain.
+
+Greedy only (`sampling=False`, the trt flavour; the graph then takes none of the sampling inputs, and the
+runtime accepts sampled steps from the logits, `runtime.verify.accept`): a child is accepted when its token is
+the argmax at its parent and no earlier sibling has it. Why not sampling for TensorRT: top-p sorts the whole
+vocabulary (TopK with k = vocab), and TensorRT's TopK takes k < 3840; cutting to a fixed top-3839 first would
+drop the tail's mass whenever no top-k <= 3839 is set, and the output would no longer follow the target's
+distribution. The greedy graph has no If, Loop, TopK or CumSum: ArgMax, comparisons, small [n, n] MatMuls and
+one NonZero (the accepted rows, a data-dependent length).
 """
 
 from __future__ import annotations
@@ -32,9 +39,10 @@ F, I64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
 INPUTS = (("sample_u", F, ["rows", "slots"]), ("sample_q", F, ["draft_rows", "vocab"]), ("sample_params", F, [4]))
 
 
-def add_accept(g, logits: str, seq_len: str) -> tuple[str, str, str]:
-    """Append the acceptance to graph `g`; returns (accept_rows [k] int64, bonus_token [1] int64, and the
-    step row of the last accepted node [1] int64: the row whose hidden state comes next)."""
+def add_accept(g, logits: str, seq_len: str, sampling: bool = True) -> tuple[str, str, str]:
+    """Append the acceptance to graph `g` (`sampling` False: greedy only); returns (accept_rows [k] int64,
+    bonus_token [1] int64, and the step row of the last accepted node [1] int64: the row whose hidden state comes
+    next)."""
     c = _consts(g)
     seq = g.op("Reshape", [seq_len, c("one", [1])])
     n = g.op("Min", [g.op("Shape", [logits], end=1), seq])  # the tree: the last n tokens of the step
@@ -43,8 +51,6 @@ def add_accept(g, logits: str, seq_len: str) -> tuple[str, str, str]:
     ids = g.op("Slice", [g.op("Gather", ["input_ids", batch0], axis=0), first, seq, c("zero", [0])])
     rows = g.op("Shape", [logits], end=1)
     target = g.op("Slice", [logits, g.op("Sub", [rows, n]), rows, c("zero", [0])])  # [n, V]
-    vocab = g.op("Shape", [logits], start=1, end=2)
-    vrange = g.op("Range", [c("zero_s", 0), g.op("Squeeze", [vocab]), c("one_s", 1)])  # [V] 0..V-1
 
     # the tree from its block of the bias (batch 0): visible[i, j] = j is i or an ancestor of i
     start = g.op("Add", [g.op("Cast", [g.op("Slice", ["past_len", c("zero", [0]), c("one", [1])])], to=I64), first])
@@ -53,17 +59,25 @@ def add_accept(g, logits: str, seq_len: str) -> tuple[str, str, str]:
     block = g.op("Gather", [g.op("Gather", [block, batch0], axis=0), batch0], axis=0)  # [n, n]
     anc = g.op("Cast", [g.op("Greater", [block, c("half", -0.5, np.float32)])], to=F)
     depth = g.op("Sub", [g.op("ReduceSum", [anc, c("one", [1])], keepdims=0), c("1f", 1.0, np.float32)])
-    strict = g.op("Sub", [anc, g.op("EyeLike", [anc])])
+    node = g.op("Range", [c("zero_s", 0), g.op("Squeeze", [n, c("zero", [0])]), c("one_s", 1)])  # [n] 0..n-1
+    col, row_of = g.op("Unsqueeze", [node, c("zero", [0])]), g.op("Unsqueeze", [node, c("one", [1])])
+    strict = g.op("Sub", [anc, g.op("Cast", [g.op("Equal", [row_of, col])], to=F)])  # not EyeLike: static dims only in TRT
     one_up = g.op("Equal", [g.op("Unsqueeze", [depth, c("zero", [0])]),
                             g.op("Sub", [g.op("Unsqueeze", [depth, c("one", [1])]), c("1f", 1.0, np.float32)])])
     parent = g.op("Mul", [strict, g.op("Cast", [one_up], to=F)])  # [n, n] one-hot parent per row (root: none)
     par = g.op("ArgMax", [parent], axis=1, keepdims=0)  # [n] (root: 0, unused)
     same_parent = g.op("Greater", [g.op("MatMul", [parent, g.op("Transpose", [parent])]), c("half_b", 0.5, np.float32)])
-    ones = g.op("Expand", [c("1f", 1.0, np.float32), g.op("Shape", [anc])])
-    earlier = g.op("Cast", [g.op("Trilu", [ones, c("below", -1)], upper=0)], to=BOOL)
-    before = g.op("And", [same_parent, earlier])  # [i, j]: j is an earlier sibling of i
+    before = g.op("And", [same_parent, g.op("Less", [col, row_of])])  # [i, j]: j is an earlier sibling of i
     same = g.op("Equal", [g.op("Unsqueeze", [ids, c("one", [1])]), g.op("Unsqueeze", [ids, c("zero", [0])])])
     dup = _any(g, c, g.op("And", [before, same]))  # an earlier sibling has the same token
+    if not sampling:
+        top = g.op("ArgMax", [target], axis=1, keepdims=0)  # [n] the target's token at each row
+        acc = g.op("And", [g.op("Not", [dup]), g.op("Equal", [ids, g.op("Gather", [top, par], axis=0)])])
+        rows_out, best = _path(g, c, acc, anc, depth, before)
+        bonus = g.op("Reshape", [g.op("Gather", [top, best], axis=0), c("one", [1])], outputs=["bonus_token"])
+        return rows_out, bonus, g.op("Add", [first, best])
+    vocab = g.op("Shape", [logits], start=1, end=2)
+    vrange = g.op("Range", [c("zero_s", 0), g.op("Squeeze", [vocab]), c("one_s", 1)])  # [V] 0..V-1
     rank = g.op("Cast", [g.op("ReduceSum", [g.op("Cast", [before], to=F), c("one", [1])], keepdims=0)], to=I64)
     last_slot = g.op("Sub", [g.op("Squeeze", [g.op("Shape", ["sample_u"], start=1, end=2)]), c("one_s", 1)])
     rank_u = g.op("Min", [rank, last_slot])  # greedy calls pass one column of zeros: any slot will do
@@ -78,14 +92,7 @@ def add_accept(g, logits: str, seq_len: str) -> tuple[str, str, str]:
     acc, table = _if(g, "accept", g.op("Squeeze", [sampled]), lambda b: _accept_sampled(b, p, tree),
                      lambda b: _accept_topk(b, p, tree), [BOOL, F])
 
-    # the path: a node stays when it and its ancestors are each their parent's first accepted child
-    first_ok = g.op("And", [acc, g.op("Not", [_any(g, c, g.op("And", [before, g.op("Unsqueeze", [acc, c("zero", [0])])]))])])
-    ok = g.op("Or", [first_ok, g.op("Equal", [depth, c("0f", 0.0, np.float32)])])
-    bad = g.op("MatMul", [anc, g.op("Unsqueeze", [g.op("Cast", [g.op("Not", [ok])], to=F), c("one", [1])])])
-    accepted = g.op("Cast", [g.op("Equal", [g.op("Squeeze", [bad, c("one", [1])]), c("0f", 0.0, np.float32)])], to=F)
-    best = g.op("ArgMax", [g.op("Mul", [accepted, g.op("Add", [depth, c("1f", 1.0, np.float32)])])], axis=0, keepdims=1)
-    path = g.op("Gather", [anc, best], axis=0)  # [1, n]: the best row's ancestors, itself included
-    rows_out = g.op("Gather", [g.op("NonZero", [path]), c("one_s", 1)], axis=0, outputs=["accept_rows"])
+    rows_out, best = _path(g, c, acc, anc, depth, before)
 
     # the final token at the last accepted row: from the residual once its children were rejected
     row = g.op("Gather", [table, best], axis=0)  # [1, V]
@@ -100,6 +107,18 @@ def add_accept(g, logits: str, seq_len: str) -> tuple[str, str, str]:
     u_end = g.op("Slice", [g.op("Gather", ["sample_u", best], axis=0), c("minus1", [-1]), c("big", [2**62]), c("one", [1])])
     bonus = g.op("Reshape", [_draw(g, c, row, u_end, vrange, vocab), c("one", [1])], outputs=["bonus_token"])
     return rows_out, bonus, g.op("Add", [first, best])
+
+
+def _path(g, c, acc: str, anc: str, depth: str, before: str) -> tuple[str, str]:
+    """The accepted path from each row's test `acc` [n] bool: a node stays when it and its ancestors are each
+    their parent's first accepted child. Returns (accept_rows [k], the deepest accepted row [1])."""
+    first_ok = g.op("And", [acc, g.op("Not", [_any(g, c, g.op("And", [before, g.op("Unsqueeze", [acc, c("zero", [0])])]))])])
+    ok = g.op("Or", [first_ok, g.op("Equal", [depth, c("0f", 0.0, np.float32)])])
+    bad = g.op("MatMul", [anc, g.op("Unsqueeze", [g.op("Cast", [g.op("Not", [ok])], to=F), c("one", [1])])])
+    accepted = g.op("Cast", [g.op("Equal", [g.op("Squeeze", [bad, c("one", [1])]), c("0f", 0.0, np.float32)])], to=F)
+    best = g.op("ArgMax", [g.op("Mul", [accepted, g.op("Add", [depth, c("1f", 1.0, np.float32)])])], axis=0, keepdims=1)
+    path = g.op("Gather", [anc, best], axis=0)  # [1, n]: the best row's ancestors, itself included
+    return g.op("Gather", [g.op("NonZero", [path]), c("one_s", 1)], axis=0, outputs=["accept_rows"]), best
 
 
 def _consts(g):

@@ -1,13 +1,21 @@
 """Build the target graph directly from the weights (no tracing).
 
-One graph serves prefill, single-token decode and tree verification. Two flavours:
+One graph serves prefill, single-token decode and tree verification. Three flavours:
 
 - ``ort``: ONNX Runtime's fused contrib ops (GroupQueryAttention with an additive bias over
   past+new tokens, SkipSimplifiedLayerNormalization, RotaryEmbedding, DynamicQuantizeMatMul /
   MatMulNBits). The KV cache is one preallocated buffer per layer, bound as both past and present.
 - ``onnx``: standard ONNX ops only (opset 24: RMSNormalization, RotaryEmbedding, TensorScatter into
   the preallocated cache, Attention with a mask and ``nonpad_kv_seqlen``), the portable form that
-  TensorRT parses. Its bias spans the whole cache capacity.
+  the ONNX spec defines, validated on ONNX Runtime. Its bias spans the whole cache capacity.
+- ``trt``: the standard ops TensorRT (>= 10.15) parses, under its rules (`specexport check-trt` proves them
+  statically): Attention takes 4-D Q/K/V and the 4-D additive mask only (the mask hides the cache rows past the
+  valid length, so no ``nonpad_kv_seqlen``); each layer's K and V caches ``[B, kv_heads, S_max, head_dim]`` are
+  graph inputs with a static S_max (the graph's rotary table length: the bundle's context), written by
+  TensorScatter (linear, axis -2) into the same-named ``present.*`` outputs that alias them; fp16 or bf16
+  activations (TensorRT 11 is strongly typed), int4 as signed blocks of 64 with fp16 scales and no zero point;
+  the fused acceptance is greedy only (sampling is accepted by the runtime: exporter/fused.py says why). fp32 is
+  allowed for validation on ONNX Runtime's CPU provider.
 
 RoPE is always applied outside attention with explicit position ids (GQA's built-in rotary is
 wrong for a branching tree with no past).
@@ -30,7 +38,8 @@ from specexport.exporter.fused import add_accept
 from specexport.runtime import cpu
 
 PRECISIONS = ("fp32", "int8", "int4", "fp16", "bf16")
-FLAVOURS = ("ort", "onnx")
+FLAVOURS = ("ort", "onnx", "trt")
+TRT_PRECISIONS = ("fp16", "bf16", "int4", "fp32")  # fp32: the same structure, for validation on ORT's CPU provider
 OPSET = 24
 
 _FLOAT_TYPES = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
@@ -50,6 +59,9 @@ class GraphOptions:
             raise UserError(f"unknown precision '{self.precision}'; choose from {', '.join(PRECISIONS)}")
         if self.flavour not in FLAVOURS:
             raise UserError(f"unknown graph flavour '{self.flavour}'; choose from {', '.join(FLAVOURS)}")
+        if self.flavour == "trt" and self.precision not in TRT_PRECISIONS:
+            raise UserError(f"the trt flavour takes precision fp16, bf16 or int4 (fp32 for validation), not "
+                            f"{self.precision}")
         bad = [i for i in self.aux_layers if not 0 <= i < d.layers]
         if bad:
             raise UserError(f"aux layer indices {bad} out of range: the model has {d.layers} layers")
@@ -57,7 +69,14 @@ class GraphOptions:
     @property
     def compute_type(self) -> int:
         """Element type of activations and KV cache."""
+        if self.flavour == "trt" and self.precision == "int4":
+            return TensorProto.FLOAT16  # TensorRT's int4 is weight-only: the activations are fp16
         return _FLOAT_TYPES.get(self.precision, TensorProto.FLOAT)
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's element type, by its precision name."""
+        return {v: k for k, v in _FLOAT_TYPES.items()}[self.compute_type]
 
 
 def _to_compute(array: np.ndarray, elem_type: int) -> onnx.TensorProto:
@@ -76,11 +95,25 @@ def _to_compute(array: np.ndarray, elem_type: int) -> onnx.TensorProto:
 
 
 def make_model(graph: onnx.GraphProto) -> onnx.ModelProto:
-    """A model of `graph` with the opsets and IR version every specexport graph uses."""
-    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
+    """A model of `graph` with the opsets and IR version every specexport graph uses (com.microsoft only where a node
+    uses it: a standard graph imports no other domain)."""
+    opsets = [helper.make_opsetid("", OPSET)]
+    if "com.microsoft" in _domains(graph):
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="specexport")
     model.ir_version = 11
     return model
+
+
+def _domains(graph: onnx.GraphProto) -> set[str]:
+    """The operator domains of a graph's nodes, its subgraphs' included."""
+    found = set()
+    for node in graph.node:
+        found.add(node.domain)
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                found |= _domains(sub)
+    return found
 
 
 class _Graph:
@@ -141,7 +174,8 @@ class DecoderGraphBuilder:
         self.spec, self.d, self.w, self.opt = spec, dims, weights, options
         self.g = _Graph(options.compute_type)
         self.rope = rope
-        self.ort = options.flavour == "ort"
+        self.ort, self.trt = options.flavour == "ort", options.flavour == "trt"
+        self.capacity = rope[0].shape[0]  # the trt flavour's static S_max: positions never pass the cache's rows
 
     # -- building blocks -------------------------------------------------------------------
     def linear(self, x: str, name: str, w: np.ndarray, bias: np.ndarray | None = None) -> str:
@@ -163,7 +197,7 @@ class DecoderGraphBuilder:
                 inputs = [x] + [g.const(f"{name}.{k}", v) for k, v in packed.items()] + ["", b]
                 return g.op("MatMulNBits", inputs, domain="com.microsoft", K=in_dim, N=out_dim, bits=4,
                             block_size=quant.INT4_BLOCK, accuracy_level=4)
-            y = g.op("MatMul", [x, self._qdq_int4(name, w)])
+            y = g.op("MatMul", [x, self._qdq_int4_signed(name, w) if self.trt else self._qdq_int4(name, w)])
         else:
             y = g.op("MatMul", [x, g.const(f"{name}.weight", np.ascontiguousarray(w.T), compute=True)])
         return g.op("Add", [y, b]) if b else y
@@ -185,6 +219,19 @@ class DecoderGraphBuilder:
         g.add(zt)
         s = g.const(f"{name}.scale", np.ascontiguousarray(scale.T))
         return g.op("DequantizeLinear", [qt.name, s, zt.name], axis=0, block_size=quant.INT4_BLOCK)
+
+    def _qdq_int4_signed(self, name: str, w: np.ndarray) -> str:
+        """TensorRT's weight-only int4: signed symmetric blocks of 64 along the input dim (axis 0 of [in, out]), the
+        scales in the compute type (the DequantizeLinear's output type), no zero point."""
+        g, block = self.g, quant.TRT_INT4_BLOCK
+        if w.shape[1] % block:
+            raise UserError(f"int4 for TensorRT needs input dims divisible by {block}; {name} has {w.shape[1]}")
+        if not g.has(f"{name}.qweight"):  # else already built (a shared LM head)
+            q, scale = quant.int4_symmetric_blocks(w, block)
+            nibbles = quant.pack_nibbles((q.T & 0x0F).astype(np.uint8).reshape(-1))
+            g.add(helper.make_tensor(f"{name}.qweight", TensorProto.INT4, q.T.shape, nibbles.tobytes(), raw=True))
+            g.const(f"{name}.scale", np.ascontiguousarray(scale.T), compute=True)
+        return g.op("DequantizeLinear", [f"{name}.qweight", f"{name}.scale"], axis=0, block_size=block)
 
     def norm(self, x: str, residual: str | None, weight: np.ndarray, name: str) -> tuple[str, str]:
         """RMSNorm(x + residual) -> (normed, new residual stream)."""
@@ -220,7 +267,7 @@ class DecoderGraphBuilder:
         seq_len = self._seq_len()
         attn_args = self._attention_lengths(seq_len)
 
-        embed = g.const("embed", w["embed"], compute=self.opt.precision in _FLOAT_TYPES)
+        embed = g.const("embed", w["embed"], compute=True)
         x = g.op("Gather", [embed, "input_ids"])
         residual = None
         for i in range(d.layers):
@@ -244,9 +291,10 @@ class DecoderGraphBuilder:
             logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
         g.op("Identity", [logits], outputs=["logits"])
         row = None
-        if self.opt.fused_accept:
-            inputs += [helper.make_tensor_value_info(name, t, shape) for name, t, shape in ACCEPT_INPUTS]
-            _, _, row = add_accept(g, "logits", seq_len)
+        if self.opt.fused_accept:  # greedy only for TensorRT: the runtime accepts sampling (exporter/fused.py)
+            if not self.trt:
+                inputs += [helper.make_tensor_value_info(name, t, shape) for name, t, shape in ACCEPT_INPUTS]
+            _, _, row = add_accept(g, "logits", seq_len, sampling=not self.trt)
             outputs += [helper.make_tensor_value_info("accept_rows", TensorProto.INT64, ["accepted"]),
                         helper.make_tensor_value_info("bonus_token", TensorProto.INT64, [1])]
         for extension in extensions:
@@ -255,8 +303,9 @@ class DecoderGraphBuilder:
 
     def step_io(self, layers: int, extra: tuple = ()) -> tuple[list, list]:
         """The inputs every step graph takes (ids, `extra`, positions, attention bias, past lengths, the rows to
-        project) and the KV cache of `layers` layers, bound as past inputs and present outputs."""
-        et, cap = self.opt.compute_type, "capacity"
+        project) and the KV cache of `layers` layers, bound as past inputs and present outputs (trt: a static
+        length)."""
+        et, cap = self.opt.compute_type, self.capacity if self.trt else "capacity"
         inputs = [
             helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]), *extra,
             helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
@@ -304,6 +353,8 @@ class DecoderGraphBuilder:
             query_seqlens = g.op("Expand", [seq32, batch])
             return {"seqlens_k": seqlens_k, "total": total, "query_seqlens": query_seqlens}
         past64 = g.op("Cast", [past], to=TensorProto.INT64)
+        if self.trt:  # the mask alone says which cache rows are valid
+            return {"write_at": past64}
         return {"write_at": past64, "kv_len": g.op("Add", [past64, seq_len])}
 
     def attention(self, i: int, h: str, cos: str, sin: str, bias: str, lengths: dict[str, str]) -> str:
@@ -332,8 +383,11 @@ class DecoderGraphBuilder:
             heads.append(g.op("Transpose", [split], perm=[0, 2, 1, 3]))  # [B, n, T, hd]
         q4 = g.op("RotaryEmbedding", [heads[0], cos, sin, "position_ids"])
         k4 = g.op("RotaryEmbedding", [heads[1], cos, sin, "position_ids"])
-        g.op("TensorScatter", [past_k, k4, lengths["write_at"]], outputs=[present_k], axis=2)
-        g.op("TensorScatter", [past_v, heads[2], lengths["write_at"]], outputs=[present_v], axis=2)
-        y = g.op("Attention", [q4, present_k, present_v, bias, "", "", lengths["kv_len"]])
+        scatter = {"axis": -2, "mode": "linear"} if self.trt else {"axis": 2}  # TensorRT's KVCacheUpdate: -2 only
+        g.op("TensorScatter", [past_k, k4, lengths["write_at"]], outputs=[present_k], **scatter)
+        g.op("TensorScatter", [past_v, heads[2], lengths["write_at"]], outputs=[present_v], **scatter)
+        # trt: over all S_max rows, the mask hiding those past the valid length (TensorRT takes no nonpad_kv_seqlen)
+        extra = [] if self.trt else ["", "", lengths["kv_len"]]
+        y = g.op("Attention", [q4, present_k, present_v, bias] + extra)
         y = g.op("Transpose", [y], perm=[0, 2, 1, 3])
         return g.op("Reshape", [y, g.const(f"attn_{i}.shape", np.array([0, 0, d.q_size], np.int64))])

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 INT4_BLOCK = 32
+TRT_INT4_BLOCK = 64  # TensorRT's weight-only int4: signed, symmetric, blocks of 64 or 128 (the finer one here)
 
 
 def int8_per_channel(w: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
@@ -38,6 +39,20 @@ def int4_blocks(w: np.ndarray, block: int = INT4_BLOCK) -> tuple[np.ndarray, np.
     zero = np.clip(np.rint(-lo / scale), 0, 15).astype(np.uint8)
     q = np.clip(np.rint(wp / scale[..., None]) + zero[..., None], 0, 15).astype(np.uint8)
     return q.reshape(out_dim, -1), scale, zero
+
+
+def int4_symmetric_blocks(w: np.ndarray, block: int = TRT_INT4_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Signed symmetric int4 in blocks of `block` along the input dim (TensorRT's layout: no zero points).
+
+    Returns (q [out, in] int8 values -7..7, scale [out, blocks] fp32); w ~= q * scale blockwise. `in` must be a
+    multiple of `block`.
+    """
+    out_dim, in_dim = w.shape
+    wb = w.reshape(out_dim, in_dim // block, block)
+    amax = np.abs(wb).max(axis=2)
+    scale = np.where(amax > 0, amax / 7.0, 1.0).astype(np.float32)
+    q = np.clip(np.rint(wb / scale[..., None]), -7, 7).astype(np.int8)
+    return q.reshape(out_dim, in_dim), scale
 
 
 def pack_nibbles(values: np.ndarray) -> np.ndarray:

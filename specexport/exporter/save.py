@@ -57,13 +57,23 @@ def save_graph(proto, name: str, graph: GraphOptions, dims, folder: Path) -> dic
         "layers": dims.layers,
         "kv_heads": dims.kv_heads,
         "head_dim": dims.head_dim,
-        "kv_dtype": graph.precision if graph.precision in ("fp16", "bf16") else "fp32",
+        "kv_dtype": graph.kv_dtype,
+        "kv_capacity": _static_capacity(proto),  # the trt flavour's fixed cache length; None: any capacity
         "bias_width": "total" if graph.flavour == "ort" else "capacity",
         "aux_layers": list(graph.aux_layers),
         "fused_accept": graph.fused_accept,
         "inputs": _io(proto.graph.input),
         "outputs": _io(proto.graph.output),
     }
+
+
+def _static_capacity(proto) -> int | None:
+    """The cache length fixed in the graph (dim 2 of its first past KV input), if it is a number."""
+    for value in proto.graph.input:
+        if value.name.startswith("past_key_values."):
+            dim = value.type.tensor_type.shape.dim[2]
+            return dim.dim_value if dim.HasField("dim_value") else None
+    return None
 
 
 def _io(values) -> list[dict]:

@@ -29,7 +29,7 @@ HERE = Path(__file__).parent / "data"
 KINDS = ("gpu", "cpu")
 BACKENDS = ("onnxruntime", "tensorrt")
 PRECISIONS = ("fp32", "int8", "int4", "fp16", "bf16")
-FLAVOURS = ("ort", "onnx")
+FLAVOURS = ("ort", "onnx", "trt")
 # method sections: section name -> the runtime Settings it holds (EAGLE-1/2 and EAGLE-3 share "eagle")
 METHOD_SECTIONS = {m.profile_section: m for m in methods.METHODS.values() if m.profile_section}
 

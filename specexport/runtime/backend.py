@@ -68,7 +68,10 @@ class GraphSession:
         self.calls, self.seconds = 0, 0.0  # forward calls so far and their time (for `specexport profile`)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
+        """A cache of `capacity` rows, or of the graph's own fixed length (the trt flavour's S_max: the bundle's
+        context; the steps near its end are cut to the room left)."""
         i = self.info
+        capacity = i.get("kv_capacity") or capacity
         return KVCache(i["layers"], batch, i["kv_heads"], capacity, i["head_dim"], self.dtype)
 
     def bias_width(self, cache: KVCache, past: int, t: int) -> int:

@@ -56,7 +56,8 @@ def run_bench(engine: Engine, prompts: list[dict], max_new_tokens: int = 128, pr
     engine.generate(ids[0], max_new_tokens=8)  # warm-up: first-run allocations and prepacking
     rows = []
     for p, prompt_ids in zip(prompts, ids):
-        ours = engine.generate(prompt_ids, max_new_tokens=max_new_tokens)
+        steps = []
+        ours = engine.generate(prompt_ids, max_new_tokens=max_new_tokens, on_step=steps.append)
         base = engine.generate(prompt_ids, max_new_tokens=max_new_tokens, plain=True)
         rows.append({
             "id": p["id"],
@@ -68,6 +69,7 @@ def run_bench(engine: Engine, prompts: list[dict], max_new_tokens: int = 128, pr
             "baseline_tokens": base.tokens,
             "accept_lengths": ours.stats.accept_lengths,
             "drafted": ours.stats.drafted,
+            "propose_s": round(sum(r.propose_s for r in steps), 6),
             "identical": ours.tokens == base.tokens,
         })
         progress(f"  {p['id']}: {ours.stats.tokens_per_s:.1f} tokens/s ({method}), "
@@ -82,6 +84,7 @@ def _totals(engine: Engine, rows: list[dict]) -> dict:
     ours = rate(sum(r["new_tokens"] for r in rows), sum(r["seconds"] for r in rows))
     base = rate(sum(r["baseline_new_tokens"] for r in rows), sum(r["baseline_seconds"] for r in rows))
     lengths = [a for r in rows for a in r["accept_lengths"]]
+    drafted, propose_s = sum(r["drafted"] for r in rows), sum(r["propose_s"] for r in rows)
     m = engine.bundle.manifest
     return {
         "profile": (m.get("profile") or {}).get("name"),
@@ -95,7 +98,9 @@ def _totals(engine: Engine, rows: list[dict]) -> dict:
         "baseline_tokens_per_s": base,
         "speedup": round(ours / base, 3) if base else None,
         "tau": round(float(np.mean(lengths)), 3) if lengths else None,
-        "drafted": sum(r["drafted"] for r in rows),
+        "drafted": drafted,
+        "propose_ms_per_step": round(1000 * propose_s / len(lengths), 3) if lengths else None,
+        "propose_us_per_draft": round(1e6 * propose_s / drafted, 1) if drafted else None,
         "accepted": sum(lengths) - len(lengths),
         "accept_histogram": {int(k): int(v) for k, v in zip(*np.unique(lengths, return_counts=True))},
         "identical": sum(r["identical"] for r in rows),
@@ -111,7 +116,9 @@ def summary_lines(result: dict) -> list[str]:
            + (f", top-k {tree['top_k']}, {tree['kind']}" if "top_k" in tree else "") + ")" if tree else "")
         + f", profile {result.get('profile') or 'none'}",
         f"  {result['method']:<10} {result['tokens_per_s']:8.1f} tokens/s   tau {result['tau']}   "
-        f"accepted {result['accepted']}/{result['drafted']} drafts",
+        f"accepted {result['accepted']}/{result['drafted']} drafts"
+        + (f"   proposing {result['propose_ms_per_step']:.3f} ms per step, {result['propose_us_per_draft']:.1f} us per "
+           "drafted token" if result.get("propose_us_per_draft") else ""),
         f"  {'plain':<10} {result['baseline_tokens_per_s']:8.1f} tokens/s   speedup {result['speedup']}x",
     ]
     if result.get("hf_tokens_per_s") is not None:

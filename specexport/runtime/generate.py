@@ -87,7 +87,7 @@ class StepRecord:
 class Generation:
     tokens: list[int]
     text: str
-    stop_reason: str  # "eos" | "stop_string" | "length" | "context"
+    stop_reason: str  # "eos" | "stop_string" | "length" | "context" | "cancelled"
     stats: Stats
 
 
@@ -236,13 +236,16 @@ class Engine:
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] | None = None, chat: bool = True,
-                 on_text=None, plain: bool = False, on_step=None) -> Generation:
+                 on_text=None, plain: bool = False, on_step=None, cancel=None) -> Generation:
         """Generate up to `max_new_tokens` with the bundle's method (`plain`: plain decoding). `on_text(text)`
-        streams the text as it is accepted; `on_step(StepRecord)` sees every step."""
+        streams the text as it is accepted; `on_step(StepRecord)` sees every step. `cancel`: a threading.Event or a
+        callable returning True to stop, checked before each step, after the tokens of the previous one (or the
+        prefill's token) are all emitted; generation then stops with stop_reason "cancelled" and keeps what it has."""
         if max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if not all(isinstance(s, str) and s for s in stop):
             raise UserError("stop strings must not be empty")
+        cancelled = getattr(cancel, "is_set", cancel) or (lambda: False)
         sampler = Sampler(sampling or SamplingParams())
         proposer = self.proposer(sampler, plain)
         ids = self.encode(prompt, chat=chat)
@@ -269,6 +272,9 @@ class Engine:
         pending = [sampler(self.prefill(cache, ids, proposer))]
         stats.ttft_s = time.perf_counter() - start
         while not (reason := next((r for r in map(emit, pending) if r), None)):
+            if cancelled():
+                reason = "cancelled"
+                break
             record = self.step(cache, ids + out, proposer, sampler)
             stats.steps += 1
             stats.drafted += record.tree.drafts

@@ -6,8 +6,8 @@ measured profile (what `build --profile` reads) with a report.
 2. Greedy calibration runs of the bundle's method as built, recorded step by step: accept lengths, the time per
    step outside the target's call.
 3. The method's tuner (TUNERS; one per method family) predicts its settings from the recorded steps, runs the best
-   side by side with plain decoding, and picks one (tune/medusa.py, eagle.py, chain.py). Plain decoding has
-   nothing to choose: its speed is measured.
+   side by side with plain decoding, and picks one (tune/medusa.py, eagle.py, chain.py, suffix.py). Plain decoding
+   has nothing to choose: its speed is measured.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from specexport.profiles.detect import detect
 from specexport.profiles.schema import Measurements
 from specexport.prompts import AGREEMENT_PROMPTS
 from specexport.runtime.generate import Engine
-from specexport.tune import chain, eagle, measure, medusa
+from specexport.tune import chain, eagle, measure, medusa, suffix
 from specexport.tune.report import markdown, plots
 
 
@@ -47,7 +47,7 @@ class PlainTuner:
 
 
 TUNERS = {"none": PlainTuner(), "ngram": chain.TUNER, "draft": chain.TUNER, "medusa": medusa.TUNER,
-          "eagle": eagle.TUNER, "eagle3": eagle.TUNER}
+          "eagle": eagle.TUNER, "eagle3": eagle.TUNER, "suffix": suffix.TUNER, "hybrid": suffix.TUNER}
 
 
 @dataclass

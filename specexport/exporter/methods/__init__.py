@@ -9,7 +9,7 @@ says what it adds to the export (methods/plan.py). Plain decoding and prompt loo
 from __future__ import annotations
 
 from specexport.errors import UserError
-from specexport.exporter.methods import draft, eagle, medusa
+from specexport.exporter.methods import draft, eagle, hybrid, medusa, suffix
 from specexport.exporter.methods.plan import ExportMethod, NoOptions, Plan
 from specexport.runtime import methods as runtime_methods
 
@@ -20,6 +20,8 @@ METHODS: dict[str, ExportMethod] = {
     "medusa": medusa.METHOD,
     "eagle": eagle.EAGLE1,
     "eagle3": eagle.EAGLE3,
+    "suffix": suffix.METHOD,
+    "hybrid": hybrid.METHOD,
 }
 
 

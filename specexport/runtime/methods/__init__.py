@@ -11,7 +11,7 @@ from typing import Protocol
 
 from specexport.errors import UserError
 from specexport.options import fields
-from specexport.runtime.methods import draft, eagle, medusa, ngram, none
+from specexport.runtime.methods import draft, eagle, hybrid, medusa, ngram, none, suffix
 from specexport.runtime.proposer import Proposer
 
 
@@ -27,7 +27,8 @@ class RuntimeMethod(Protocol):
 
 
 METHODS: dict[str, RuntimeMethod] = {"none": none.METHOD, "ngram": ngram.METHOD, "draft": draft.METHOD,
-                                     "medusa": medusa.METHOD, "eagle": eagle.EAGLE1, "eagle3": eagle.EAGLE3}
+                                     "medusa": medusa.METHOD, "eagle": eagle.EAGLE1, "eagle3": eagle.EAGLE3,
+                                     "suffix": suffix.METHOD, "hybrid": hybrid.METHOD}
 PLAIN = METHODS["none"]
 
 

@@ -1,0 +1,157 @@
+"""The Python side of libspecexport: what the C library (src/python.c) calls, with plain arguments, to drive the
+runtime. One implementation of the loop: this module only translates (C options -> Engine settings, Python errors
+-> the C ABI's status codes, the engine's streams -> the C callback).
+
+Every entry point raises `EmbedError` (a status of include/specexport.h and one line) for whatever goes wrong; the
+C side turns it into the status and the thread's last error, and never prints a traceback.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+
+from specexport.errors import UserError, first_line
+from specexport.options import fields
+from specexport.runtime import backend
+from specexport.runtime.generate import Engine
+from specexport.runtime.sampling import SamplingParams
+
+# specexport_status in include/specexport.h (tests/test_embed.py checks that the values agree)
+OK, INVALID_ARGUMENT, BUNDLE, CLOSED, CALLBACK, NOT_FOUND, PYTHON, RUNTIME = range(8)
+# specexport_stop_reason
+STOP_REASONS = {"eos": 1, "stop_string": 2, "length": 3, "context": 4, "cancelled": 5}
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class EmbedError(Exception):
+    """A failure with its C status (`specexport_status`, read by python.c) and a one-line message."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.specexport_status = status
+
+
+def _fail(status: int, error: Exception) -> EmbedError:
+    """A UserError keeps its line; anything else is a runtime failure, named by its type."""
+    if isinstance(error, UserError):
+        return EmbedError(status, first_line(error))
+    return EmbedError(RUNTIME, f"{type(error).__name__}: {first_line(error)}")
+
+
+def open_engine(path: str, threads: int = 0, device: str | None = None, settings: str | None = None,
+                verify: bool = True) -> Engine:
+    """Load a bundle (every graph now, so that concurrent generations never race to load one) with the method's
+    run-time settings from `settings`, a JSON object of the method's field names."""
+    if threads < 0:
+        raise EmbedError(INVALID_ARGUMENT, f"threads must be >= 0 (0: every core), got {threads}")
+    device = device or "auto"
+    if device not in DEVICES:
+        raise EmbedError(INVALID_ARGUMENT, f"device must be one of {', '.join(DEVICES)}, got {device!r:.40}")
+    given = _settings(settings)
+    try:
+        backend.providers(device)
+    except UserError as e:
+        raise _fail(INVALID_ARGUMENT, e) from None
+    try:
+        engine = Engine.load(path, threads=threads or None, device=device, verify=verify)
+    except Exception as e:  # noqa: BLE001 - a bundle that cannot load, whatever the reason, is one line
+        raise _fail(BUNDLE, e) from None
+    known = [f.name for f in fields(engine.method.Settings)]
+    for name in given:
+        if name not in known:
+            raise EmbedError(INVALID_ARGUMENT, f"setting '{name:.40}' does not apply to this {engine.bundle.method} "
+                                               f"bundle (its settings: {', '.join(known) or 'none'})")
+    try:
+        engine.configure(**given)
+        for name in engine.bundle.graphs:
+            if name != "target":
+                engine.graph(name)
+    except Exception as e:  # noqa: BLE001
+        raise _fail(INVALID_ARGUMENT, e) from None
+    return engine
+
+
+def _settings(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        given = json.loads(text)
+    except ValueError as e:
+        raise EmbedError(INVALID_ARGUMENT, f"settings is not JSON: {e}") from None
+    if not isinstance(given, dict):
+        raise EmbedError(INVALID_ARGUMENT, f"settings must be a JSON object of setting names, got {text:.40}")
+    return given
+
+
+def collect() -> None:
+    """After an engine is dropped: free its sessions (and their threads) now rather than at some later collection."""
+    gc.collect()
+
+
+def generate(engine: Engine, prompt: str | None, prompt_ids: list[int] | None, raw: bool, max_new_tokens: int,
+             temperature: float, top_k: int, top_p: float, seed: int, stop: list[str], stop_ids: list[int],
+             stream, cancelled) -> tuple:
+    """One generation. `stream(ids, text) -> bool` (or None) receives the tokens and the text as they become final
+    (True: stop); `cancelled() -> bool` is polled before each step. Returns the stats as a tuple (python.c reads
+    it): prompt, new tokens, steps, drafted, accepted, ttft, seconds, tokens/s, tau, stop reason."""
+    if (prompt is None) == (prompt_ids is None):
+        raise EmbedError(INVALID_ARGUMENT, "give exactly one of prompt and prompt_ids")
+    vocab = engine.bundle.manifest["model"]["vocab"]
+    if any(not 0 <= t < vocab for t in stop_ids):
+        raise EmbedError(INVALID_ARGUMENT, f"stop_ids must be token ids in 0..{vocab - 1}")
+    out = Stream(stream, cancelled)
+    try:
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=None if seed < 0 else seed)
+        result = engine.generate(prompt if prompt is not None else prompt_ids, max_new_tokens=max_new_tokens,
+                                 sampling=sampling, stop=tuple(stop),
+                                 stop_ids=tuple(sorted(engine.tokenizer.eos_token_ids | set(stop_ids))),
+                                 chat=not raw, on_text=out.on_text if stream else None,
+                                 on_step=out.on_step if stream else None, cancel=out.check)
+    except Exception as e:  # noqa: BLE001 - every failure is a status and one line
+        raise _fail(INVALID_ARGUMENT, e) from None
+    out.finish(result.tokens)
+    s = result.stats
+    return (s.prompt_tokens, s.new_tokens, s.steps, s.drafted, s.accepted, s.ttft_s, s.seconds, s.tokens_per_s,
+            s.tau, STOP_REASONS[result.stop_reason])
+
+
+class Stream:
+    """The engine's streams, reshaped for the C callback: token ids once they are final, each chunk with the text
+    that became final meanwhile. A step's tokens are final when the engine polls for cancellation before the next
+    step (it has emitted them all by then: an end of sequence, a stop string or the budget cut a step short only at
+    the end), or when the generation returns; the prefill's token is the root of the first step. The text is what
+    the engine hands to `on_text` (stop strings cut, a possible stop string's start held back)."""
+
+    def __init__(self, sink, cancelled):
+        self.sink, self.cancelled = sink, cancelled
+        self.sent = 0  # token ids streamed so far
+        self.stepped = False  # a step has run (and its root, the prefill's token, is sent)
+        self.pending: list[int] = []  # the last step's tokens, not yet known to be emitted
+        self.text = ""  # final text not yet streamed
+        self.stopped = False  # the callback asked to stop (or failed): nothing more goes to it
+
+    def on_text(self, chunk: str) -> None:
+        self.text += chunk
+
+    def on_step(self, record) -> None:
+        if not self.stepped:
+            self.stepped = True
+            self._send([int(record.tree.tokens[0])])
+        self.pending = [int(t) for t in record.acceptance.tokens]
+
+    def check(self) -> bool:
+        self._send(self.pending)
+        self.pending = []
+        return self.stopped or bool(self.cancelled())
+
+    def finish(self, tokens: list[int]) -> None:
+        self._send(tokens[self.sent:])
+
+    def _send(self, ids: list[int]) -> None:
+        """These ids and the text so far, if any, to the callback."""
+        if self.sink is None or self.stopped or not (ids or self.text):
+            return
+        text, self.text = self.text, ""
+        self.sent += len(ids)
+        self.stopped = bool(self.sink(ids or None, text or None))

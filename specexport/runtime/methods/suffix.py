@@ -1,0 +1,168 @@
+"""Suffix lookup (SuffixDecoding): the continuations of the longest earlier match of the context's end, in the
+request's own text and in the bundle's datastore of the target's outputs (runtime/suffix.py), merged into one tree
+under a node budget. Training-free, so it runs on any target.
+
+Each index gives its continuations best first, scored by estimated probability (the product of continuation
+frequencies along the path), as many as SuffixDecoding's adaptive length allows (match_factor x the match length)
+and none below min_prob. They merge into one candidate tree (EAGLE's CandidateTree, scored by log-probability: a
+node's score is its parent's plus the log of its continuation frequency; where both indexes propose a node, the
+better score stays), and the step verifies the best total_tokens - 1 nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specexport.errors import UserError
+from specexport.options import from_section, setting, with_given
+from specexport.runtime import datastore as datastores
+from specexport.runtime.methods.eagle import CandidateTree
+from specexport.runtime.proposer import Proposer
+from specexport.runtime.rank_tree import MAX_NODES
+from specexport.runtime.suffix import MATCH_DEPTH, Draft, HistoryIndex
+from specexport.runtime.tree import DraftTree
+
+MAX_TOTAL = MAX_NODES + 1
+ANY_DEPTH = 1 << 30
+
+
+@dataclass(frozen=True)
+class Settings:
+    total_tokens: int = setting(8, "suffix, hybrid: tokens verified per step at most, the root included (the node "
+                                   "budget).")
+    match_factor: float = setting(1.0, "suffix, hybrid: draft tokens per token of context matched (SuffixDecoding's "
+                                       "adaptive length: at most factor x match length from each index).")
+    min_prob: float = setting(0.1, "suffix, hybrid: leave out continuations whose estimated probability (the product "
+                                   "of continuation frequencies) is below this.")
+    no_datastore: bool = setting(False, "suffix, hybrid: ignore the bundle's datastore (the request's own text "
+                                        "only).", build=False)
+
+    def __post_init__(self):
+        check_budget(self.total_tokens)
+        if not (self.match_factor > 0 and math.isfinite(self.match_factor)) or not 0 <= self.min_prob <= 1:
+            raise UserError(f"--match-factor must be > 0 and --min-prob in 0..1, got {self.match_factor} and "
+                            f"{self.min_prob}")
+
+
+def check_budget(total: int, limit: int = MAX_TOTAL, where: str = "") -> None:
+    if not 2 <= total <= limit:
+        raise UserError(f"--total-tokens (the node budget, the root included) must be in 2..{limit}{where}, "
+                        f"got {total}")
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """What a step's tree was chosen from (kept on the DraftTree for `specexport profile`, which replays other
+    settings on recorded steps): each index's continuations, and the hybrid's EAGLE candidate tree."""
+
+    drafts: list[Draft]
+    eagle: CandidateTree | None = None
+
+
+def select(root: int, c: Candidates, total: int, factor: float, min_prob: float) -> tuple[list[int], list[int]]:
+    """The step's tree (tokens, parents), root first: the best `total - 1` of the merged candidates."""
+    if c.eagle is None and len(c.drafts) <= 1:  # nothing to merge: a draft's first nodes are its best, root-closed
+        d = c.drafts[0] if c.drafts else Draft(0, 0, [], [], [])
+        k = d.allowed(factor, min_prob, total - 1)
+        return [root] + d.tokens[:k], [-1] + [p + 1 for p in d.parents[:k]]
+    tree = CandidateTree(root)
+    if c.eagle is not None:  # a copy: the recorded candidates stay as they were
+        tree.tokens, tree.parents = list(c.eagle.tokens), list(c.eagle.parents)
+        tree.scores, tree.depths = list(c.eagle.scores), list(c.eagle.depths)
+    merge(tree, c.drafts, factor, min_prob, total - 1)
+    return tree.cut(ANY_DEPTH, total - 1)
+
+
+def merge(tree: CandidateTree, drafts: list[Draft], factor: float, min_prob: float, limit: int) -> None:
+    """Add each draft's allowed nodes to `tree`: a node's score is its parent's plus the log of its continuation
+    frequency; a node already there keeps the better score."""
+    where = {(p, t): i for i, (p, t) in enumerate(zip(tree.parents, tree.tokens)) if p >= 0}
+    for d in drafts:
+        at: list[int] = []  # the draft's nodes -> tree nodes
+        for i in range(d.allowed(factor, min_prob, limit)):
+            up = d.parents[i]
+            parent = 0 if up < 0 else at[up]
+            edge = min(0.0, math.log(d.probs[i]) - (0.0 if up < 0 else math.log(d.probs[up])))
+            node = where.get((parent, d.tokens[i]))
+            if node is None:
+                node = where[(parent, d.tokens[i])] = tree.add(parent, [d.tokens[i]], [edge])[0]
+            else:
+                tree.scores[node] = max(tree.scores[node], tree.scores[parent] + edge)
+            at.append(node)
+
+
+class SuffixLookup(Proposer):
+    """The request's text and (optionally) a datastore, looked up every step."""
+
+    def __init__(self, s: Settings, datastore: datastores.Datastore | None):
+        self.total, self.factor, self.min_prob = s.total_tokens, s.match_factor, s.min_prob
+        self.history = HistoryIndex()
+        self.datastore = None if s.no_datastore else datastore
+        self.max_drafts = self.total - 1
+
+    def start(self, prompt_len: int, capacity: int) -> None:
+        self.history.reset()
+
+    def drafts(self, history: list[int]) -> list[Draft]:
+        """Each index's continuations of its longest match."""
+        limit = self.total - 1
+        found = [self.history.draft(history, limit, self.factor, self.min_prob)]
+        if self.datastore is not None:
+            found.append(self.datastore.index.draft(history[-MATCH_DEPTH:], limit, self.factor, self.min_prob))
+        return [d for d in found if d is not None and d.tokens]
+
+    def propose(self, history: list[int]) -> DraftTree:
+        c = Candidates(self.drafts(history))
+        tokens, parents = select(history[-1], c, self.total, self.factor, self.min_prob)
+        return DraftTree(tokens, parents, candidates=c)
+
+
+def bundle_datastore(engine) -> datastores.Datastore | None:
+    """The bundle's datastore (loaded once per process), or None."""
+    bundle = engine.bundle
+    rel = bundle.manifest["method"].get("datastore")
+    if rel is None:
+        return None
+    entry = bundle.manifest["files"].get(rel) if isinstance(rel, str) else None
+    if entry is None:
+        raise UserError(f"{bundle.path / 'manifest.json'} is malformed: the datastore {rel!r:.60} is not listed "
+                        "under files (no checksum)")
+    store = datastores.cached(str(bundle.file(rel)), entry["sha256"])
+    store.check_for(bundle.manifest["model"]["vocab"], None, f"bundle {bundle.path}: {rel}")
+    return store
+
+
+def check_profile_budget(engine, total: int) -> None:
+    """One line when the node budget is above the max_tree_tokens of the profile the bundle was built with."""
+    limits = (engine.bundle.manifest.get("profile") or {}).get("limits") or {}
+    limit = limits.get("max_tree_tokens")
+    if isinstance(limit, int) and total > limit:
+        check_budget(total, limit, f" (the max_tree_tokens of profile "
+                                   f"{engine.bundle.manifest['profile'].get('name', '?')})")
+
+
+class Suffix:
+    Settings = Settings
+    profile_section = "suffix"
+
+    def settings(self, section: dict, given: dict) -> Settings:
+        return with_given(from_section(Settings, section, "the bundle's suffix settings"), given, "suffix")
+
+    def proposer(self, engine, settings: Settings, sampler) -> SuffixLookup:
+        check_profile_budget(engine, settings.total_tokens)
+        return SuffixLookup(settings, bundle_datastore(engine))
+
+    def describe(self, settings: Settings) -> str:
+        return (f"up to {settings.total_tokens} tokens, factor {settings.match_factor:g}, min prob "
+                f"{settings.min_prob:g}{', no datastore' if settings.no_datastore else ''}")
+
+    def tree_info(self, settings: Settings) -> dict:
+        return {"tokens_per_step": settings.total_tokens, "depth": settings.total_tokens - 1,
+                "match_factor": settings.match_factor, "min_prob": settings.min_prob}
+
+    def tokens_per_step(self, settings: Settings) -> int:
+        return settings.total_tokens
+
+
+METHOD = Suffix()

@@ -1,0 +1,400 @@
+"""Suffix lookup and the hybrid: the prefix arrays against brute force, the best-first continuation tree on hand-worked
+rows, the merge into one candidate tree, the datastore file and its bad inputs, the tuner's replay, and the loop end
+to end on tiny bundles (lossless greedy, exact sampling)."""
+
+import json
+import zipfile
+from collections import Counter
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import method_export
+
+from specexport import chisquare
+from specexport.cli import main
+from specexport.errors import UserError
+from specexport.exporter.export import ExportOptions, export_bundle
+from specexport.exporter.graph import GraphOptions
+from specexport.runtime import datastore as datastores
+from specexport.runtime.generate import Engine
+from specexport.runtime.methods import suffix
+from specexport.runtime.methods.eagle import CandidateTree
+from specexport.runtime.suffix import Draft, HistoryIndex, StaticIndex, best_first
+from specexport.train.datastore import bench_texts, excluded
+
+PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat", "x", "abcabcabcabc"]
+
+
+def brute(text: list[int], context: list[int], depth: int, valid) -> tuple[int, list[int]]:
+    """The longest m <= depth with context[-m:] ending at a valid position p of text, and those positions."""
+    best, where = 0, []
+    for m in range(1, min(depth, len(context)) + 1):
+        found = [p for p in range(len(text)) if valid(p) and p - m + 1 >= 0 and text[p - m + 1:p + 1] == context[-m:]]
+        if not found:
+            break
+        best, where = m, found
+    return best, where
+
+
+def first_level(draft: Draft) -> dict[int, float]:
+    return {t: p for t, up, p in zip(draft.tokens, draft.parents, draft.probs) if up == -1}
+
+
+# ------------------------------------------------------------------------------------------ the prefix arrays
+
+
+def test_the_history_index_finds_the_longest_match_as_it_grows():
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        index, text = HistoryIndex(depth=8), []
+        for _ in range(30):
+            text += rng.integers(0, 4, rng.integers(1, 4)).tolist()
+            d = index.draft(text, 5000, 1000.0, 0.0)
+            m, where = brute(text, text, 8, lambda p: p < len(text) - 1)
+            assert (d is None) == (m == 0)
+            if d is not None:
+                assert (d.match, d.occurrences) == (m, len(where))
+                counts = Counter(text[p + 1] for p in where)
+                assert first_level(d) == pytest.approx({t: c / len(where) for t, c in counts.items()})
+        keys = [index._key(p) for p in index.order]
+        assert keys == sorted(keys) and sorted(index.order) == list(range(len(text) - 1))
+
+
+def test_the_history_index_starts_again_for_another_history():
+    index = HistoryIndex()
+    index.draft([1, 2, 3, 1, 2], 4, 1.0, 0.0)
+    d = index.draft([7, 8, 7], 4, 1.0, 0.0)  # not a continuation of the last history
+    assert index.text == [7, 8, 7] and (d.match, d.tokens) == (1, [8])
+
+
+def test_the_datastore_index_matches_brute_force():
+    rng = np.random.default_rng(1)
+    docs = [rng.integers(0, 5, rng.integers(1, 30)).tolist() for _ in range(60)]
+    tokens = datastores.concatenate(docs)
+    index = StaticIndex(tokens, datastores.prefix_order(tokens, 8), 8)
+    text = tokens.tolist()
+    for _ in range(300):
+        context = rng.integers(0, 6, rng.integers(1, 12)).tolist()
+        d = index.draft(context, 5000, 1000.0, 0.0)
+        m, where = brute(text, context, 8, lambda p: text[p] >= 0 and text[p + 1] >= 0)
+        assert (d is None) == (m == 0), context
+        if d is not None:
+            assert (d.match, d.occurrences) == (m, len(where))
+            counts = Counter(text[p + 1] for p in where)
+            assert first_level(d) == pytest.approx({t: c / len(where) for t, c in counts.items()})
+            assert all(t >= 0 for t in d.tokens)  # continuations stop at a document's end
+
+
+def test_best_first_on_hand_worked_rows():
+    # after the match: 1 2 | 1 2 | 1 3 | 4 (end). Root children 1 (3/4), 4 (1/4); below 1: 2 (2/4), 3 (1/4)
+    rows = sorted([[1, 3], [4, -1], [1, 2], [1, 2]])
+    assert best_first(rows, 10, 0.0) == ([1, 2, 4, 3], [-1, 0, -1, 0], [0.75, 0.5, 0.25, 0.25])
+    assert best_first(rows, 2, 0.0) == ([1, 2], [-1, 0], [0.75, 0.5])
+    assert best_first(rows, 10, 0.3) == ([1, 2], [-1, 0], [0.75, 0.5])
+
+
+def test_a_child_never_scores_above_its_parent():
+    """Shares are taken before the product, so a chain through many rows keeps its probability exactly (the tree
+    cut relies on children never scoring above their parents)."""
+    rng = np.random.default_rng(3)
+    for n in (3, 239, 256):
+        rows = sorted(rng.integers(0, 3, (n, 6)).tolist())
+        tokens, parents, probs = best_first(rows, 200, 0.0)
+        assert all(probs[i] <= probs[up] for i, up in enumerate(parents) if up >= 0)
+        assert probs == sorted(probs, reverse=True)  # best first
+
+
+def test_the_adaptive_length_and_the_probability_floor():
+    d = Draft(match=3, occurrences=4, tokens=[5, 6, 7, 8, 9], parents=[-1, 0, 1, 2, 3],
+              probs=[1.0, 0.9, 0.5, 0.3, 0.2])
+    assert d.allowed(factor=1.0, min_prob=0.0, limit=10) == 3  # at most 1 x match length
+    assert d.allowed(factor=2.0, min_prob=0.0, limit=4) == 4
+    assert d.allowed(factor=2.0, min_prob=0.4, limit=10) == 3
+
+
+def test_merge_shares_prefixes_and_keeps_the_better_score():
+    eagle = CandidateTree(9)
+    a, b = eagle.add(0, [5, 6], np.log([0.6, 0.3]))
+    eagle.add(a, [7], np.log([0.5]))  # 5 7: 0.3
+    local = Draft(4, 1, [5, 8], [-1, 0], [1.0, 1.0])  # 5 8 at 1.0
+    stored = Draft(2, 10, [6, 1], [-1, 0], [0.5, 0.4])  # 6 (0.5 > EAGLE's 0.3), 6 1 (0.4)
+    c = suffix.Candidates([local, stored], eagle)
+    tokens, parents = suffix.select(9, c, total=4, factor=8.0, min_prob=0.0)
+    # merged: 5 (max(0.6, 1.0)), 5 8 (1.0 * 1.0), 6 (0.5), 6 1 (0.5 * 0.8), 5 7 (0.3)
+    assert (tokens, parents) == ([9, 5, 6, 8], [-1, 0, 0, 1])
+    assert suffix.select(9, c, total=6, factor=8.0, min_prob=0.0) == ([9, 5, 6, 7, 8, 1], [-1, 0, 0, 1, 1, 2])
+    assert len(eagle) == 4 and eagle.tokens == [9, 5, 6, 7]  # the recorded candidates are left as they were
+
+
+@pytest.mark.parametrize("with_store", [True, False])
+def test_replaying_tighter_settings_gives_the_trees_of_a_run_with_them(with_store):
+    """What the tuner relies on: the candidates recorded at loose settings, cut, are the tree a run at the tighter
+    settings proposes from the same history."""
+    rng = np.random.default_rng(2)
+    docs = [rng.integers(0, 6, 40).tolist() for _ in range(30)]
+    store = datastores.Datastore(*_arrays(docs), {"depth": 32, "vocab": 8, "model": "x", "tokenizer_sha256": ""}) \
+        if with_store else None
+    loose = suffix.SuffixLookup(suffix.Settings(total_tokens=32, match_factor=4.0, min_prob=0.01), store)
+    text = rng.integers(0, 6, 20).tolist()
+    for _ in range(40):
+        text += rng.integers(0, 6, 2).tolist()
+        recorded = loose.propose(list(text)).candidates
+        for total, factor, floor in [(2, 1.0, 0.1), (6, 0.5, 0.05), (12, 2.0, 0.2), (32, 4.0, 0.01)]:
+            tight = suffix.SuffixLookup(suffix.Settings(total_tokens=total, match_factor=factor, min_prob=floor), store)
+            tree = tight.propose(list(text))
+            assert suffix.select(text[-1], recorded, total, factor, floor) == (tree.tokens, tree.parents)
+
+
+def _arrays(docs):
+    tokens = datastores.concatenate(docs)
+    return tokens, datastores.prefix_order(tokens)
+
+
+# ---------------------------------------------------------------------------------------------- the datastore
+
+
+def test_a_datastore_round_trips(tmp_path):
+    meta = datastores.write(tmp_path / "d.npz", [[1, 2, 3], [2, 3, 4, 5]], {"model": "m", "vocab": 9,
+                                                                            "tokenizer_sha256": "abc"})
+    store = datastores.load(tmp_path / "d.npz")
+    assert store.meta == meta and meta["documents"] == 2 and meta["tokens"] == 7
+    assert store.index.tokens.tolist() == [-1, 1, 2, 3, -1, 2, 3, 4, 5, -1]
+    assert store.index.draft([0, 2, 3], 4, 2.0, 0.0).tokens == [4, 5]  # "2 3" then "4 5" (1 3 ends its document)
+    store.check_for(9, "abc", "d")
+    with pytest.raises(UserError, match="was built for another tokenizer"):
+        store.check_for(9, "abd", "d")
+    with pytest.raises(UserError, match="was built for another tokenizer"):
+        store.check_for(10, None, "d")
+    assert list(tmp_path.iterdir()) == [tmp_path / "d.npz"]  # nothing left beside it
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: p.write_bytes(p.read_bytes()[:len(p.read_bytes()) // 2]), "is corrupt or truncated"),
+    (lambda p: p.write_bytes(b"not a zip"), "is corrupt or truncated"),
+    (lambda p: np.savez(p.open("wb"), tokens=np.zeros(3, np.int32)), "is not a specexport suffix datastore"),
+    (lambda p: _rewrite(p, version=np.array(99)), "has format version 99"),
+    (lambda p: _rewrite(p, meta=np.array("{")), "its meta is not JSON"),
+    (lambda p: _rewrite(p, order=np.array([3, 1], np.int32)), "its prefix array is not sorted"),
+    (lambda p: _rewrite(p, tokens=np.array([-1, 5, 99, -1], np.int32)), "token arrays are malformed"),
+    (lambda p: p.unlink(), "not found"),
+])
+def test_a_bad_datastore_is_one_line(tmp_path, damage, message):
+    path = tmp_path / "d.npz"
+    datastores.write(path, [[1, 2, 3], [2, 3, 4]], {"model": "m", "vocab": 9, "tokenizer_sha256": "abc"})
+    damage(path)
+    with pytest.raises(UserError, match=message) as e:
+        datastores.load(path)
+    assert "\n" not in str(e.value)
+
+
+def _rewrite(path, **changed):
+    with np.load(path, allow_pickle=False) as f:
+        arrays = {k: f[k] for k in f.files}
+    with path.open("wb") as out:
+        np.savez(out, **{**arrays, **changed})
+
+
+def test_a_zip_with_a_bad_checksum_is_caught(tmp_path):
+    path = tmp_path / "d.npz"
+    datastores.write(path, [list(range(200))], {"model": "m", "vocab": 300, "tokenizer_sha256": "abc"})
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo("tokens.npy")
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = int.from_bytes(data[info.header_offset + 26:info.header_offset + 28], "little"), \
+        int.from_bytes(data[info.header_offset + 28:info.header_offset + 30], "little")
+    data[info.header_offset + 30 + name_len + extra_len + info.compress_size // 2] ^= 0xFF  # inside the array
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="corrupt"):
+        datastores.load(path)
+
+
+def test_benchmark_conversations_are_left_out():
+    whole, cores = bench_texts(["Summarise the following text:\n\nThe quick brown fox jumps over the lazy dog "
+                                "again and again today.", "Write a poem about the sea"])
+    chat = lambda *turns: {"conversations": [{"from": f, "value": v} for f, v in turns]}  # noqa: E731
+    assert excluded(chat(("human", "write a  POEM about the sea")), whole, cores)  # equal, once normalised
+    assert excluded(chat(("human", "Please: summarise the following text:\n\nThe quick brown fox jumps over the "
+                                   "lazy dog again and again today. Thanks")), whole, cores)  # contains it
+    assert excluded(chat(("human", "hi"), ("gpt", "the quick brown fox jumps over the lazy dog again and again "
+                                                  "today.")), whole, cores)  # a turn holds the passage
+    assert not excluded(chat(("human", "Write a poem about the moon")), whole, cores)
+
+
+# ------------------------------------------------------------------------------------- end to end, tiny bundles
+
+
+def build(folder, out, name, **given):
+    options = ExportOptions(graph=GraphOptions(), max_context=128, validate=False, **method_export(name, **given))
+    export_bundle(str(folder), out, options, quiet=True)
+    return Engine.load(out, threads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder, tmp_path_factory):
+    """Tiny bundles: plain, suffix with a datastore of the plain bundle's own outputs, hybrid (a random EAGLE-3
+    draft), and the datastore."""
+    from test_eagle import random_draft
+
+    from specexport.exporter.eagle import save_draft
+
+    root = tmp_path_factory.mktemp("suffix")
+    plain = build(tiny_folder, root / "none", "none")
+    outputs = [plain.generate(p, max_new_tokens=40, stop_ids=()).tokens for p in ["the cat", "a b c", "hello", "x y"]]
+    outputs += [plain.generate("the cat", max_new_tokens=6, stop_ids=(), sampling=_sampling(seed)).tokens
+                for seed in range(30)]
+    identity = datastores.tokenizer_identity(plain.tokenizer.backend.get_vocab(with_added_tokens=True))
+    store = root / "store.npz"
+    datastores.write(store, outputs, {"model": "tiny", "vocab": 259, "tokenizer_sha256": identity})
+    save_draft(random_draft(3), root / "eagle3-draft")
+    return {"plain": plain, "store": store, "draft": root / "eagle3-draft", "root": root,
+            "suffix": build(tiny_folder, root / "suffix", "suffix", datastore=str(store), total_tokens=6),
+            "hybrid": build(tiny_folder, root / "hybrid", "hybrid", datastore=str(store), draft=str(root / "eagle3-draft"),
+                            depth=2, top_k=2, total_tokens=8)}
+
+
+def _sampling(seed):
+    from specexport.runtime.sampling import SamplingParams
+
+    return SamplingParams(temperature=0.4, seed=seed)
+
+
+@pytest.mark.parametrize("name, settings", [("suffix", {}), ("suffix", {"no_datastore": True}),
+                                            ("suffix", {"total_tokens": 2}),
+                                            ("suffix", {"total_tokens": 16, "match_factor": 4.0, "min_prob": 0.0}),
+                                            ("hybrid", {}), ("hybrid", {"total_tokens": 3, "depth": 1, "top_k": 1}),
+                                            ("hybrid", {"total_tokens": 16, "match_factor": 4.0, "min_prob": 0.0})])
+def test_greedy_is_lossless(tiny, name, settings, lossless):
+    engine = tiny[name]
+    engine.configure(**settings)
+    try:
+        runs = lossless(engine, PROMPTS + ["the cat", "hello"], 40)
+        assert sum(r.stats.accepted for r in runs) > 20  # drafts were accepted
+    finally:
+        engine.configure()
+
+
+@pytest.mark.parametrize("name", ["suffix", "hybrid"])
+def test_sampling_follows_plain_sampling(tiny, name):
+    engine = tiny[name]
+    spec, lengths = chisquare.sampled_counts(engine, "the cat", False, 1500, 0, temperature=0.4)
+    plain, _ = chisquare.sampled_counts(engine, "the cat", True, 1500, 100_000, temperature=0.4)
+    stat, dof = chisquare.two_sample(spec, plain)
+    assert sum(lengths) - len(lengths) > 50  # the speculative path was exercised
+    assert dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)
+
+
+def test_the_bundle_lists_its_datastore(tiny):
+    for name in ("suffix", "hybrid"):
+        manifest = tiny[name].bundle.manifest
+        section = manifest["method"]
+        assert section["datastore"] == "datastore.npz" and "datastore.npz" in manifest["files"]
+        assert section["datastore_meta"]["documents"] == 34 and section["datastore_meta"]["source"] == "store.npz"
+    info = CliRunner().invoke(main, ["info", str(tiny["root"] / "hybrid")])
+    assert info.exit_code == 0 and "merged with suffix continuations" in info.output, info.output
+
+
+def test_lookup_cost_is_small(tiny):
+    """Microseconds per drafted token, measured on the step records (a loose bound: this is a shared CPU)."""
+    records = []
+    engine = tiny["suffix"]
+    for p in PROMPTS:
+        engine.generate(p, max_new_tokens=40, stop_ids=(), on_step=records.append)
+    drafted = sum(r.tree.drafts for r in records)
+    assert drafted > 0 and 1e6 * sum(r.propose_s for r in records) / drafted < 2000
+
+
+# ---------------------------------------------------------------------------------------------- bad input, CLI
+
+
+def fails(args, match, code=1):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in result.stderr.strip().splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and match in errors[0] and result.stderr.strip().endswith(errors[0]), result.output
+
+
+def test_bad_datastores_and_budgets_fail_in_one_line(tiny, tiny_folder, tmp_path):
+    other = tmp_path / "other.npz"
+    datastores.write(other, [[1, 2, 3]], {"model": "big", "vocab": 49152, "tokenizer_sha256": "x"})
+    same_size = tmp_path / "same-size.npz"
+    datastores.write(same_size, [[1, 2, 3]], {"model": "other", "vocab": 259, "tokenizer_sha256": "x"})
+    broken = tmp_path / "broken.npz"
+    broken.write_bytes(tiny["store"].read_bytes()[:300])
+    out = tmp_path / "b"
+    for given, match in [(["--datastore", other], "was built for another tokenizer"),
+                         (["--datastore", same_size], "was built for another tokenizer"),
+                         (["--datastore", broken], "is corrupt or truncated"),
+                         (["--datastore", tmp_path / "missing.npz"], "not found"),
+                         (["--total-tokens", "0"], "--total-tokens (the node budget, the root included) must be in"),
+                         (["--total-tokens", "17", "--profile", "cpu-2core"], "over the max_tree_tokens = 16")]:
+        fails(["build", "--model", tiny_folder, "--method", "suffix", "--output", out, "--no-validate", *given], match)
+        assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".b")]
+    fails(["build", "--model", tiny_folder, "--method", "hybrid", "--draft", tiny["draft"], "--output", out,
+           "--total-tokens", "40", "--profile", "cpu-2core"], "over the max_tree_tokens = 16")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the cat"}) + "\n")
+    for name in ("suffix", "hybrid"):
+        bundle = tiny["root"] / name
+        fails(["run", bundle, "--prompt", "x", "--total-tokens", "0"], "must be in 2..256, got 0")
+        fails(["bench", bundle, "--prompts", prompts, "--total-tokens", "300"], "must be in 2..256, got 300")
+        fails(["run", bundle, "--prompt", "x", "--min-prob", "2"], "--min-prob in 0..1")
+    fails(["run", tiny["root"] / "hybrid", "--prompt", "x", "--draft-top-k", "11"], "the draft graph returns 10")
+
+
+def test_a_run_above_the_profile_budget_is_one_line(tiny, tmp_path):
+    import shutil
+
+    bundle = tmp_path / "b"
+    shutil.copytree(tiny["root"] / "suffix", bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["profile"] = {"name": "cpu-2core", "limits": {"max_tree_tokens": 16}}
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    fails(["run", bundle, "--prompt", "x", "--total-tokens", "20"], "must be in 2..16 (the max_tree_tokens of profile "
+                                                                    "cpu-2core), got 20")
+
+
+def test_the_datastore_command(tiny, sharegpt, tmp_path):
+    out = tmp_path / "d.npz"
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"prompt": "unused"}) + "\n")
+    args = ["datastore", str(tiny["root"] / "none"), "--output", str(out), "--new-tokens", "8", "--data",
+            str(sharegpt), "--exclude", str(bench)]
+    result = CliRunner().invoke(main, args + ["--samples", "5"])
+    assert result.exit_code == 0, result.output
+    store = datastores.load(out)
+    identity = datastores.tokenizer_identity(tiny["plain"].tokenizer.backend.get_vocab(with_added_tokens=True))
+    assert store.meta["documents"] == 5 and store.meta["tokenizer_sha256"] == identity
+    assert 5 <= store.meta["tokens"] <= 40 and oct(out.stat().st_mode & 0o777) == "0o644"
+    fails(args + ["--samples", "5"], "already exists")
+    fails(args + ["--samples", "8", "--resume", "--new-tokens", "9"], "new_tokens differ")
+    result = CliRunner().invoke(main, args + ["--samples", "8", "--resume"])
+    assert result.exit_code == 0, result.output
+    again = datastores.load(out)
+    assert again.meta["documents"] == 8 and again.documents()[:5] == store.documents()
+    whole = tmp_path / "whole.npz"
+    assert CliRunner().invoke(main, args[:3] + [str(whole)] + args[4:] + ["--samples", "8"]).exit_code == 0
+    assert datastores.load(whole).documents() == again.documents()  # resuming continues the same prompts
+
+
+@pytest.mark.parametrize("name", ["suffix", "hybrid"])
+def test_profile_chooses_the_node_budget_and_the_suffix_settings(tiny, tiny_folder, tmp_path, name):
+    from specexport.profiles import load_profile
+
+    out = tmp_path / "measured.toml"
+    result = CliRunner().invoke(main, ["profile", str(tiny["root"] / name), "--output", str(out), "--base", "cpu-2core",
+                                       "--new-tokens", "12", "--max-tokens", "8", "--contexts", "16", "--reps", "2",
+                                       "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert "prediction error" in result.output and "factor" in result.output
+    chosen = load_profile(out).methods[name]
+    assert 2 <= chosen.total_tokens <= 8 and chosen.match_factor in (0.5, 1.0, 2.0, 4.0)
+    given = {"datastore": str(tiny["store"])} if name == "suffix" else {"draft": str(tiny["draft"])}
+    built = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--method", name, "--profile", str(out),
+                                      "--output", str(tmp_path / "c"), "--no-validate",
+                                      *[x for k, v in given.items() for x in (f"--{k}", v)]])
+    assert built.exit_code == 0, built.output
+    section = json.loads((tmp_path / "c" / "manifest.json").read_text())["method"]
+    assert (section["total_tokens"], section["match_factor"], section["min_prob"]) == \
+        (chosen.total_tokens, chosen.match_factor, chosen.min_prob)
