@@ -32,11 +32,11 @@ class EmbedError(Exception):
         self.specexport_status = status
 
 
-def _fail(status: int, error: Exception) -> EmbedError:
-    """A UserError keeps its line; anything else is a runtime failure, named by its type."""
+def _fail(status: int, error: Exception, other: int = RUNTIME) -> EmbedError:
+    """A UserError is `status` with its line; anything else is `other`, named by its type."""
     if isinstance(error, UserError):
         return EmbedError(status, first_line(error))
-    return EmbedError(RUNTIME, f"{type(error).__name__}: {first_line(error)}")
+    return EmbedError(other, f"{type(error).__name__}: {first_line(error)}")
 
 
 def open_engine(path: str, threads: int = 0, device: str | None = None, settings: str | None = None,
@@ -55,8 +55,11 @@ def open_engine(path: str, threads: int = 0, device: str | None = None, settings
         raise _fail(INVALID_ARGUMENT, e) from None
     try:
         engine = Engine.load(path, threads=threads or None, device=device, verify=verify)
+        for name in engine.bundle.graphs:
+            if name != "target":
+                engine.graph(name)
     except Exception as e:  # noqa: BLE001 - a bundle that cannot load, whatever the reason, is one line
-        raise _fail(BUNDLE, e) from None
+        raise _fail(BUNDLE, e, other=BUNDLE) from None
     known = [f.name for f in fields(engine.method.Settings)]
     for name in given:
         if name not in known:
@@ -64,9 +67,6 @@ def open_engine(path: str, threads: int = 0, device: str | None = None, settings
                                                f"bundle (its settings: {', '.join(known) or 'none'})")
     try:
         engine.configure(**given)
-        for name in engine.bundle.graphs:
-            if name != "target":
-                engine.graph(name)
     except Exception as e:  # noqa: BLE001
         raise _fail(INVALID_ARGUMENT, e) from None
     return engine
