@@ -125,6 +125,9 @@ def test_merge_shares_prefixes_and_keeps_the_better_score():
     assert (tokens, parents) == ([9, 5, 6, 8], [-1, 0, 0, 1])
     assert suffix.select(9, c, total=6, factor=8.0, min_prob=0.0) == ([9, 5, 6, 7, 8, 1], [-1, 0, 0, 1, 1, 2])
     assert len(eagle) == 4 and eagle.tokens == [9, 5, 6, 7]  # the recorded candidates are left as they were
+    # EAGLE's candidates one level deep (what a run with depth 1 grows): 5 7 is gone, the suffix's 5 8 stays
+    assert suffix.select(9, c, total=6, factor=8.0, min_prob=0.0, eagle_depth=1) == ([9, 5, 6, 8, 1],
+                                                                                       [-1, 0, 0, 1, 2])
 
 
 @pytest.mark.parametrize("with_store", [True, False])

@@ -21,7 +21,7 @@ from specexport.runtime.methods.eagle import CandidateTree
 from specexport.runtime.proposer import Proposer
 from specexport.runtime.rank_tree import MAX_NODES
 from specexport.runtime.suffix import MATCH_DEPTH, Draft, HistoryIndex
-from specexport.runtime.tree import DraftTree
+from specexport.runtime.tree import DraftTree, subtree
 
 MAX_TOTAL = MAX_NODES + 1
 ANY_DEPTH = 1 << 30
@@ -60,16 +60,19 @@ class Candidates:
     eagle: CandidateTree | None = None
 
 
-def select(root: int, c: Candidates, total: int, factor: float, min_prob: float) -> tuple[list[int], list[int]]:
-    """The step's tree (tokens, parents), root first: the best `total - 1` of the merged candidates."""
+def select(root: int, c: Candidates, total: int, factor: float, min_prob: float, eagle_depth: int = ANY_DEPTH
+           ) -> tuple[list[int], list[int]]:
+    """The step's tree (tokens, parents), root first: the best `total - 1` of the merged candidates (of EAGLE's,
+    those at most `eagle_depth` deep: what a run with that depth grows)."""
     if c.eagle is None and len(c.drafts) <= 1:  # nothing to merge: a draft's first nodes are its best, root-closed
         d = c.drafts[0] if c.drafts else Draft(0, 0, [], [], [])
         k = d.allowed(factor, min_prob, total - 1)
         return [root] + d.tokens[:k], [-1] + [p + 1 for p in d.parents[:k]]
     tree = CandidateTree(root)
     if c.eagle is not None:  # a copy: the recorded candidates stay as they were
-        tree.tokens, tree.parents = list(c.eagle.tokens), list(c.eagle.parents)
-        tree.scores, tree.depths = list(c.eagle.scores), list(c.eagle.depths)
+        keep = [i for i, d in enumerate(c.eagle.depths) if d <= eagle_depth]
+        tree.tokens, tree.parents = subtree(c.eagle.tokens, c.eagle.parents, keep)
+        tree.scores, tree.depths = [c.eagle.scores[i] for i in keep], [c.eagle.depths[i] for i in keep]
     merge(tree, c.drafts, factor, min_prob, total - 1)
     return tree.cut(ANY_DEPTH, total - 1)
 
