@@ -45,9 +45,8 @@ def main() -> None:
         row = []
         for t in steps:
             x = rng.integers(3, vocab, size=(1, t))
-            bias = tree.causal_bias(ctx, t, target.bias_width(cache, ctx, t))
             pos = ctx + np.arange(t)[None]
-            row.append(median_ms(lambda: target.forward(cache, x, pos, bias, np.array([t - 1])), args.repeats))
+            row.append(median_ms(lambda: target.forward(cache, x, pos, tree.causal_mask(t), np.array([t - 1])), args.repeats))
         live = [buf[:, :, :ctx] for buf in cache.buffers]
         copy_ms = median_ms(lambda: [np.array(b) for b in live], args.repeats)
         print(f"{ctx:>7}  " + "  ".join(f"{ms:>13.2f}" for ms in row) + f"   {copy_ms:>22.2f}")

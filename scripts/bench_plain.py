@@ -135,8 +135,8 @@ def bench_ours(bundle: Path, prompts: list[list[int]], new_tokens: int, context:
     rng = np.random.default_rng(0)
 
     def forward(t):  # a chain of t new tokens, logits for every row (as verifying t draft tokens needs)
-        bias = tree.causal_bias(CONTEXT, t, target.bias_width(cache, CONTEXT, t))
-        target.forward(cache, rng.integers(3, 49152, size=(1, t)), CONTEXT + np.arange(t)[None], bias, np.arange(t))
+        target.forward(cache, rng.integers(3, 49152, size=(1, t)), CONTEXT + np.arange(t)[None], tree.causal_mask(t),
+                       np.arange(t))
 
     return {"rows": rows, "step_ms": step_ms(forward),
             "agreement": (eng.bundle.manifest.get("numerics") or {}).get("agreement")}

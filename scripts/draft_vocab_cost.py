@@ -46,9 +46,8 @@ def main():
             cache = session.new_cache(args.context + 16)
             cache.advance(args.context)
             for t in (1, 4):
-                bias = tree.causal_bias(args.context, t, session.bias_width(cache, args.context, t))
-                call = lambda: session.forward(cache, np.zeros((1, t), np.int64), (args.context + np.arange(t))[None], bias,
-                                               np.arange(t), want=("hidden_out", "draft_logp", "draft_tokens"),
+                call = lambda: session.forward(cache, np.zeros((1, t), np.int64), (args.context + np.arange(t))[None],
+                                               tree.causal_mask(t), np.arange(t), want=("hidden_out", "draft_logp", "draft_tokens"),
                                                inputs={"hidden": np.zeros((1, t, dims.hidden), np.float32)})
                 rows.append((size, t, median_ms(call, 50)))
     print(f"{args.model} {args.precision}, context {args.context}: one EAGLE-3 draft call (median ms)")

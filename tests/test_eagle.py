@@ -212,7 +212,7 @@ def test_training_time_test_equals_drafting_a_chain(version):
         outs = ttt_forward(m, feats, ids, torch.arange(n)[None], steps)
         for t in (3, 7):
             first = m.start(feats[:, :t + 1])
-            bias = torch.from_numpy(tree.causal_bias(0, t + 1))
+            bias = torch.from_numpy(tree.attention_bias(tree.chain(t + 1), 0))
             hidden, logits, past = m.step(ids[:, 1:t + 2], first, torch.arange(t + 1)[None], bias)
             h = hidden[:, -1:]
             np.testing.assert_allclose(outs[0][1][0, t].numpy(), logits[0, -1].numpy(), atol=1e-4)

@@ -24,7 +24,7 @@ def session():
     seq = g.op("Gather", [g.op("Shape", ["input_ids"]), g.const("one_i64", np.array(1, np.int64))], axis=0)
     add_accept(g, "logits", seq)
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-              helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT, ["batch", 1, "seq", "total"]),
+              helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, ["batch", "seq", "seq"]),
               helper.make_tensor_value_info("past_len", TensorProto.INT32, ["batch"]),
               helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["rows", V])]
     inputs += [helper.make_tensor_value_info(name, t, shape) for name, t, shape in INPUTS]
@@ -38,7 +38,7 @@ def session():
 def run(session, tokens, parents, logits, past, u, q, params, without=False):
     t = len(tokens)
     feeds = {"input_ids": np.array([tokens], np.int64),
-             "attention_bias": tree.attention_bias(parents, past, past + t).astype(np.float32),
+             "tree_mask": tree.ancestor_mask(parents)[None],
              "past_len": np.array([past], np.int32), "logits": logits.astype(np.float32),
              "sample_u": u.astype(np.float32),
              "sample_q": np.zeros((0, 0), np.float32) if q is None else q.astype(np.float32),

@@ -121,7 +121,7 @@ def test_aux_layers_are_layer_inputs(flavour, tmp_path):
     cache = s.new_cache(16)
     t = ids.shape[1]
     want = ("logits", "hidden_states", "layer_input.0", "layer_input.1")
-    got = s.forward(cache, ids, np.arange(t)[None], tree.causal_bias(0, t, s.bias_width(cache, 0, t)), np.arange(t), want)
+    got = s.forward(cache, ids, np.arange(t)[None], tree.causal_mask(t), np.arange(t), want)
     with torch.no_grad():
         ref = m.model(input_ids=torch.from_numpy(ids), output_hidden_states=True)
     for i in (0, 1):
@@ -165,8 +165,7 @@ def test_kv_written_in_place(flavour, tmp_path):
     buffers = list(cache.buffers)
     for step, (ids, parents) in enumerate([prefill, branch]):
         past, t = cache.length, ids.shape[1]
-        bias = tree.attention_bias(parents, past, s.bias_width(cache, past, t))
-        s.forward(cache, ids, past + tree.depths(parents)[None], bias, np.array([t - 1]))
+        s.forward(cache, ids, past + tree.depths(parents)[None], tree.ancestor_mask(parents), np.array([t - 1]))
         if step == 0:
             before = [b.copy() for b in cache.buffers]
         cache.advance(t)
@@ -188,7 +187,7 @@ def test_forward_refuses_to_overflow_the_cache(tmp_path):
     s = session(model("mistral"), tmp_path)
     cache = s.new_cache(4)
     with pytest.raises(ValueError, match="KV cache overflow: 0 \\+ 5 > capacity 4"):
-        s.forward(cache, np.ones((1, 5), np.int64), np.arange(5)[None], tree.causal_bias(0, 5), np.array([4]))
+        s.forward(cache, np.ones((1, 5), np.int64), np.arange(5)[None], tree.causal_mask(5), np.array([4]))
 
 
 # ---- what is not supported ----------------------------------------------------------------------

@@ -123,20 +123,20 @@ def test_fused_acceptance_equals_the_pure_rule(tmp_path):
             if past:
                 ids = rng.integers(0, 259, (1, past))
                 session.forward(cache, ids, np.arange(past)[None],
-                                tree.causal_bias(0, past, session.bias_width(cache, 0, past)), np.array([past - 1]))
+                                tree.causal_mask(past), np.array([past - 1]))
                 cache.advance(past)
             t = int(rng.integers(1, 10))
             parents = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
-            bias = tree.attention_bias(parents, past, session.bias_width(cache, past, t))
+            mask = tree.ancestor_mask(parents)
             positions = (past + tree.depths(parents))[None]
             tokens = rng.integers(0, 259, (1, t))
-            best = session.forward(cache, tokens, positions, bias, np.arange(t))["logits"].argmax(-1)
+            best = session.forward(cache, tokens, positions, mask, np.arange(t))["logits"].argmax(-1)
             for i in range(1, t):  # make most drafts right, and some a duplicate of an earlier sibling
                 if rng.random() < 0.6:
                     tokens[0, i] = best[parents[i]]
                 elif siblings := [j for j in range(1, i) if parents[j] == parents[i]]:
                     tokens[0, i] = tokens[0, siblings[0]]
-            out = session.forward(cache, tokens, positions, bias, np.arange(t),
+            out = session.forward(cache, tokens, positions, mask, np.arange(t),
                                   want=("logits", "accept_rows", "bonus_token"))
             ref = accept_greedy(tokens[0].tolist(), parents, out["logits"].argmax(-1))
             assert (out["accept_rows"].tolist(), int(out["bonus_token"][0])) == (ref.path, ref.tokens[-1])
@@ -144,7 +144,7 @@ def test_fused_acceptance_equals_the_pure_rule(tmp_path):
             u = rng.random(uniforms_shape(parents)).astype(np.float32)
             feeds = {"sample_u": u, "sample_q": np.zeros((0, 0), np.float32),
                      "sample_params": np.array([1.0, 0, 0.95, 0], np.float32)}
-            out = session.forward(cache, tokens, positions, bias, np.arange(t),
+            out = session.forward(cache, tokens, positions, mask, np.arange(t),
                                   want=("logits", "accept_rows", "bonus_token"), accept=feeds)
             p = probabilities(out["logits"], SamplingParams(temperature=1.0, top_p=0.95))
             ref = accept_tree(tokens[0].tolist(), parents, p, None, u, "topk")

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from specexport.runtime.tree import (HIDDEN, AcceptMode, DraftTree, ancestor_mask, attention_bias, causal_bias, chain,
+from specexport.runtime.tree import (HIDDEN, AcceptMode, DraftTree, ancestor_mask, attention_bias, causal_mask, chain,
                                      check_parents, children, depths, subtree)
 
 H = HIDDEN
@@ -127,28 +127,19 @@ def test_bias_batch_rows_are_identical():
     np.testing.assert_array_equal(bias[0, 0, :, 8:], H)
 
 
-def test_causal_bias():
-    bias = causal_bias(past_len=2, t=3, width=6)
-    expected = [
-        [0, 0, 0, H, H, H],
-        [0, 0, 0, 0, H, H],
-        [0, 0, 0, 0, 0, H],
-    ]
-    np.testing.assert_array_equal(bias[0, 0], np.array(expected, np.float32))
-    assert causal_bias(0, 1).tolist() == [[[[0.0]]]]
+def test_causal_mask():
+    assert causal_mask(3).astype(int).tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+    assert causal_mask(1).tolist() == [[True]]
 
 
-@pytest.mark.parametrize("past, t", [(0, 1), (0, 5), (4, 1), (7, 3)])
-def test_causal_bias_is_the_chain_tree(past, t):
-    np.testing.assert_array_equal(causal_bias(past, t, past + t + 2, batch=2),
-                                  attention_bias(chain(t), past, past + t + 2, batch=2))
+@pytest.mark.parametrize("t", [1, 2, 5, 9])
+def test_causal_mask_is_the_chain_tree(t):
+    np.testing.assert_array_equal(causal_mask(t), ancestor_mask(chain(t)))
 
 
 def test_width_too_small():
     with pytest.raises(ValueError, match="bias width 4 < past 2 \\+ tree 3"):
         attention_bias([-1, 0, 0], past_len=2, width=4)
-    with pytest.raises(ValueError, match="bias width"):
-        causal_bias(5, 2, width=6)
 
 
 @pytest.mark.parametrize(

@@ -186,7 +186,7 @@ def test_greedy_acceptance_in_the_graph_is_the_pure_rule():
     seq = g.op("Gather", [g.op("Shape", ["input_ids"]), g.const("one_i64", np.array(1, np.int64))], axis=0)
     add_accept(g, "logits", seq, sampling=False)
     inputs = [helper.make_tensor_value_info("input_ids", T.INT64, ["batch", "seq"]),
-              helper.make_tensor_value_info("attention_bias", T.FLOAT, ["batch", 1, "seq", "total"]),
+              helper.make_tensor_value_info("tree_mask", T.BOOL, ["batch", "seq", "seq"]),
               helper.make_tensor_value_info("past_len", T.INT32, ["batch"]),
               helper.make_tensor_value_info("logits", T.FLOAT, ["rows", V])]
     outputs = [helper.make_tensor_value_info("accept_rows", T.INT64, ["accepted"]),
@@ -208,7 +208,7 @@ def test_greedy_acceptance_in_the_graph_is_the_pure_rule():
                 tokens[i] = tokens[siblings[0]]
         ref = accept_greedy(tokens.tolist(), parents, logits.argmax(-1))
         rows, bonus = session.run(None, {"input_ids": tokens[None].astype(np.int64), "past_len": np.array([past], np.int32),
-                                         "attention_bias": tree.attention_bias(parents, past, past + t), "logits": logits})
+                                         "tree_mask": tree.ancestor_mask(parents)[None], "logits": logits})
         assert (rows.tolist(), int(bonus[0])) == (ref.path, ref.tokens[-1]), (trial, parents, tokens.tolist())
 
 

@@ -1,7 +1,7 @@
 """EAGLE in ONNX: the draft decoder as its own graph with its own in-place KV cache, and the feature the
 target graph returns for it.
 
-Draft graph (same calling convention as the target graph: input_ids, position_ids, attention_bias, past_len,
+Draft graph (same calling convention as the target graph: input_ids, position_ids, tree_mask, past_len,
 logits_indices, one layer of past/present KV bound in place), plus `hidden` [1, T, h], the input hidden of each
 new token (the target's feature for accepted tokens, the parent's draft output for tree nodes). Outputs:
 `hidden_out` [1, T, h] and, for the selected rows, the draft's top-k as cumulative-score material:

@@ -1,7 +1,6 @@
 """Verification fused into the target graph (standard ONNX ops only, so TensorRT can fuse it).
 
-The graph takes the step's tree (its tokens in `input_ids`, its shape in the tree block of
-`attention_bias`), the random numbers and, for sampled drafts, the draft distributions; it returns
+The graph takes the step's tree (its tokens in `input_ids`, its shape in `tree_mask`), the random numbers and, for sampled drafts, the draft distributions; it returns
 the accepted rows (the root and the accepted drafts, in order) and the token the target adds after
 them: a few integers per step instead of T x vocab logits. The rules are `runtime.verify`'s:
 `accept_greedy` at temperature 0, `accept_tree` otherwise. Inputs it adds to the target graph:
@@ -52,12 +51,11 @@ def add_accept(g, logits: str, seq_len: str, sampling: bool = True) -> tuple[str
     rows = g.op("Shape", [logits], end=1)
     target = g.op("Slice", [logits, g.op("Sub", [rows, n]), rows, c("zero", [0])])  # [n, V]
 
-    # the tree from its block of the bias (batch 0): visible[i, j] = j is i or an ancestor of i
-    start = g.op("Add", [g.op("Cast", [g.op("Slice", ["past_len", c("zero", [0]), c("one", [1])])], to=I64), first])
-    block = g.op("Slice", ["attention_bias", g.op("Concat", [first, start], axis=0),
-                           g.op("Concat", [seq, g.op("Add", [start, n])], axis=0), c("axes23", [2, 3])])
-    block = g.op("Gather", [g.op("Gather", [block, batch0], axis=0), batch0], axis=0)  # [n, n]
-    anc = g.op("Cast", [g.op("Greater", [block, c("half", -0.5, np.float32)])], to=F)
+    # the tree from the last n rows and columns of the tree mask (batch 0): anc[i, j] = j is i or an ancestor of i
+    cols = g.op("Shape", ["tree_mask"], start=2, end=3)
+    block = g.op("Slice", ["tree_mask", g.op("Concat", [first, g.op("Sub", [cols, n])], axis=0),
+                           g.op("Concat", [seq, cols], axis=0), c("axes12", [1, 2])])
+    anc = g.op("Cast", [g.op("Gather", [block, batch0], axis=0)], to=F)  # [n, n]
     depth = g.op("Sub", [g.op("ReduceSum", [anc, c("one", [1])], keepdims=0), c("1f", 1.0, np.float32)])
     node = g.op("Range", [c("zero_s", 0), g.op("Squeeze", [n, c("zero", [0])]), c("one_s", 1)])  # [n] 0..n-1
     col, row_of = g.op("Unsqueeze", [node, c("zero", [0])]), g.op("Unsqueeze", [node, c("one", [1])])

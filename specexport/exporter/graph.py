@@ -1,6 +1,8 @@
 """Build the target graph directly from the weights (no tracing).
 
-One graph serves prefill, single-token decode and tree verification. Three flavours:
+One graph serves prefill, single-token decode and tree verification. Every step graph takes the step's compact
+tree mask (`tree_mask [B, T, K]`, bool) and the past length (`past_len [B]`, the past is visible to every row) and
+builds its additive attention bias from them inside the graph (`DecoderGraphBuilder._mask_bias`). Three flavours:
 
 - ``ort``: ONNX Runtime's fused contrib ops (GroupQueryAttention with an additive bias over
   past+new tokens, SkipSimplifiedLayerNormalization, RotaryEmbedding, DynamicQuantizeMatMul /
@@ -302,15 +304,14 @@ class DecoderGraphBuilder:
         return make_model(helper.make_graph(g.nodes, "target", inputs, outputs, initializer=g.initializers))
 
     def step_io(self, layers: int, extra: tuple = ()) -> tuple[list, list]:
-        """The inputs every step graph takes (ids, `extra`, positions, attention bias, past lengths, the rows to
+        """The inputs every step graph takes (ids, `extra`, positions, tree mask, past lengths, the rows to
         project) and the KV cache of `layers` layers, bound as past inputs and present outputs (trt: a static
         length)."""
         et, cap = self.opt.compute_type, self.capacity if self.trt else "capacity"
         inputs = [
             helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]), *extra,
             helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]),
-            helper.make_tensor_value_info("attention_bias", TensorProto.FLOAT,
-                                          ["batch", 1, "seq", "total" if self.ort else cap]),
+            helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, ["batch", "seq", "mask_cols"]),
             helper.make_tensor_value_info("past_len", TensorProto.INT32, ["batch"]),
             helper.make_tensor_value_info("logits_indices", TensorProto.INT64, ["rows"]),
         ]
@@ -324,10 +325,43 @@ class DecoderGraphBuilder:
 
     def step_constants(self) -> tuple[str, str, str]:
         """The rotary tables and the attention bias in the compute type."""
-        g, et = self.g, self.opt.compute_type
+        g = self.g
         cos = g.const("rope.cos", self.rope[0], compute=True)
         sin = g.const("rope.sin", self.rope[1], compute=True)
-        return cos, sin, ("attention_bias" if et == TensorProto.FLOAT else g.op("Cast", ["attention_bias"], to=et))
+        return cos, sin, self._mask_bias()
+
+    def _mask_bias(self) -> str:
+        """The additive attention bias [B, 1, T, W] from the compact `tree_mask` [B, T, K] (K >= T) and `past_len`
+        [B]: the mask covers the last K columns before the step's end, start = past_len + T - K (K = T: the step's
+        own tokens; K > T: tree nodes a draft wrote by earlier calls, right after the past). Column c is visible to
+        row i when c < start, or when 0 <= c - start < K and tree_mask[i, c - start]. W: past + T (ort's GQA), the
+        cache capacity otherwise (static for trt). Standard ops only (Range, GatherElements, Where)."""
+        g = self.g
+        i64 = lambda name, v: g.const(f"mask.{name}", np.array(v, np.int64))  # noqa: E731
+        shape = g.op("Shape", ["tree_mask"])
+        seq, cols = (g.op("Gather", [shape, i64(name, k)], axis=0) for name, k in (("t", 1), ("k", 2)))  # scalars
+        past = g.op("Cast", ["past_len"], to=TensorProto.INT64)
+        start = g.op("Sub", [g.op("Add", [past, seq]), cols])  # [B]
+        if self.ort:
+            width = g.op("Add", [g.op("ReduceMax", [past], keepdims=0), seq])
+        elif self.trt:
+            width = i64("capacity", self.capacity)
+        else:
+            width = g.op("Gather", [g.op("Shape", ["past_key_values.0.key"]), i64("two", 2)], axis=0)
+        rel = g.op("Sub", [g.op("Unsqueeze", [g.op("Range", [i64("zero", 0), width, i64("one", 1)]), i64("axis0", [0])]),
+                           g.op("Unsqueeze", [start, i64("axis1", [1])])])  # [B, W]: column - start
+        index = g.op("Max", [g.op("Min", [rel, g.op("Sub", [cols, i64("one", 1)])]), i64("zero", 0)])
+        full = g.op("Concat", [g.op("Slice", [shape, i64("axis0", [0]), i64("two1", [2])]),
+                               g.op("Unsqueeze", [width, i64("axis0", [0])])], axis=0)  # [B, T, W]
+        hit = g.op("GatherElements", ["tree_mask", g.op("Expand", [g.op("Unsqueeze", [index, i64("axis1", [1])]), full])],
+                   axis=2)
+        past_cols = g.op("Unsqueeze", [g.op("Less", [rel, i64("zero", 0)]), i64("axis1", [1])])
+        tree_cols = g.op("Unsqueeze", [g.op("Less", [rel, cols]), i64("axis1", [1])])
+        visible = g.op("Or", [past_cols, g.op("And", [hit, tree_cols])])
+        hidden = np.finfo(np.float16).min if g.elem_type == TensorProto.FLOAT16 else -1e9  # finite in every type
+        bias = g.op("Where", [visible, g.const("mask.visible", np.array(0.0, np.float32), compute=True),
+                              g.const("mask.hidden", np.array(hidden, np.float32), compute=True)])
+        return g.op("Unsqueeze", [bias, i64("axis1", [1])])
 
     def lm_head(self, rows: str) -> str:
         """Logits of hidden rows [n, hidden] (compute type); the weights are created once and shared."""

@@ -59,7 +59,6 @@ def save_graph(proto, name: str, graph: GraphOptions, dims, folder: Path) -> dic
         "head_dim": dims.head_dim,
         "kv_dtype": graph.kv_dtype,
         "kv_capacity": _static_capacity(proto),  # the trt flavour's fixed cache length; None: any capacity
-        "bias_width": "total" if graph.flavour == "ort" else "capacity",
         "aux_layers": list(graph.aux_layers),
         "fused_accept": graph.fused_accept,
         "inputs": _io(proto.graph.input),

@@ -71,10 +71,9 @@ def graph_steps(session, steps: list[Step]) -> list[np.ndarray]:
     for step in steps:
         t = step.ids.shape[1]
         past = cache.length
-        bias = tree.attention_bias(step.parents, past, session.bias_width(cache, past, t), batch=b)
         positions = np.broadcast_to(past + tree.depths(step.parents), (b, t))
         rows = np.arange(b * t)
-        logits = session.forward(cache, step.ids, positions, bias, rows)["logits"]
+        logits = session.forward(cache, step.ids, positions, tree.ancestor_mask(step.parents), rows)["logits"]
         out.append(logits.reshape(b, t, -1))
         cache.advance(t)
     return out
@@ -144,8 +143,8 @@ def agreement_on_prompts(model, session, sequences: list[tuple[list[int], int]],
             got = []
             for piece in pieces:
                 past, t = cache.length, len(piece)
-                bias = tree.causal_bias(past, t, session.bias_width(cache, past, t))
-                logits = session.forward(cache, np.array([piece]), past + np.arange(t)[None], bias, np.arange(t))["logits"]
+                logits = session.forward(cache, np.array([piece]), past + np.arange(t)[None], tree.causal_mask(t),
+                                         np.arange(t))["logits"]
                 got.append(logits.argmax(-1))
                 cache.advance(t)
             got = np.concatenate(got)
@@ -199,8 +198,8 @@ def medusa_step(model, session, heads_session, heads, seed: int = 0, prefix: int
     cache = session.new_cache(prefix + len(TREE) + 8)
     for ids, parents in ((prompt, tree.chain(prefix).tolist()), (tokens, TREE)):
         past, t = cache.length, len(ids)
-        bias = tree.attention_bias(parents, past, session.bias_width(cache, past, t))
-        out = session.forward(cache, np.array([ids]), (past + tree.depths(parents))[None], bias, np.arange(t),
+        out = session.forward(cache, np.array([ids]), (past + tree.depths(parents))[None], tree.ancestor_mask(parents),
+                              np.arange(t),
                               want=("accept_rows", "bonus_token", "medusa_tokens"))
         cache.advance(t)
     alone = heads_session.run(None, {"hidden": hidden[ref.path[-1]][None].astype(heads_session_dtype(heads_session))})[0]
@@ -242,8 +241,7 @@ def eagle(model, session, draft_session, draft, seed: int = 0, prefix: int = 16)
         else:
             ref_feats = states[-1][0].float().numpy()
     cache = session.new_cache(prefix + 4)
-    bias = tree.causal_bias(0, prefix, session.bias_width(cache, 0, prefix))
-    feats = session.forward(cache, ids[None], np.arange(prefix)[None], bias, np.array([prefix - 1]),
+    feats = session.forward(cache, ids[None], np.arange(prefix)[None], tree.causal_mask(prefix), np.array([prefix - 1]),
                             want=("eagle_features",))["eagle_features"][0].astype(np.float32)
     report = {"feature_max_abs_diff": float(np.abs(feats - ref_feats).max())}
 
@@ -255,14 +253,15 @@ def eagle(model, session, draft_session, draft, seed: int = 0, prefix: int = 16)
     positions = np.arange(prefix - 1)
     for _ in range(2):
         past = dcache.length
-        bias = tree.attention_bias(parents, past, draft_session.bias_width(dcache, past, len(tokens)))
-        got = draft_session.forward(dcache, np.array([tokens]), positions[None], bias, np.arange(len(tokens)),
+        bias = tree.attention_bias(parents, past)
+        got = draft_session.forward(dcache, np.array([tokens]), positions[None], tree.ancestor_mask(parents),
+                                    np.arange(len(tokens)),
                                     want=("hidden_out", "draft_logp", "draft_tokens"), inputs={"hidden": hidden[None]})
         dcache.advance(len(tokens))
         with torch.no_grad():
             ref_out, logits, past_kv = module.step(torch.from_numpy(np.array([tokens])), torch.from_numpy(hidden[None]).float(),
                                                    torch.from_numpy(positions[None]),
-                                                   torch.from_numpy(bias[..., :past + len(tokens)]), past_kv)
+                                                   torch.from_numpy(bias), past_kv)
             top = torch.log_softmax(logits[0], -1).topk(got["draft_tokens"].shape[1], -1)
         diffs += [float(np.abs(got["hidden_out"][0] - ref_out[0].numpy()).max()),
                   float(np.abs(got["draft_logp"] - top.values.numpy()).max())]

@@ -1,26 +1,95 @@
-"""ONNX Runtime backend: a step graph (the target's, a draft's) as one session with IO binding, the KV cache bound
-in place; other graphs (Medusa's stand-alone heads) as a plain session."""
+"""The runtime's backends: what the loop calls to run one graph of a bundle, and ONNX Runtime's host backend.
+
+A `Backend` runs a step graph (the target's, a draft's) one step at a time against a KV cache it owns, or any graph
+with a plain call. Implementations: `GraphSession` below (ONNX Runtime, the cache in host numpy buffers bound in
+place: the CPU default), `iobinding.DeviceSession` (ONNX Runtime with the cache and the step's buffers resident on
+the session's device; `--device cuda`, and `cpu-iobinding` to run the same code on CPU), and a TensorRT backend.
+`runtime.device.open_graph` picks one for a device.
+"""
 
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import onnxruntime as ort
 
 from specexport.errors import UserError
+from specexport.runtime import tree
 from specexport.runtime.kvcache import KVCache
 from specexport.runtime.verify import greedy_inputs
 
 _NUMPY_TYPES = {"fp32": np.float32, "fp16": np.float16}
 
 
+@runtime_checkable
+class Cache(Protocol):
+    """A backend's KV cache, counted in rows (positions). Its buffers never move: a step writes its T new rows at
+    [length, length + T) in place, and these calls only move `length` (commit also compacts rows, where they live)."""
+
+    length: int  # committed rows
+    capacity: int
+
+    def room(self) -> int: ...  # capacity - length
+
+    def advance(self, n: int) -> None: ...  # keep all n rows the last step wrote
+
+    def commit(self, rows) -> None: ...  # keep the last step's rows at these offsets from `length` (ascending), in order
+
+    def rewind(self, length: int) -> None: ...  # forget the rows after `length`
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """One graph of a bundle loaded for a device; what the loop (runtime/generate.py) and the proposers call.
+
+    Attributes: `info` the graph's manifest entry; `outputs` its output names; `fused_inputs` True when it takes the
+    sampling acceptance's inputs (exporter/fused.py); `calls`, `seconds` the forward calls so far and their time
+    inside the graph call (`specexport profile` and bench read them).
+
+    `new_cache(capacity, batch=1)`: a KV cache of `capacity` rows that the backend owns and binds to its graph
+    (a graph with a static cache length returns one of that length).
+
+    `forward(cache, input_ids, position_ids, tree_mask, logits_indices, want=("logits",), inputs=None,
+    accept=None) -> {name: numpy array}`: one step over T new tokens, their K/V written at rows
+    [cache.length, cache.length + T); it does not move cache.length (the caller advances or commits).
+      - input_ids, position_ids: [B, T] integers.
+      - tree_mask: [T, K] or [B, T, K] bool, K >= T: the visibility among the last K rows of cache + step. Row i
+        sees every row before cache.length + T - K, and row cache.length + T - K + j when tree_mask[i, j]. K = T: the
+        step's ancestor-or-self mask (`tree.ancestor_mask`; the past is implied visible); K > T: the K - T rows right
+        before the step are tree nodes written by earlier calls (a draft growing its tree level by level). The
+        backend turns it into what its graph takes (the graphs build their attention bias from it themselves).
+      - logits_indices: [n] flat rows (b * T + t) whose logits (and per-row outputs) are wanted.
+      - want: the outputs to bring back to the host, nothing else crosses.
+      - inputs: the graph's other inputs by name (an EAGLE draft's `hidden`); accept: the fused acceptance's inputs
+        (`verify.fused_inputs`), greedy when None.
+
+    `run(feeds) -> {name: array}`: a plain call returning every output (Medusa's stand-alone heads).
+    """
+
+    info: dict
+    outputs: list[str]
+    fused_inputs: bool
+    calls: int
+    seconds: float
+
+    def new_cache(self, capacity: int, batch: int = 1) -> Cache: ...
+
+    def forward(self, cache: Cache, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
+                logits_indices: np.ndarray, want: tuple[str, ...] = ("logits",),
+                inputs: dict[str, np.ndarray] | None = None, accept: dict[str, np.ndarray] | None = None
+                ) -> dict[str, np.ndarray]: ...
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
 def providers(device: str = "auto") -> list[str]:
     """CUDA when asked for or available (GPU package + GPU), else CPU."""
     available = ort.get_available_providers()
-    if device == "cpu":
+    if device in ("cpu", "cpu-iobinding"):
         return ["CPUExecutionProvider"]
     if device == "cuda" and "CUDAExecutionProvider" not in available:
         raise UserError("CUDA requested but this onnxruntime has no CUDAExecutionProvider (pip install onnxruntime-gpu)")
@@ -47,8 +116,9 @@ def session_options(threads: int | None = None, optimized_path: Path | None = No
 
 
 class GraphSession:
-    """One graph of a bundle. A step graph (the target, a draft) runs `forward(cache, ids, positions, bias, rows)`
-    -> its wanted outputs, the KV cache bound in place; any graph runs `run(feeds)`."""
+    """ONNX Runtime with host buffers (the CPU default): the numpy KV cache bound in place as past and present with IO
+    binding, the step's inputs bound from numpy. A graph of an older bundle that takes the wide `attention_bias`
+    still runs: its bias is built here from the tree mask."""
 
     def __init__(self, graph_path: Path, graph_info: dict, threads: int | None = None, device: str = "auto",
                  spin: bool = True):
@@ -56,15 +126,12 @@ class GraphSession:
         self.dtype = _NUMPY_TYPES.get(graph_info["kv_dtype"])
         if self.dtype is None:
             raise UserError(f"KV dtype {graph_info['kv_dtype']} cannot run with this runtime on CPU")
-        self.full_width_bias = graph_info["bias_width"] == "capacity"
-        try:
-            self.session = ort.InferenceSession(str(graph_path), session_options(threads, spin=spin),
-                                                providers=providers(device))
-        except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
-            raise UserError(f"cannot load graph {graph_path.name}: {str(e).splitlines()[0]}") from None
+        self.session = load_session(graph_path, threads, device, spin)
         self.layers = graph_info.get("layers", 0)
         self.outputs = [o.name for o in self.session.get_outputs()]
-        self.fused_inputs = "sample_u" in {i.name for i in self.session.get_inputs()}  # exporter/fused.py
+        names = {i.name for i in self.session.get_inputs()}
+        self.fused_inputs = "sample_u" in names  # exporter/fused.py
+        self.wide_bias = "attention_bias" in names  # bundles exported before the compact tree mask
         self.calls, self.seconds = 0, 0.0  # forward calls so far and their time (for `specexport profile`)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
@@ -74,23 +141,23 @@ class GraphSession:
         capacity = i.get("kv_capacity") or capacity
         return KVCache(i["layers"], batch, i["kv_heads"], capacity, i["head_dim"], self.dtype)
 
-    def bias_width(self, cache: KVCache, past: int, t: int) -> int:
-        return cache.capacity if self.full_width_bias else past + t
-
-    def forward(self, cache: KVCache, input_ids: np.ndarray, position_ids: np.ndarray, bias: np.ndarray,
+    def forward(self, cache: KVCache, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
                 logits_indices: np.ndarray, want: tuple[str, ...] = ("logits",),
                 inputs: dict[str, np.ndarray] | None = None, accept: dict[str, np.ndarray] | None = None
                 ) -> dict[str, np.ndarray]:
-        """One step over T new tokens; K/V land at rows [cache.length, cache.length + T). `inputs`: the
-        graph's other inputs (an EAGLE draft's `hidden`). `accept`: the fused acceptance's inputs
-        (`verify.fused_inputs`), greedy when not given."""
+        """One step (the `Backend` protocol)."""
         b, t = input_ids.shape
-        if cache.length + t > cache.capacity:
-            raise ValueError(f"KV cache overflow: {cache.length} + {t} > capacity {cache.capacity}")
+        check_step(cache, t, tree_mask)
         io = self._binding(cache, want)
         io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
         io.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
-        io.bind_cpu_input("attention_bias", np.ascontiguousarray(bias, dtype=np.float32))
+        mask = tree_mask.reshape((-1,) + tree_mask.shape[-2:])
+        if self.wide_bias:
+            start = cache.length + t - mask.shape[-1]
+            width = cache.capacity if self.info.get("bias_width") == "capacity" else cache.length + t
+            io.bind_cpu_input("attention_bias", tree.mask_bias(mask[0], start, width, b))
+        else:
+            io.bind_cpu_input("tree_mask", np.ascontiguousarray(np.broadcast_to(mask, (b,) + mask.shape[1:])))
         io.bind_cpu_input("past_len", np.full(b, cache.length, dtype=np.int32))
         io.bind_cpu_input("logits_indices", np.ascontiguousarray(logits_indices, dtype=np.int64))
         for name, value in (inputs or {}).items():
@@ -110,8 +177,7 @@ class GraphSession:
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A plain call: every output, by name."""
-        names = [o.name for o in self.session.get_outputs()]
-        return dict(zip(names, self.session.run(names, feeds)))
+        return dict(zip(self.outputs, self.session.run(self.outputs, feeds)))
 
     def _binding(self, cache: KVCache, want: tuple[str, ...]):
         """An IO binding per cache and set of wanted outputs, made once: each cache buffer bound as
@@ -128,3 +194,20 @@ class GraphSession:
                     io.bind_ortvalue_output(f"present.{layer}.{kind}", value)
         return io
 
+
+def load_session(graph_path: Path, threads: int | None, device: str, spin: bool) -> ort.InferenceSession:
+    try:
+        return ort.InferenceSession(str(graph_path), session_options(threads, spin=spin), providers=providers(device))
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+        raise UserError(f"cannot load graph {graph_path.name}: {str(e).splitlines()[0]}") from None
+
+
+def check_step(cache, t: int, tree_mask: np.ndarray) -> None:
+    """A step must fit the cache and its mask must be [.., T, K >= T] with K - T rows already written."""
+    rows, cols = tree_mask.shape[-2:]
+    if rows != t or not t <= cols <= cache.length + t:
+        raise ValueError(f"tree mask {list(tree_mask.shape)} does not fit a step of {t} tokens after {cache.length}")
+    if cache.length + t > cache.capacity:
+        raise ValueError(f"KV cache overflow: {cache.length} + {t} > capacity {cache.capacity}")

@@ -17,14 +17,14 @@ import numpy as np
 from specexport.bundle import Bundle, load_bundle
 from specexport.errors import UserError
 from specexport.runtime import cpu, methods, tree
-from specexport.runtime.backend import GraphSession
-from specexport.runtime.kvcache import KVCache
+from specexport.runtime.backend import Backend, Cache
+from specexport.runtime.device import open_graph
 from specexport.runtime.sampling import Sampler, SamplingParams
 from specexport.runtime.tokenizer import StreamDecoder, Tokenizer, find_stop
 from specexport.runtime.tree import AcceptMode, DraftTree
 from specexport.runtime.verify import Acceptance, accept, fused_inputs
 
-PREFILL_CHUNK = 512  # tokens per prefill call: bounds the bias ([T, past+T] floats) and activations
+PREFILL_CHUNK = 512  # tokens per prefill call: bounds the tree mask ([T, T] bools) and activations
 
 
 @dataclass
@@ -112,7 +112,7 @@ class Engine:
         self.fused_accept = "accept_rows" in self.target.outputs  # greedy and sampling acceptance inside the graph
         self.method = methods.get(bundle.method)
         self.settings = self.method.settings(bundle.manifest["method"], {})
-        self._graphs: dict[str, GraphSession] = {}
+        self._graphs: dict[str, Backend] = {}
 
     @classmethod
     def load(cls, path: str | Path, threads: int | None = None, device: str = "auto", verify: bool = True) -> "Engine":
@@ -130,20 +130,20 @@ class Engine:
         note = self.method.describe(self.settings)
         return self.bundle.method + (f" ({note})" if note else "")
 
-    def graph(self, name: str) -> GraphSession:
+    def graph(self, name: str) -> Backend:
         """Another graph of the bundle (a draft, Medusa's heads), loaded on first use; it does not spin, so it never
         takes the cores from the target's next call (backend.session_options)."""
         if name not in self._graphs:
             self._graphs[name] = self._session(name, spin=False)
         return self._graphs[name]
 
-    def side_graphs(self) -> list[GraphSession]:
-        """The other graphs loaded so far (their calls and time: GraphSession.calls, .seconds)."""
+    def side_graphs(self) -> list[Backend]:
+        """The other graphs loaded so far (their calls and time: Backend.calls, .seconds)."""
         return list(self._graphs.values())
 
-    def _session(self, name: str, spin: bool) -> GraphSession:
+    def _session(self, name: str, spin: bool) -> Backend:
         info = self.bundle.graphs[name]
-        return GraphSession(self.bundle.file(info["file"]), info, threads=self.threads, device=self.device, spin=spin)
+        return open_graph(self.bundle.file(info["file"]), info, threads=self.threads, device=self.device, spin=spin)
 
     def proposer(self, sampler: Sampler, plain: bool = False) -> methods.Proposer:
         """The bundle's proposer with the current settings; `plain`: plain decoding (the baseline)."""
@@ -181,7 +181,7 @@ class Engine:
         return ids
 
     # -- target calls ------------------------------------------------------------------------
-    def prefill(self, cache: KVCache, ids: list[int], proposer=None) -> np.ndarray:
+    def prefill(self, cache: Cache, ids: list[int], proposer=None) -> np.ndarray:
         """Run the prompt through the target; returns the logits of its last token. Its calls also
         bring what `proposer` wants from the target (EAGLE's features; Medusa's candidates at the last row)."""
         chunks = [ids[:1], ids[1:]] if self.first_token_alone and len(ids) > 1 else [ids]
@@ -193,25 +193,23 @@ class Engine:
                 proposer.observe(out, range(len(chunk)))
         return out["logits"][-1]
 
-    def forward_chain(self, cache: KVCache, ids: list[int], want=("logits",)) -> dict:
+    def forward_chain(self, cache: Cache, ids: list[int], want=("logits",)) -> dict:
         """Append a chain of tokens; returns the `want`ed outputs, the logits of the last row, [1, vocab]."""
         t, past = len(ids), cache.length
-        bias = tree.causal_bias(past, t, self.target.bias_width(cache, past, t))
-        out = self.target.forward(cache, np.array([ids]), past + np.arange(t)[None], bias, np.array([t - 1]), want=want)
+        out = self.target.forward(cache, np.array([ids]), past + np.arange(t)[None], tree.causal_mask(t),
+                                  np.array([t - 1]), want=want)
         cache.advance(t)
         return out
 
-    def verify(self, cache: KVCache, draft: DraftTree, want=("logits",), accept: dict | None = None) -> dict:
+    def verify(self, cache: Cache, draft: DraftTree, want=("logits",), accept: dict | None = None) -> dict:
         """One target call over the tree, every row selected; logits are [T, vocab]. `accept`: the fused
         acceptance's inputs (`verify.fused_inputs`), greedy when not given."""
-        t, past = len(draft), cache.length
-        bias = tree.attention_bias(draft.parents, past, self.target.bias_width(cache, past, t))
-        positions = past + tree.depths(draft.parents)
-        return self.target.forward(cache, np.array([draft.tokens]), positions[None], bias, np.arange(t), want=want,
-                                   accept=accept)
+        positions = cache.length + tree.depths(draft.parents)
+        return self.target.forward(cache, np.array([draft.tokens]), positions[None], tree.ancestor_mask(draft.parents),
+                                   np.arange(len(draft)), want=want, accept=accept)
 
     # -- the loop ------------------------------------------------------------------------------
-    def step(self, cache: KVCache, history: list[int], proposer: methods.Proposer, sampler: Sampler) -> StepRecord:
+    def step(self, cache: Cache, history: list[int], proposer: methods.Proposer, sampler: Sampler) -> StepRecord:
         """One speculative step: propose, verify, accept, commit. history[-1] is the root."""
         start = time.perf_counter()
         draft = proposer.propose(history).truncated(cache.room())

@@ -1,11 +1,11 @@
-"""Trees of draft tokens as pure data: the step's `DraftTree`, and parent lists -> depths, attention bias.
+"""Trees of draft tokens as pure data: the step's `DraftTree`, and parent lists -> depths, ancestor masks.
 
 A tree is a list of parent indices in topological order (parent < child, -1 for a root). The step's tree is
 root-inclusive: node 0 is the root (the last emitted token, not yet in the target's KV cache) and every other
-node descends from it, so the same indices serve the attention bias, the verify call's rows, acceptance paths
+node descends from it, so the same indices serve the tree mask, the verify call's rows, acceptance paths
 and the cache commit. A chain is a tree with one child per node.
 
-The bias helpers also take trees that continue a past (a draft model growing its own tree level by level):
+The mask helpers also take trees that continue a past (a draft model growing its own tree level by level):
 there a -1 parent means "below the past".
 """
 
@@ -120,23 +120,24 @@ def ancestor_mask(parents) -> np.ndarray:
     return mask
 
 
+def causal_mask(t: int) -> np.ndarray:
+    """[t, t] bool: the ancestor mask of a chain of t tokens (prefill or a decode step)."""
+    return np.tri(t, dtype=bool)
+
+
 def attention_bias(parents, past_len: int, width: int | None = None, batch: int = 1, first: int = 0) -> np.ndarray:
-    """Additive bias [batch, 1, T - first, width]: each new node sees the whole past and its own ancestors.
+    """Additive bias [batch, 1, T - first, width]: each new node sees the whole past and its own ancestors (the
+    4-D mask a transformers reference takes; step graphs build it themselves from the compact mask).
 
-    `width` defaults to past_len + T; a graph whose bias spans the whole cache passes its capacity.
-    With `first` > 0 only nodes first.. are new: nodes 0..first-1 of the tree are already cached right
-    after the past (a tree grown level by level, as a draft model does).
+    `width` defaults to past_len + T. With `first` > 0 only nodes first.. are new: nodes 0..first-1 of the tree are
+    already cached right after the past (a tree grown level by level, as a draft model does).
     """
-    return _bias(ancestor_mask(parents)[first:], past_len, width, batch)
+    return mask_bias(ancestor_mask(parents)[first:], past_len, width, batch)
 
 
-def causal_bias(past_len: int, t: int, width: int | None = None, batch: int = 1) -> np.ndarray:
-    """Bias for a plain chunk of t tokens (prefill or one decode step): the tree `chain(t)`."""
-    return _bias(np.tri(t, dtype=bool), past_len, width, batch)
-
-
-def _bias(visible: np.ndarray, past_len: int, width: int | None, batch: int) -> np.ndarray:
-    """visible: [rows, tree nodes] bool; the tree's columns follow the past's."""
+def mask_bias(visible: np.ndarray, past_len: int, width: int | None = None, batch: int = 1) -> np.ndarray:
+    """The wide additive bias [batch, 1, rows, width] of a compact mask `visible` [rows, K] whose K columns follow
+    the `past_len` rows every row sees."""
     rows, nodes = visible.shape
     width = past_len + nodes if width is None else width
     if width < past_len + nodes:
@@ -145,4 +146,3 @@ def _bias(visible: np.ndarray, past_len: int, width: int | None, batch: int) -> 
     bias[..., :past_len] = 0.0
     bias[..., past_len:past_len + nodes] = np.where(visible, 0.0, HIDDEN)
     return bias
-

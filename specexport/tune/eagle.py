@@ -33,8 +33,7 @@ def draft_latency(engine, context: int, reps: int) -> list[float]:
     cache.advance(context)  # the rows' contents do not change the time
     out = []
     for t in DRAFT_TOKENS:
-        bias = tree.causal_bias(context, t, session.bias_width(cache, context, t))
-        args = (cache, np.zeros((1, t), np.int64), (context + np.arange(t))[None], bias, np.arange(t))
+        args = (cache, np.zeros((1, t), np.int64), (context + np.arange(t))[None], tree.causal_mask(t), np.arange(t))
         kwargs = {"want": ("hidden_out", "draft_logp", "draft_tokens"),
                   "inputs": {"hidden": np.zeros((1, t, hidden_size), np.float32)}}
         out.append(round(median_ms(lambda: session.forward(*args, **kwargs), reps), 3))

@@ -90,9 +90,9 @@ class DraftModel(Proposer):
         """Append nodes first.. of a tree whose node 0 sits at row `past` (nodes before `first` are cached right
         after it); returns the logits of `rows`."""
         cache, t = self.cache, len(ids)
-        bias = tree.attention_bias(parents, past, self.session.bias_width(cache, cache.length, t), first=first)
         positions = past + tree.depths(parents)[first:]
-        out = self.session.forward(cache, np.array([ids]), positions[None], bias, np.asarray(list(rows)))
+        out = self.session.forward(cache, np.array([ids]), positions[None], tree.ancestor_mask(parents)[first:],
+                                   np.asarray(list(rows)))
         cache.advance(t)
         return out["logits"]
 

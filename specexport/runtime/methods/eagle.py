@@ -136,10 +136,9 @@ class Eagle(Proposer):
 
     def _call(self, ids, hidden, parents, past: int, first: int, rows) -> dict:
         """Feed nodes first.. of `parents` (a tree below row past - 1; earlier nodes are cached after it)."""
-        cache, t = self.cache, len(ids)
-        bias = tree.attention_bias(parents, past, self.session.bias_width(cache, cache.length, t), first=first)
         positions = past + tree.depths(parents)[first:]
-        return self.session.forward(cache, np.array([ids]), np.asarray(positions)[None], bias, np.asarray(list(rows)),
+        return self.session.forward(self.cache, np.array([ids]), np.asarray(positions)[None],
+                                    tree.ancestor_mask(parents)[first:], np.asarray(list(rows)),
                                     want=("hidden_out", "draft_logp", "draft_tokens"), inputs={"hidden": hidden[None]})
 
 
