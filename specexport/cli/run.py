@@ -15,6 +15,7 @@ from specexport.errors import UserError
 from specexport.fsutil import write_json
 from specexport.runtime import methods
 from specexport.runtime.bench import encode_prompts, read_prompts, run_bench, summary_lines
+from specexport.runtime.device import DEVICES
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import SamplingParams
 
@@ -22,8 +23,13 @@ from specexport.runtime.sampling import SamplingParams
 OVERRIDES = SettingOptions({name: m.Settings for name, m in methods.METHODS.items()}, taken=("--top-k",))
 
 
-def _engine(bundle: Path, threads: int | None, kwargs: dict) -> Engine:
-    engine = Engine.load(bundle, threads=threads)
+DEVICE = click.option("--device", type=click.Choice(DEVICES), default="auto", show_default=True,
+                      help="auto: CUDA when this onnxruntime has it, else the CPU. cuda: the KV cache and step buffers "
+                           "on the GPU (I/O binding). cpu-iobinding: that device path run on the CPU.")
+
+
+def _engine(bundle: Path, threads: int | None, device: str, kwargs: dict) -> Engine:
+    engine = Engine.load(bundle, threads=threads, device=device)
     engine.configure(**{name: kwargs[PARAM + name] for name in OVERRIDES.field})
     for warning in engine.warnings:
         click.echo(f"warning: {warning}", err=True)
@@ -44,9 +50,10 @@ def _engine(bundle: Path, threads: int | None, kwargs: dict) -> Engine:
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--threads", type=int, default=None, help="ORT intra-op threads (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@DEVICE
 @OVERRIDES
 def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_id, raw, threads,
-        as_json, **overrides):
+        as_json, device, **overrides):
     """Generate from a prompt with a bundle, streaming the text, then print stats.
 
     The method's settings (tree, draft length, ...) default to the bundle's; the options below override them.
@@ -68,7 +75,7 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     params = SamplingParams(temperature=temperature or 0.0, top_k=top_k, top_p=top_p, seed=seed)
-    engine = _engine(bundle, threads, overrides)
+    engine = _engine(bundle, threads, device, overrides)
     vocab = engine.bundle.manifest["model"]["vocab"]
     if any(not 0 <= t < vocab for t in stop_id):
         raise UserError(f"--stop-id must be a token id in 0..{vocab - 1}")
@@ -97,8 +104,9 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
 @click.option("--compare-hf", is_flag=True,
               help="Also time transformers generate on the same model (needs the export extra).")
 @click.option("--threads", type=int, default=None)
+@DEVICE
 @OVERRIDES
-def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, **overrides):
+def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, device, **overrides):
     """Benchmark a bundle's method against plain decoding on the same engine (greedy, batch 1).
 
     \b
@@ -117,7 +125,7 @@ def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, *
         except ModuleNotFoundError as e:
             needs_extra("bench --compare-hf", "export", e)
     prompts = read_prompts(prompts_file)
-    engine = _engine(bundle, threads, overrides)
+    engine = _engine(bundle, threads, device, overrides)
     progress = lambda text: click.echo(text, err=True)  # noqa: E731
     result = run_bench(engine, prompts, max_new_tokens=max_new_tokens, progress=progress)
     if hf_speed is not None:
