@@ -27,6 +27,7 @@ from specexport.exporter.sources import ALIASES
 from specexport.profiles import bundled, load_profile, resolve_profile
 from specexport.profiles import detect as detection
 from specexport.profiles.detect import Found
+from specexport.runtime import device_cache
 from specexport.runtime import tensorrt as trt_runtime
 from specexport.runtime.generate import Engine
 from specexport.runtime.kvcache import KVCache
@@ -74,7 +75,7 @@ def test_build_without_tensorrt_names_what_to_install(tiny_folder, tmp_path, mon
     monkeypatch.setattr(trt_runtime.shutil, "which", lambda name: None)  # no driver either, whatever this host has
     line = one_line_failure(["build", "--model", tiny_folder, "--backend", "tensorrt", "--output", tmp_path / "b"],
                             "the tensorrt backend needs TensorRT >= 10.15 (pip install tensorrt)")
-    if trt_runtime._cudart() is None:
+    if device_cache.load_cudart() is None:
         assert "cuda-python (pip install cuda-python)" in line and "an NVIDIA GPU" in line
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.partial*"))
 
@@ -197,13 +198,13 @@ def test_input_shapes_of_a_real_graph(trt_bundle):
     ([2, 3, 4], [(0, 2, 3)]),
 ])  # fmt: skip
 def test_commit_copies_runs_of_moved_rows(rows, runs):
-    assert trt_runtime.row_runs(rows) == runs
+    assert device_cache.row_runs(rows) == runs
 
 
 @pytest.mark.parametrize("rows", [[0, 2, 3], [1, 3], [0, 4, 5, 7], [3, 4, 5, 6], [6]])
 def test_the_row_copies_commit_like_the_host_cache(rows):
     """The copies `DeviceCache.commit` issues (one 2-D copy per run: every layer, kind and head at once), played on a
-    host array laid out like the device allocation, leave the same cache as KVCache.commit."""
+    host array laid out like the device allocation (runtime/device_cache.py), leave the same cache as KVCache.commit."""
     layers, heads, capacity, dim, length = 2, 3, 16, 4, 5
     host = KVCache(layers, 1, heads, capacity, dim)
     rng = np.random.default_rng(0)
@@ -212,7 +213,7 @@ def test_the_row_copies_commit_like_the_host_cache(rows):
     device = np.stack(host.buffers).reshape(2 * layers * heads, capacity, dim)  # [k0, v0, k1, v1] x heads, back to back
     host.length = length
     host.commit(rows)
-    for to, src, n in trt_runtime.row_runs(rows):
+    for to, src, n in device_cache.row_runs(rows):
         device[:, length + to:length + to + n] = device[:, length + src:length + src + n].copy()
     assert np.array_equal(device.reshape(2 * layers, 1, heads, capacity, dim)[:, :, :, :length + len(rows)],
                           np.stack(host.buffers)[:, :, :, :length + len(rows)])

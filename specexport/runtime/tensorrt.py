@@ -2,9 +2,9 @@
 the KV cache and every step buffer in device memory allocated with NVIDIA's cuda-python.
 
 Written to the documented APIs of TensorRT >= 10.15 (`tensorrt`) and cuda-python (`cuda.bindings.runtime`, or
-`cuda.cudart` from older releases); both are imported lazily, so a CPU install never loads them. Before a plan is
-deserialized its checksum, TensorRT version and GPU compute capability are checked against the manifest; a plan
-for another TensorRT or GPU is one line, not a crash inside TensorRT.
+`cuda.cudart` from older releases), and not yet run on a GPU; both are imported lazily, so a CPU install never loads
+them. Before a plan is deserialized its checksum, TensorRT version and GPU compute capability are checked against
+the manifest; a plan for another TensorRT or GPU is one line, not a crash inside TensorRT.
 
 A step: the inputs go to fixed device buffers (one host-to-device copy each), `set_input_shape` per input, one
 `execute_async_v3` on the backend's stream (one execution context per optimization profile: tokens-per-step, and
@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from specexport.errors import UserError
+from specexport.runtime.device_cache import Cuda, DeviceCache, load_cudart
 from specexport.runtime.verify import greedy_inputs
 
 MIN_VERSION = (10, 15)  # RMSNormalization, RotaryEmbedding and TensorScatter (KVCacheUpdate) in the ONNX parser
-ALIGN = 256  # TensorRT's alignment for I/O tensor addresses
 WHAT = "the tensorrt backend"
 
 
@@ -58,17 +58,6 @@ class Platform:
     compute_capability: str  # "9.0"
 
 
-def _cudart():
-    try:
-        from cuda.bindings import runtime as cudart
-    except ImportError:
-        try:
-            from cuda import cudart  # cuda-python < 12.6
-        except ImportError:
-            return None
-    return cudart
-
-
 def require(what: str = WHAT) -> Platform:
     """TensorRT >= 10.15, cuda-python and an NVIDIA GPU, or one line naming each part that is missing."""
     missing, trt, version = [], None, ""
@@ -80,7 +69,7 @@ def require(what: str = WHAT) -> Platform:
             missing.append(f"TensorRT >= 10.15 (found {version}: pip install -U tensorrt)")
     except ImportError:
         missing.append("TensorRT >= 10.15 (pip install tensorrt)")
-    cudart = _cudart()
+    cudart = load_cudart()
     gpu = None
     if cudart is None:
         missing.append("cuda-python (pip install cuda-python)")
@@ -142,21 +131,6 @@ def pick_profile(profiles: list, t: int) -> int:
     return min(fitting)[1]
 
 
-def row_runs(rows) -> list[tuple[int, int, int]]:
-    """The copies that commit accepted rows (offsets from the cache's length, ascending): (to, from, count) for
-    each run of rows that must move and whose sources are consecutive; rows already in place are left. Copied in
-    order, no copy overwrites a row a later one reads (each source lies at or after its destination)."""
-    runs = []
-    for to, src in enumerate(int(r) for r in rows):
-        if src == to:
-            continue
-        if runs and runs[-1][0] + runs[-1][2] == to and runs[-1][1] + runs[-1][2] == src:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((to, src, 1))
-    return runs
-
-
 def read_plan(path: Path, engine: dict) -> bytes:
     """The plan's bytes, checked against the manifest's size and sha256 (a truncated or edited plan is one line)."""
     try:
@@ -169,82 +143,7 @@ def read_plan(path: Path, engine: dict) -> bytes:
     return data
 
 
-class _Cuda:
-    """The few cuda-python runtime calls the backend makes, each checked: an error raises with its name."""
-
-    def __init__(self, cudart):
-        self.rt = cudart
-        self.ok = cudart.cudaError_t.cudaSuccess
-        kinds = cudart.cudaMemcpyKind
-        self.h2d, self.d2h, self.d2d = (kinds.cudaMemcpyHostToDevice, kinds.cudaMemcpyDeviceToHost,
-                                        kinds.cudaMemcpyDeviceToDevice)
-
-    def __call__(self, result):
-        err, *values = result if isinstance(result, tuple) else (result,)
-        if err != self.ok:
-            raise RuntimeError(f"CUDA error {getattr(err, 'name', err)}")
-        return values[0] if len(values) == 1 else tuple(values)
-
-    def malloc(self, nbytes: int) -> int:
-        return int(self(self.rt.cudaMalloc(max(nbytes, 1))))
-
-    def free(self, ptr: int) -> None:
-        self(self.rt.cudaFree(ptr))
-
-
-class DeviceCache:
-    """The KV cache in device memory: K and V of every layer in one allocation, [B, kv_heads, S_max, head_dim]
-    each, laid one after another (k0, v0, k1, v1, ...). The runtime's cache protocol (backend.Cache)."""
-
-    def __init__(self, cuda: _Cuda, stream, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
-                 itemsize: int):
-        self.cuda, self.stream = cuda, stream
-        self.capacity, self.batch, self.length = capacity, batch, 0
-        self.row = head_dim * itemsize  # bytes of one row of one head
-        self.pitch = capacity * self.row  # bytes from one head's rows to the next head's
-        block = batch * kv_heads * self.pitch  # one layer's K (or V)
-        stride = -(-block // ALIGN) * ALIGN
-        self.base = cuda.malloc(stride * 2 * layers)
-        cuda(cuda.rt.cudaMemsetAsync(self.base, 0, stride * 2 * layers, stream))
-        self.addresses = [self.base + j * stride for j in range(2 * layers)]  # k0, v0, k1, v1, ...
-        # one 2-D copy spans every layer, kind and head when the blocks lie back to back; else one per block
-        heads = batch * kv_heads
-        self.segments = [(self.base, 2 * layers * heads)] if stride == block else [(a, heads) for a in self.addresses]
-
-    def room(self) -> int:
-        return self.capacity - self.length
-
-    def advance(self, n: int) -> None:
-        if self.length + n > self.capacity:
-            raise ValueError(f"KV cache overflow: {self.length} + {n} > capacity {self.capacity}")
-        self.length += n
-
-    def commit(self, rows) -> None:
-        """Keep the last step's rows at these offsets from `length` (ascending), copied down on the device."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if rows.size and (rows.min() < 0 or self.length + rows.max() >= self.capacity):
-            raise ValueError(f"commit rows {rows.tolist()} outside the cache")
-        rt = self.cuda.rt
-        for to, src, n in row_runs(rows):
-            for base, height in self.segments:
-                dst, source = base + (self.length + to) * self.row, base + (self.length + src) * self.row
-                self.cuda(rt.cudaMemcpy2DAsync(dst, self.pitch, source, self.pitch, n * self.row, height,
-                                               self.cuda.d2d, self.stream))
-        self.length += int(rows.size)
-
-    def rewind(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot rewind to {length} (cache holds {self.length})")
-        self.length = length
-
-    def __del__(self):
-        try:
-            self.cuda.free(self.base)
-        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may already be gone
-            pass
-
-
-def _output_allocator(trt, cuda: _Cuda):
+def _output_allocator(trt, cuda: Cuda):
     """A TensorRT output allocator for outputs whose shape depends on the data (NonZero's accepted rows): it keeps
     one device buffer per output, grown when a step needs more, and the shape TensorRT reports."""
 
@@ -293,7 +192,7 @@ class TensorRTSession:
             raise UserError(f"cannot run {plan_path.name} on this {platform.gpu}: {why}")
         data = read_plan(plan_path, engine_info)
         trt = platform.trt
-        self.trt, self.cuda = trt, _Cuda(platform.cuda)
+        self.trt, self.cuda = trt, Cuda(platform.cuda)
         self.logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(self.logger)
         if engine_info.get("version_compatible"):
@@ -377,6 +276,8 @@ class TensorRTSession:
                 ) -> dict[str, np.ndarray]:
         """One step (the Backend protocol): feeds in, `execute_async_v3` (or its CUDA graph), `want` out."""
         b, t = input_ids.shape
+        if b != 1:
+            raise ValueError(f"the TensorRT engines run batch 1, not {b}")
         if cache.length + t > self.s_max:
             raise UserError(f"the context reaches {cache.length + t} tokens, past this TensorRT engine's S_max of "
                             f"{self.s_max}: rebuild with a longer --max-context")
