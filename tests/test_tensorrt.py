@@ -125,6 +125,10 @@ def test_the_manifest_records_engines_under_checksum(trt_bundle):
     bundle = load_bundle(trt_bundle)
     assert "target.plan" in bundle.manifest["files"]
     assert bundle.graphs["target"]["engine"]["compute_capability"] == "9.0"
+    info = CliRunner().invoke(main, ["info", str(trt_bundle)])
+    assert info.exit_code == 0, info.output
+    assert ("engine       target: target.plan (TensorRT 10.15.1.29, NVIDIA H200, compute capability 9.0; tokens per "
+            "call 1-9, 1-64)") in info.output
 
 
 # ---- versions, compute capabilities, profiles -----------------------------------------------------------------

@@ -24,6 +24,11 @@ def describe(bundle: Bundle) -> list[str]:
     for name, g in m["graphs"].items():
         lines.append(f"graph        {name}: {_get(g, 'file')} ({len(_get(g, 'inputs'))} inputs, "
                      f"{len(_get(g, 'outputs'))} outputs)")
+        if isinstance(g.get("engine"), dict):  # a TensorRT plan (exporter/tensorrt.py)
+            e = g["engine"]
+            tokens = ", ".join(f"{p[0]}-{p[2]}" for p in e.get("profiles", []) if isinstance(p, list) and len(p) == 3)
+            lines.append(f"engine       {name}: {_get(e, 'file')} (TensorRT {_get(e, 'tensorrt')}, {_get(e, 'gpu')}, "
+                         f"compute capability {_get(e, 'compute_capability')}; tokens per call {tokens or '?'})")
     size = sum(f["bytes"] for f in m["files"].values())
     lines.append(f"files        {len(m['files'])} ({size / 1e6:.1f} MB), checksums ok")
     tools = m.get("tools") if isinstance(m.get("tools"), dict) else {}
