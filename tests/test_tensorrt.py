@@ -205,22 +205,39 @@ def test_commit_copies_runs_of_moved_rows(rows, runs):
     assert device_cache.row_runs(rows) == runs
 
 
-@pytest.mark.parametrize("rows", [[0, 2, 3], [1, 3], [0, 4, 5, 7], [3, 4, 5, 6], [6]])
-def test_the_row_copies_commit_like_the_host_cache(rows):
-    """The copies `DeviceCache.commit` issues (one 2-D copy per run: every layer, kind and head at once), played on a
-    host array laid out like the device allocation (runtime/device_cache.py), leave the same cache as KVCache.commit."""
-    layers, heads, capacity, dim, length = 2, 3, 16, 4, 5
-    host = KVCache(layers, 1, heads, capacity, dim)
+def copy_2d(memory: np.ndarray, to: int, src: int, pitch: int, width: int, height: int) -> None:
+    """cudaMemcpy2D's documented semantics on a byte array: `height` rows of `width` bytes, `pitch` apart."""
+    for h in range(height):
+        memory[to + h * pitch:to + h * pitch + width] = memory[src + h * pitch:src + h * pitch + width].copy()
+
+
+@pytest.mark.parametrize("capacity, head_dim, itemsize", [(16, 4, 4), (16, 64, 2), (3, 2, 2), (7, 6, 2)])
+@pytest.mark.parametrize("rows", [[0, 2, 3], [1, 3], [0, 4, 5, 7], [2, 3, 4, 5], [6]])
+def test_the_device_commit_copies_leave_the_host_cache(rows, capacity, head_dim, itemsize):
+    """The 2-D copies `DeviceCache.commit` issues (`Layout.copies`; one per run of moved rows across every layer,
+    kind and head when the blocks lie back to back, else per block), played on a byte array laid out like the device
+    allocation, leave the same rows as KVCache.commit."""
+    layers, heads, length = 2, 3, 1
+    capacity = max(capacity, length + max(rows) + 1)
+    dtype = {4: np.float32, 2: np.float16}[itemsize]
+    host = KVCache(layers, 1, heads, capacity, head_dim, dtype)
     rng = np.random.default_rng(0)
     for buf in host.buffers:
         buf[:] = rng.standard_normal(buf.shape)
-    device = np.stack(host.buffers).reshape(2 * layers * heads, capacity, dim)  # [k0, v0, k1, v1] x heads, back to back
+    layout = device_cache.Layout.of(layers, 1, heads, capacity, head_dim, itemsize)
+    memory = np.zeros(layout.size, np.uint8)
+    for j, buf in enumerate(host.buffers):
+        memory[j * layout.stride:j * layout.stride + buf.nbytes] = buf.view(np.uint8).ravel()
     host.length = length
     host.commit(rows)
-    for to, src, n in device_cache.row_runs(rows):
-        device[:, length + to:length + to + n] = device[:, length + src:length + src + n].copy()
-    assert np.array_equal(device.reshape(2 * layers, 1, heads, capacity, dim)[:, :, :, :length + len(rows)],
-                          np.stack(host.buffers)[:, :, :, :length + len(rows)])
+    for to, src, width, height in layout.copies(length, rows):
+        copy_2d(memory, to, src, layout.pitch, width, height)
+    kept = length + len(rows)
+    for j, buf in enumerate(host.buffers):
+        device = memory[j * layout.stride:j * layout.stride + buf.nbytes].view(dtype).reshape(buf.shape)
+        assert np.array_equal(device[:, :, :kept], buf[:, :, :kept])
+    contiguous = layout.stride == heads * layout.pitch
+    assert len(layout.copies(length, rows)) == len(device_cache.row_runs(rows)) * (1 if contiguous else 2 * layers)
 
 
 # ---- profiles on GPUs -----------------------------------------------------------------------------------------

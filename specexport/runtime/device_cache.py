@@ -7,6 +7,8 @@ run on a GPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 ALIGN = 256  # TensorRT's alignment for I/O tensor addresses
@@ -62,24 +64,48 @@ class Cuda:
         self(self.rt.cudaFree(ptr))
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where a cache's rows lie in its one allocation, in bytes from its start: K and V of every layer
+    [B, kv_heads, S_max, head_dim] one after another (k0, v0, k1, v1, ...), each block starting 256-byte aligned."""
+
+    row: int  # one row of one head
+    pitch: int  # from a head's first row to the next head's
+    stride: int  # from one layer's K (or V) to the next block
+    blocks: int  # 2 x layers
+    heads: int  # batch x kv_heads: the rows of `pitch` in a block
+
+    @classmethod
+    def of(cls, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, itemsize: int) -> "Layout":
+        row = head_dim * itemsize
+        block = batch * kv_heads * capacity * row
+        return cls(row, capacity * row, -(-block // ALIGN) * ALIGN, 2 * layers, batch * kv_heads)
+
+    @property
+    def size(self) -> int:
+        return self.stride * self.blocks
+
+    def copies(self, length: int, rows) -> list[tuple[int, int, int, int]]:
+        """The 2-D copies (to, from, width, height; pitch `pitch`) that commit the step's `rows` (offsets from
+        `length`, ascending): one per run of moved rows spanning every block when the blocks lie back to back
+        (then a block's heads continue at the same pitch), else one per run and block."""
+        spans = [(0, self.blocks * self.heads)] if self.stride == self.heads * self.pitch else \
+            [(j * self.stride, self.heads) for j in range(self.blocks)]
+        return [(start + (length + to) * self.row, start + (length + src) * self.row, n * self.row, height)
+                for to, src, n in row_runs(rows) for start, height in spans]
+
+
 class DeviceCache:
-    """The KV cache in device memory: K and V of every layer in one allocation, [B, kv_heads, S_max, head_dim]
-    each, laid one after another (k0, v0, k1, v1, ...). The runtime's cache protocol (backend.Cache)."""
+    """The KV cache in device memory (`Layout`): the runtime's cache protocol (backend.Cache)."""
 
     def __init__(self, cuda: Cuda, stream, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
                  itemsize: int):
         self.cuda, self.stream = cuda, stream
         self.capacity, self.batch, self.length = capacity, batch, 0
-        self.row = head_dim * itemsize  # bytes of one row of one head
-        self.pitch = capacity * self.row  # bytes from one head's rows to the next head's
-        block = batch * kv_heads * self.pitch  # one layer's K (or V)
-        stride = -(-block // ALIGN) * ALIGN
-        self.base = cuda.malloc(stride * 2 * layers)
-        cuda(cuda.rt.cudaMemsetAsync(self.base, 0, stride * 2 * layers, stream))
-        self.addresses = [self.base + j * stride for j in range(2 * layers)]  # k0, v0, k1, v1, ...
-        # one 2-D copy spans every layer, kind and head when the blocks lie back to back; else one per block
-        heads = batch * kv_heads
-        self.segments = [(self.base, 2 * layers * heads)] if stride == block else [(a, heads) for a in self.addresses]
+        self.layout = Layout.of(layers, batch, kv_heads, capacity, head_dim, itemsize)
+        self.base = cuda.malloc(self.layout.size)
+        cuda(cuda.rt.cudaMemsetAsync(self.base, 0, self.layout.size, stream))
+        self.addresses = [self.base + j * self.layout.stride for j in range(self.layout.blocks)]  # k0, v0, k1, ...
 
     def room(self) -> int:
         return self.capacity - self.length
@@ -94,12 +120,10 @@ class DeviceCache:
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or self.length + rows.max() >= self.capacity):
             raise ValueError(f"commit rows {rows.tolist()} outside the cache")
-        rt = self.cuda.rt
-        for to, src, n in row_runs(rows):
-            for base, height in self.segments:
-                dst, source = base + (self.length + to) * self.row, base + (self.length + src) * self.row
-                self.cuda(rt.cudaMemcpy2DAsync(dst, self.pitch, source, self.pitch, n * self.row, height,
-                                               self.cuda.d2d, self.stream))
+        pitch = self.layout.pitch
+        for to, src, width, height in self.layout.copies(self.length, rows):
+            self.cuda(self.cuda.rt.cudaMemcpy2DAsync(self.base + to, pitch, self.base + src, pitch, width, height,
+                                                     self.cuda.d2d, self.stream))
         self.length += int(rows.size)
 
     def rewind(self, length: int) -> None:
