@@ -9,6 +9,9 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # One torch (OpenMP) thread, set before torch is imported: tiny models gain nothing from two, and on a
 # busy 2-core machine every parallel region of a 64x64 matmul waits ~20 ms for a preempted thread.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# build's --profile defaults to auto (this machine's bundled profile); tests of tiny models build without one unless
+# they pass --profile (tests/test_profiles.py checks the default itself).
+os.environ["SPECEXPORT_PROFILE"] = "off"
 
 # vocab comes from the tokenizer (259 tokens); the rest is "tiny": 2 layers, 4 heads / 2 kv heads.
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)

@@ -9,6 +9,7 @@ import click
 from specexport import profiles
 from specexport.bundle.describe import numerics_lines
 from specexport.cli.common import IntList, SettingOptions, path_option
+from specexport.errors import UserError
 from specexport.exporter import hub, methods, sources, tensorrt
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import FLAVOURS, PRECISIONS, GraphOptions
@@ -16,6 +17,8 @@ from specexport.exporter.graph import FLAVOURS, PRECISIONS, GraphOptions
 BACKENDS = ["onnxruntime", "tensorrt"]
 DEFAULT_CPU_PRECISION = "int8"  # AMX/VNNI DynamicQuantizeMatMul: cheap decode, and cheap wide verify
 DEFAULT_TRT_PRECISION = "fp16"
+BEST = "best"  # --method best: the profile's fastest measured method
+NO_PROFILE = "off"  # --profile off: no profile (the methods' own defaults)
 # each method's run-time settings (saved in the bundle) and its build-only options, as options
 SETTINGS = SettingOptions({name: m.runtime.Settings for name, m in methods.METHODS.items()}, build=True)
 OPTIONS = SettingOptions({name: m.Options for name, m in methods.METHODS.items()})
@@ -83,16 +86,17 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
 
 @click.command()
 @model_options
-@click.option("--method", type=click.Choice(list(methods.METHODS)), default="none", show_default=True,
-              help="Speculation method.")
+@click.option("--method", type=click.Choice([BEST, *methods.METHODS]), default="none", show_default=True,
+              help=f"Speculation method ({BEST}: the one the profile measured fastest on this hardware).")
 @SETTINGS
 @OPTIONS
 @click.option("--backend", type=click.Choice(BACKENDS), default=None, help="[default: the profile's, else onnxruntime]")
 @click.option("--precision", type=click.Choice(PRECISIONS), default=None,
               help=f"[default: the profile's, else {DEFAULT_CPU_PRECISION} (onnxruntime on CPU)]")
-@click.option("--profile", "profile_spec", default=None,
-              help="Hardware profile: auto (detect this machine), a bundled name (h100-sxm, cpu-2core, ...) or a "
-                   "file. It sets precision, backend, flavour, context limit and the method's settings unless given.")
+@click.option("--profile", "profile_spec", default="auto", show_default=True, envvar="SPECEXPORT_PROFILE",
+              help="Hardware profile: auto (detect this machine), a bundled name (h100-sxm, cpu-2core, ...), a file, "
+                   f"or {NO_PROFILE}. It sets precision (per method, from its measured speed), backend, flavour, "
+                   "context limit and the method's settings unless given (also SPECEXPORT_PROFILE).")
 @path_option("--output", default=None, help="Bundle folder (default: ./MODEL-METHOD-BACKEND-PRECISION).")
 @export_options
 @click.option("--workspace-gb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
@@ -126,14 +130,20 @@ def build(model_spec, method, backend, precision, profile_spec, output, max_cont
       specexport build --model llama3-8b --method eagle3 --profile auto   # on an NVIDIA GPU: TensorRT engines
       specexport build --model smollm2-135m --method medusa --backend tensorrt --precision fp16
     """
+    profile = chosen = None
+    if profile_spec != NO_PROFILE:
+        profile, chosen = profiles.resolve_profile(profile_spec)
+    if method == BEST:
+        if profile is None:
+            raise UserError(f"--method {BEST} chooses by a profile's measured speed: not with --profile {NO_PROFILE}")
+        method = profiles.best_method(profile)
+        click.echo(f"method {method} (the fastest that profile {profile.name} measured)", err=True)
     settings = SETTINGS.given(method_kwargs, method)
     method_options = OPTIONS.given(method_kwargs, method)
-    profile = chosen = None
-    if profile_spec is not None:
-        profile, chosen = profiles.resolve_profile(profile_spec)
+    if profile is not None:
         backend = backend or profile.engine.backend
         if backend == profile.engine.backend:  # another --backend takes its own defaults, not this profile's
-            precision = precision or profile.engine.precision
+            precision = precision or profiles.precision_for(profile, method)
             flavour = flavour or profile.engine.flavour
         settings = profiles.merge(profile, methods.get(method).runtime, settings)
         click.echo(f"profile {profile.name} ({profile.description}; "

@@ -4,11 +4,13 @@ them, `specexport profile`, is a layer above (specexport/tune)."""
 
 from __future__ import annotations
 
+from specexport.errors import UserError
 from specexport.options import fields
 from specexport.profiles.detect import auto_profile, resolve_profile
 from specexport.profiles.schema import Profile, bundled, dump, load_profile, names, parse
 
-__all__ = ["Profile", "auto_profile", "bundled", "dump", "load_profile", "merge", "names", "parse", "resolve_profile"]
+__all__ = ["Profile", "auto_profile", "best_method", "bundled", "dump", "load_profile", "merge", "names", "parse",
+           "precision_for", "resolve_profile"]
 
 
 def merge(profile: Profile, method, given: dict) -> dict:
@@ -19,3 +21,20 @@ def merge(profile: Profile, method, given: dict) -> dict:
         return dict(given)
     saved = {f.name: getattr(chosen, f.name) for f in fields(type(chosen)) if f.build}
     return {**saved, **given}
+
+
+def precision_for(profile: Profile, method: str) -> str:
+    """The precision a build of `method` takes on this hardware: the one of its measured [speed] entries with the
+    most tokens/s (e.g. int4 for plain decoding on a CPU where its kernel streams fewer bytes, int8 for a method
+    whose wide verification int8 makes cheap), else the profile's engine precision."""
+    measured = profile.speed.get(method)
+    return max(measured, key=measured.get) if measured else profile.engine.precision
+
+
+def best_method(profile: Profile) -> str:
+    """The method whose measured [speed] is highest on this hardware (at its best precision); one line when the
+    profile measured none."""
+    if not profile.speed:
+        raise UserError(f"profile {profile.name} has no measured [speed] to choose the best method from: pass "
+                        "--method NAME")
+    return max(profile.speed, key=lambda m: max(profile.speed[m].values()))

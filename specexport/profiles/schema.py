@@ -80,6 +80,7 @@ class Profile:
     limits: Limits
     methods: dict = field(default_factory=dict)  # method section -> its runtime Settings
     measurements: Measurements = Measurements()
+    speed: dict = field(default_factory=dict)  # method -> precision -> measured tokens/s ([speed]; may be empty)
     path: str = ""
 
     def as_dict(self) -> dict:
@@ -87,11 +88,13 @@ class Profile:
         data = {k: dataclasses.asdict(getattr(self, k)) for k in SECTIONS}
         data.update({k: getattr(self, k) for k in TOP_LEVEL}, path=Path(self.path).name)
         data["methods"] = {name: dataclasses.asdict(s) for name, s in self.methods.items()}
+        data["speed"] = {m: dict(by) for m, by in self.speed.items()}
         return data
 
 
 SECTIONS = {"hardware": Hardware, "engine": EngineSettings, "limits": Limits, "measurements": Measurements}
 TOP_LEVEL = ("name", "description", "measured", "source")
+SPEED = "speed"  # optional: [speed] method = { precision = tokens/s, ... }, as bench measured on this hardware
 
 
 def bundled() -> list[Path]:
@@ -125,7 +128,7 @@ def parse(text: str, where: str) -> Profile:
         raise UserError(f"{where}:{_line(lines, section, key)}: {message}")
 
     for key in data:
-        if key not in TOP_LEVEL and key not in SECTIONS and key not in METHOD_SECTIONS:
+        if key not in TOP_LEVEL and key not in SECTIONS and key not in METHOD_SECTIONS and key != SPEED:
             fail(key if isinstance(data[key], dict) else None, None if isinstance(data[key], dict) else key,
                  f"unknown {'section' if isinstance(data[key], dict) else 'key'} '{key}'")
     values = {}
@@ -150,6 +153,7 @@ def parse(text: str, where: str) -> Profile:
         if not isinstance(table, dict):
             fail(None, section, f"'{section}' must be a section")
         values["methods"][section] = _method_section(method, table, lambda key, m, s=section: fail(s, key, m))
+    values["speed"] = _speed(data.get(SPEED, {}), lambda key, m: fail(SPEED, key, m))
     profile = Profile(**values, path=where)
     _check(profile, lambda section, key, m: fail(section, key, m))
     return profile
@@ -168,6 +172,25 @@ def _section(cls, table: dict, fail):
             continue
         values[name] = _typed(table[name], f.type, lambda m, k=name: fail(k, m), name)
     return cls(**values)
+
+
+def _speed(table, fail) -> dict:
+    """[speed]: per method (a runtime method's name), per precision, the tokens/s bench measured (> 0)."""
+    if not isinstance(table, dict):
+        fail(None, f"'{SPEED}' must be a section")
+    speed = {}
+    for method, by in table.items():
+        if method not in methods.METHODS:
+            fail(method, f"unknown method '{method}' (allowed: {', '.join(methods.METHODS)})")
+        if not isinstance(by, dict) or not by:
+            fail(method, f"'{method}' must be a table of precision = tokens/s, e.g. {{ int8 = 80.0 }}")
+        for precision, value in by.items():
+            if precision not in PRECISIONS:
+                fail(method, f"'{method}': unknown precision '{precision}' (allowed: {', '.join(PRECISIONS)})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                fail(method, f"'{method}.{precision}' must be tokens/s > 0, got {value!r}")
+        speed[method] = {precision: float(value) for precision, value in by.items()}
+    return speed
 
 
 def _method_section(method, table: dict, fail):
@@ -257,6 +280,9 @@ def dump(profile: Profile, header: str = "") -> str:
         kept = [f for f in setting_fields(type(values)) if f.build] if name in profile.methods else \
             dataclasses.fields(values)
         out += ["", f"[{name}]"] + [f"{f.name} = {_toml(getattr(values, f.name))}" for f in kept]
+    if profile.speed:
+        out += ["", f"[{SPEED}]"] + [f"{m} = {{ {', '.join(f'{p} = {v!r}' for p, v in by.items())} }}"
+                                     for m, by in profile.speed.items()]
     return "\n".join(out) + "\n"
 
 
