@@ -103,7 +103,8 @@ def build_engines(folder: Path, graphs: dict, options: EngineOptions, quiet: boo
         if not quiet:
             print(f"      TensorRT {platform.version}: building {info['file']} on {platform.gpu}", file=sys.stderr)
         config = builder.create_builder_config()
-        cache = cache or config.create_timing_cache(seed)
+        if cache is None:  # one timing cache for every graph of the build
+            cache = config.create_timing_cache(seed)
         profiles = token_profiles(options.max_tree_tokens, info["kv_capacity"])
         plan = _build(trt, builder, logger, config, cache, folder / info["file"], info, profiles, options)
         plan_file = f"{name}.plan"
