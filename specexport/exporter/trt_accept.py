@@ -7,7 +7,8 @@ before triton is imported) on CPU tensors, which is how the tests check it again
 
 One program per batch row walks the tree from the root, as `verify.accept_greedy` / `verify.accept_tree` do:
 
-    tokens         [B, T] int32    the step's tree, root first (row 0 is the root)
+    tokens         [B, N] int32    the step's tokens; the tree is the last T (N >= T: a graph's input_ids, whose
+                                   logits are those of its last T rows), root first
     parents        [B, T] int32    parents[b, 0] = -1, 0 <= parents[b, i] < i; a row with parent -1 (besides
                                    row 0) is no node: how a batch pads trees of different sizes
     logits         [B, T, V]       the target's logits over the tree rows (fp32, fp16 or bf16)
@@ -42,7 +43,8 @@ import triton
 import triton.language as tl
 
 INPUTS = ("accept_tokens", "accept_parents", "logits", "sample_q", "sample_u", "sample_params")  # the kernel's order
-SIZES = ("T", "V", "S", "Q_ROWS")  # int32 scalars after the inputs: rows, vocabulary, uniform slots, draft rows
+SIZES = ("T", "V", "S", "Q_ROWS", "N")  # int32 scalars after the inputs: rows, vocabulary, uniform slots, draft
+# rows (0 or T), tokens per batch row
 OUTPUTS = ("accept_rows", "accept_len", "bonus_token")
 LOGITS_DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 MAX_ROWS = 64  # tree rows one program handles (BLOCK_T)
@@ -203,7 +205,7 @@ def _sampled_step(row, qrow, urow, node, tok, par, ar, T, V, S, temperature, top
     steps = node * 0
     rank = node * 0
     child = node * 0 - 1
-    for c in range(node + 1, T):
+    for c in range(node + 1, tl.minimum(T, BLOCK_T)):
         if (child < 0) & (_at(par, ar, c) == node):
             x = _at(tok, ar, c)
             offs = (x // BLOCK_V) * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -264,14 +266,14 @@ def _sampled_step(row, qrow, urow, node, tok, par, ar, T, V, S, temperature, top
 
 @triton.jit
 def tree_accept_kernel(tokens_ptr, parents_ptr, logits_ptr, q_ptr, u_ptr, params_ptr,
-                       T, V, S, Q_ROWS,
+                       T, V, S, Q_ROWS, N,
                        rows_ptr, length_ptr, bonus_ptr,
                        BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Inputs, then the int32 sizes (T rows, V vocabulary, S uniform slots, Q draft rows: 0 or T), then the
-    outputs: the order TensorRT's AOT plugins pass a kernel's arguments in."""
+    """Inputs, then the int32 sizes (SIZES), then the outputs: the order TensorRT's AOT plugins pass a kernel's
+    arguments in. Rows past BLOCK_T are no nodes (a prefill call's outputs, which nobody reads)."""
     b = tl.program_id(0).to(tl.int64)
     ar = tl.arange(0, BLOCK_T)
-    tok = tl.load(tokens_ptr + b * T + ar, mask=ar < T, other=-1)
+    tok = tl.load(tokens_ptr + b * N + (N - T) + ar, mask=ar < T, other=-1)
     par = tl.load(parents_ptr + b * T + ar, mask=(ar < T) & (ar > 0), other=-1)
     temperature = tl.load(params_ptr + b * 4)
     top_k = tl.load(params_ptr + b * 4 + 1).to(tl.int32)
@@ -321,9 +323,10 @@ def tree_accept(tokens, parents, logits, sample_q, sample_u, sample_params, bloc
     """
     import torch
 
-    batch, rows = tokens.shape
-    vocab = logits.shape[-1]
-    shapes = {"parents": (parents, (batch, rows)), "logits": (logits, (batch, rows, vocab)),
+    batch, rows, vocab = logits.shape
+    if tokens.dim() != 2 or tokens.shape[0] != batch or tokens.shape[1] < rows:
+        raise ValueError(f"tokens must have shape [{batch}, >= {rows}], got {list(tokens.shape)}")
+    shapes = {"parents": (parents, (batch, rows)),
               "sample_u": (sample_u, (batch, rows, sample_u.shape[-1])),
               "sample_q": (sample_q, (batch, sample_q.shape[1], vocab)), "sample_params": (sample_params, (batch, 4))}
     for name, (tensor, shape) in shapes.items():
@@ -340,7 +343,7 @@ def tree_accept(tokens, parents, logits, sample_q, sample_u, sample_params, bloc
     tree_accept_kernel[(batch,)](tokens.to(torch.int32).contiguous(), parents.to(torch.int32).contiguous(),
                                  logits.contiguous(), sample_q.float().contiguous(), sample_u.float().contiguous(),
                                  sample_params.float().contiguous(), rows, vocab, sample_u.shape[-1],
-                                 sample_q.shape[1], out_rows, out_len, out_bonus, BLOCK_T=block_t, BLOCK_V=block_v,
+                                 sample_q.shape[1], tokens.shape[1], out_rows, out_len, out_bonus, BLOCK_T=block_t, BLOCK_V=block_v,
                                  num_warps=NUM_WARPS, enable_fp_fusion=False)
     return out_rows, out_len, out_bonus
 
@@ -353,7 +356,8 @@ def compile_ptx(logits_dtype: str = "fp32", target=None, ptx_version: int | None
     passes (inputs, sizes, outputs)."""
     if logits_dtype not in LOGITS_DTYPES:
         raise ValueError(f"logits must be one of {sorted(LOGITS_DTYPES)}, got {logits_dtype}")
-    kinds = ["*i32", "*i32", f"*{LOGITS_DTYPES[logits_dtype]}", "*fp32", "*fp32", "*fp32"] + ["i32"] * 4 + ["*i32"] * 3
+    kinds = ["*i32", "*i32", f"*{LOGITS_DTYPES[logits_dtype]}", "*fp32", "*fp32", "*fp32"] + ["i32"] * len(SIZES)
+    kinds += ["*i32"] * len(OUTPUTS)
     names = tree_accept_kernel.arg_names
     signature = dict(zip(names, kinds + ["constexpr", "constexpr"]))
     source = triton.compiler.ASTSource(tree_accept_kernel, signature,
