@@ -147,3 +147,14 @@ def test_hidden_parameters_are_dropped_only_when_unread():
         without_hidden_params(ptx, "k", 0)
     with pytest.raises(ValueError, match="fewer than the 3 passed"):
         without_hidden_params(ptx, "k", 3)
+
+
+def test_the_plugin_declares_a_profile_for_each_input_it_adds():
+    """The plugin's new network inputs are the kernel's, and each has (min, opt, max) shapes in order."""
+    from specexport.exporter import trt_accept, trt_plugin
+
+    shapes = trt_plugin.input_shapes((1, 8, 16), vocab=49152)
+    assert tuple(shapes) == trt_plugin.NEW_INPUTS and set(shapes) <= set(trt_accept.INPUTS)
+    for low, opt, high in shapes.values():
+        assert all(a <= b <= c for a, b, c in zip(low, opt, high))
+    assert shapes["sample_q"][0] == (1, 0, 49152)  # deterministic candidates feed no draft rows
