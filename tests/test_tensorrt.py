@@ -70,6 +70,13 @@ def test_another_flavour_is_refused(tiny_folder, tmp_path):
     assert not (tmp_path / "b").exists()
 
 
+def test_an_unwritable_timing_cache_is_refused_before_any_work(tiny_folder, tmp_path):
+    one_line_failure(["build", "--model", tiny_folder, "--backend", "tensorrt", "--timing-cache",
+                      tmp_path / "missing" / "t.cache", "--output", tmp_path / "b"],
+                     f"cannot write the timing cache {tmp_path / 'missing' / 't.cache'}")
+    assert not (tmp_path / "b").exists()
+
+
 @needs_no_tensorrt
 def test_build_without_tensorrt_names_what_to_install(tiny_folder, tmp_path, monkeypatch):
     monkeypatch.setattr(trt_runtime.shutil, "which", lambda name: None)  # no driver either, whatever this host has

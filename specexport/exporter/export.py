@@ -69,7 +69,7 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
                             f"max_tree_tokens = {limit} of profile {options.profile['name']}")
     _check_runnable(options)
     if options.engines is not None:  # TensorRT and a GPU are here, or one line before any work
-        tensorrt.check_build(options.graph)
+        tensorrt.check_build(options.graph, options.engines)
     source = sources.resolve(model_spec)
     config = sources.load_config(source)
     arch.spec_for(config.model_type)  # an unsupported architecture fails here, before any loading

@@ -45,11 +45,16 @@ def check_precision(precision: str) -> None:
                         "is strongly typed, so an fp32 graph would build an fp32 engine (run fp32 on onnxruntime)")
 
 
-def check_build(graph) -> None:
-    """Before any work: a precision TensorRT builds, the trt flavour, and TensorRT with a GPU here (one line each)."""
+def check_build(graph, options: EngineOptions) -> None:
+    """Before any work: a precision TensorRT builds, the trt flavour, a timing cache that can be written, and
+    TensorRT with a GPU here (one line each)."""
     check_precision(graph.precision)
     if graph.flavour != "trt":
         raise UserError(f"--backend tensorrt builds the trt flavour of the graphs, not --flavour {graph.flavour}")
+    if options.timing_cache:
+        folder = Path(options.timing_cache).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise UserError(f"cannot write the timing cache {options.timing_cache}: {folder} is not a writable folder")
     trt_runtime.require()
 
 
