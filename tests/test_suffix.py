@@ -401,3 +401,37 @@ def test_profile_chooses_the_node_budget_and_the_suffix_settings(tiny, tiny_fold
     section = json.loads((tmp_path / "c" / "manifest.json").read_text())["method"]
     assert (section["total_tokens"], section["match_factor"], section["min_prob"]) == \
         (chosen.total_tokens, chosen.match_factor, chosen.min_prob)
+
+
+def test_a_hybrid_draft_from_another_target_is_one_line(tiny, tiny_folder, tmp_path):
+    """An EAGLE draft made for another target (its hidden size or vocabulary): one line, nothing written."""
+    from test_eagle import H, random_draft
+
+    from specexport.exporter.eagle import save_draft
+
+    wider = random_draft(3)
+    wider.config.target_hidden, wider.weights["fc"] = 2 * H, np.zeros((H, 6 * H), np.float32)
+    save_draft(wider, tmp_path / "wider")
+    save_draft(random_draft(3, draft_vocab=200), tmp_path / "bigger-vocab")
+    config = json.loads((tmp_path / "bigger-vocab" / "config.json").read_text())
+    config["vocab_size"] = 49152
+    (tmp_path / "bigger-vocab" / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "b"
+    for draft, match in [("wider", "the draft was made for hidden size 128; the target has 64"),
+                         ("bigger-vocab", "t2d has shape (259,), expected (49152,)")]:
+        fails(["build", "--model", tiny_folder, "--method", "hybrid", "--draft", tmp_path / draft, "--datastore",
+               tiny["store"], "--output", out, "--no-validate"], match)
+        assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".b")]
+
+
+def test_bench_times_plain_decoding_on_a_baseline_bundle(tiny, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": p}) + "\n" for i, p in enumerate(PROMPTS[:2])))
+    result = CliRunner().invoke(main, ["bench", str(tiny["root"] / "suffix"), "--prompts", str(prompts),
+                                       "--max-new-tokens", "8", "--threads", "1", "--baseline",
+                                       str(tiny["root"] / "none"), "--json", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    assert "plain fp32" in result.output and "(plain decoding of none)" in result.output
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["baseline"] == {"bundle": "none", "precision": "fp32"} and saved["method"] == "suffix"
+    assert saved["identical"] == 2  # fp32: the same tokens as the baseline's plain decoding

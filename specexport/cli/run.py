@@ -104,15 +104,18 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
 @click.option("--compare-hf", is_flag=True,
               help="Also time transformers generate on the same model (needs the export extra).")
 @click.option("--threads", type=int, default=None)
+@click.option("--baseline", type=click.Path(path_type=Path), default=None,
+              help="Time plain decoding on this bundle instead (the same model, e.g. its fastest plain bundle).")
 @DEVICE
 @OVERRIDES
-def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, device, **overrides):
+def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, baseline, device, **overrides):
     """Benchmark a bundle's method against plain decoding on the same engine (greedy, batch 1).
 
     \b
     Examples:
       specexport bench smollm2-135m-none-onnxruntime-int8 --prompts prompts.jsonl
       specexport bench smol-fp32 --prompts prompts.jsonl --compare-hf --json results.json
+      specexport bench smollm2-135m-hybrid-onnxruntime-int8 --prompts p.jsonl --baseline smollm2-135m-none-onnxruntime-int4
     """
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -126,8 +129,9 @@ def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, d
             needs_extra("bench --compare-hf", "export", e)
     prompts = read_prompts(prompts_file)
     engine = _engine(bundle, threads, device, overrides)
+    base = None if baseline is None else Engine.load(baseline, threads=threads, device=device)
     progress = lambda text: click.echo(text, err=True)  # noqa: E731
-    result = run_bench(engine, prompts, max_new_tokens=max_new_tokens, progress=progress)
+    result = run_bench(engine, prompts, max_new_tokens=max_new_tokens, progress=progress, baseline=base)
     if hf_speed is not None:
         rate = hf_speed(engine.bundle.manifest["model"]["source"], encode_prompts(engine, prompts),
                         sorted(engine.tokenizer.eos_token_ids), max_new_tokens, progress)

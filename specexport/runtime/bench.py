@@ -48,17 +48,24 @@ def encode_prompts(engine: Engine, prompts: list[dict]) -> list[list[int]]:
     return ids
 
 
-def run_bench(engine: Engine, prompts: list[dict], max_new_tokens: int = 128, progress=lambda text: None) -> dict:
+def run_bench(engine: Engine, prompts: list[dict], max_new_tokens: int = 128, progress=lambda text: None,
+              baseline: Engine | None = None) -> dict:
     """The engine's method (with its current settings, see Engine.configure) against plain decoding on the same
-    engine, prompt by prompt."""
+    engine (or on `baseline`, another bundle of the same model: its fastest plain decoding), prompt by prompt."""
     method = engine.bundle.method
     ids = encode_prompts(engine, prompts)
+    plain = baseline or engine
+    if baseline is not None and encode_prompts(baseline, prompts) != ids:
+        raise UserError(f"--baseline {baseline.bundle.path}: its tokenizer encodes the prompts differently from "
+                        f"{engine.bundle.path}'s (another model?)")
     engine.generate(ids[0], max_new_tokens=8)  # warm-up: first-run allocations and prepacking
+    if baseline is not None:
+        baseline.generate(ids[0], max_new_tokens=8)
     rows = []
     for p, prompt_ids in zip(prompts, ids):
         steps = []
         ours = engine.generate(prompt_ids, max_new_tokens=max_new_tokens, on_step=steps.append)
-        base = engine.generate(prompt_ids, max_new_tokens=max_new_tokens, plain=True)
+        base = plain.generate(prompt_ids, max_new_tokens=max_new_tokens, plain=True)
         rows.append({
             "id": p["id"],
             "new_tokens": ours.stats.new_tokens,
@@ -74,7 +81,8 @@ def run_bench(engine: Engine, prompts: list[dict], max_new_tokens: int = 128, pr
         })
         progress(f"  {p['id']}: {ours.stats.tokens_per_s:.1f} tokens/s ({method}), "
                  f"{base.stats.tokens_per_s:.1f} (plain){'' if rows[-1]['identical'] else ', OUTPUT DIFFERS'}")
-    return _totals(engine, rows)
+    return {**_totals(engine, rows), "baseline": None if baseline is None else
+            {"bundle": baseline.bundle.path.name, "precision": baseline.bundle.manifest["precision"]}}
 
 
 def _totals(engine: Engine, rows: list[dict]) -> dict:
@@ -110,6 +118,7 @@ def _totals(engine: Engine, rows: list[dict]) -> dict:
 
 def summary_lines(result: dict) -> list[str]:
     tree = result.get("tree")
+    plain = f"plain {result['baseline']['precision']}" if result.get("baseline") else "plain"
     lines = [
         f"{result['model']} {result['precision']}, method {result['method']}, {result['count']} prompts"
         + (f", tree of {tree['tokens_per_step']} tokens (depth {tree['depth']}"
@@ -119,11 +128,13 @@ def summary_lines(result: dict) -> list[str]:
         f"accepted {result['accepted']}/{result['drafted']} drafts"
         + (f"   proposing {result['propose_ms_per_step']:.3f} ms per step, {result['propose_us_per_draft']:.1f} us per "
            "drafted token" if result.get("propose_us_per_draft") else ""),
-        f"  {'plain':<10} {result['baseline_tokens_per_s']:8.1f} tokens/s   speedup {result['speedup']}x",
+        f"  {plain:<10} {result['baseline_tokens_per_s']:8.1f} tokens/s   speedup {result['speedup']}x"
+        + (f"   (plain decoding of {result['baseline']['bundle']})" if result.get("baseline") else ""),
     ]
     if result.get("hf_tokens_per_s") is not None:
         lines.append(f"  {'hf':<10} {result['hf_tokens_per_s']:8.1f} tokens/s   ours/hf {result['hf_speedup']}x")
-    lines.append(f"  identical to plain decoding: {result['identical']}/{result['count']}")
+    lines.append(f"  identical to plain decoding{' of the baseline' if result.get('baseline') else ''}: "
+                 f"{result['identical']}/{result['count']}")
     if result["precision"] in ("int8", "int4") and result["identical"] < result["count"]:
         lines.append(f"  ({result['precision']}: a row verified with others is quantized differently from the same row "
                      "decoded alone, so outputs part at near-ties; speculation is exact against its own verification "
