@@ -26,7 +26,11 @@ methods=(none medusa eagle3)
 
 say() { printf '[%4ds] %s\n' "$((SECONDS - start))" "$*"; }
 fail() { echo "gpu_check: $*" >&2; exit 1; }
-specexport() { "$py" -c 'from specexport.cli import main; main()' "$@"; }
+specexport() {  # the CLI of that Python (its console script when it has one)
+    local exe
+    exe=$(dirname "$py")/specexport
+    if [[ -x $exe ]]; then "$exe" "$@"; else "$py" -c 'from specexport.cli import main; main()' "$@"; fi
+}
 
 # --- what this machine has (each missing piece: one line) ---
 command -v nvidia-smi >/dev/null 2>&1 || fail "no NVIDIA GPU here (nvidia-smi not found)"
