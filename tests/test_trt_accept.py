@@ -158,3 +158,12 @@ def test_the_plugin_declares_a_profile_for_each_input_it_adds():
     for low, opt, high in shapes.values():
         assert all(a <= b <= c for a, b, c in zip(low, opt, high))
     assert shapes["sample_q"][0] == (1, 0, 49152)  # deterministic candidates feed no draft rows
+
+
+def test_without_triton_the_plugin_says_what_to_install():
+    code = ("import sys; sys.modules['triton'] = None\n"
+            "from specexport.exporter.trt_plugin import add_tree_accept\n"
+            "from specexport.errors import UserError\n"
+            "try:\n    add_tree_accept(None, 'logits')\nexcept UserError as e:\n    print(e)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip().endswith("pip install 'specexport[triton]'"), result.stderr

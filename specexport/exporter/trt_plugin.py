@@ -50,6 +50,11 @@ def add_tree_accept(network, logits: str, tokens: str = "input_ids") -> list:
     """Add the plugin layer after the network output `logits` ([rows, V] of batch 1, or [1, rows, V]), with the
     tree's tokens from the network input `tokens` ([1, N] int64 or int32, N >= rows); add its inputs (NEW_INPUTS)
     and mark its outputs (trt_accept.OUTPUTS). Returns the three output tensors."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise UserError("sampling acceptance in a TensorRT engine compiles its kernel with triton at build time: "
+                        "pip install 'specexport[triton]'") from None
     import tensorrt as trt
     import tensorrt.plugin as trtp
 
