@@ -75,7 +75,8 @@ def report(args) -> None:
     for path in args.bench:
         result = json.loads(Path(path).read_text())
         rows = {r["id"]: r for r in result["prompts"]}
-        same = [sum(first_difference(rows[i][key], want[i]) is None for i in want) for key in ("tokens", "baseline_tokens")]
+        same = [sum(first_difference(rows[i][key], want[i]) is None for i in want)
+                for key in ("tokens", "baseline_tokens")]
         lines.append(f"| `{result['bundle']}` | {result['method']} | {same[0]}/{len(want)} / {same[1]}/{len(want)} | "
                      f"{result['tokens_per_s']} | {result['baseline_tokens_per_s']} | {result['speedup']}x | "
                      f"{result['tau']} |")

@@ -74,8 +74,8 @@ def run_batch(steps, vocab: int, block_v: int | None, before: int = 0):
         if s["q"] is not None:
             q[i, :n] = s["q"]
         params[i] = [s["params"].temperature, s["params"].top_k, s["params"].top_p, s["without"]]
-    rows, length, bonus = tree_accept(*(torch.tensor(a, device=DEVICE) for a in (tokens, parents, logits, q, u, params)),
-                                      block_v=block_v)
+    arrays = (tokens, parents, logits, q, u, params)
+    rows, length, bonus = tree_accept(*(torch.tensor(a, device=DEVICE) for a in arrays), block_v=block_v)
     rows, length, bonus = rows.cpu().numpy(), length.cpu().numpy(), bonus.cpu().numpy()
     assert all((r[n:] == -1).all() for r, n in zip(rows, length))  # padded with -1 after the accepted rows
     return [(r[:n].tolist(), int(x)) for r, n, x in zip(rows, length, bonus)]

@@ -7,9 +7,9 @@ before triton is imported) on CPU tensors, which is how the tests check it again
 
 One program per batch row walks the tree from the root, as `verify.accept_greedy` / `verify.accept_tree` do:
 
-    tokens         [B, N] int32    the step's tokens; the tree is the last T (N >= T: a graph's input_ids, whose
+    accept_tokens  [B, N] int32    the step's tokens; the tree is the last T (N >= T: a graph's input_ids, whose
                                    logits are those of its last T rows), root first
-    parents        [B, T] int32    parents[b, 0] = -1, 0 <= parents[b, i] < i; a row with parent -1 (besides
+    accept_parents [B, T] int32    parents[b, 0] = -1, 0 <= parents[b, i] < i; a row with parent -1 (besides
                                    row 0) is no node: how a batch pads trees of different sizes
     logits         [B, T, V]       the target's logits over the tree rows (fp32, fp16 or bf16)
     sample_q       [B, Q, V] fp32  Q = T: the processed draft distribution each row's children were drawn from
@@ -31,7 +31,7 @@ by lower id) and the rule is `accept_tree`'s for the mode. Without a sort or a s
 thresholds are found by bisection over the float's bits (one pass over the vocabulary per bit, only at the rows
 the walk visits), and the residual after k rejections at a row is recomputed per vocabulary block from the k
 recorded (token, normaliser) pairs. Arithmetic is float32 (the rules use float64), so a decision that falls
-within rounding of its threshold may go the other way; the tests meet none in thousands of draws.
+within rounding of its threshold may go the other way (the tests meet none).
 Medusa's typical acceptance is lossy and stays on the host (`verify.accept_typical`).
 """
 
@@ -46,7 +46,7 @@ INPUTS = ("accept_tokens", "accept_parents", "logits", "sample_q", "sample_u", "
 SIZES = ("T", "V", "S", "Q_ROWS", "N")  # int32 scalars after the inputs: rows, vocabulary, uniform slots, draft
 # rows (0 or T), tokens per batch row
 OUTPUTS = ("accept_rows", "accept_len", "bonus_token")
-LOGITS_DTYPES = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
+LOGITS_DTYPES = ("fp32", "fp16", "bf16")
 MAX_ROWS = 64  # tree rows one program handles (BLOCK_T)
 NUM_WARPS = 4
 INT32_MIN = tl.constexpr(-(2**31))
@@ -102,7 +102,7 @@ def _replay(p, q, offs, steps, xs, zs, ys, ar, sampled, without):
 
 @triton.jit
 def _argmax(row, V, BLOCK_V: tl.constexpr):
-    """The first index of the row's largest logit."""
+    """The first index of the row's largest logit, and that logit."""
     best_v = tl.load(row).to(tl.float32)
     best_i = tl.program_id(0) * 0
     for start in range(0, V, BLOCK_V):
@@ -182,11 +182,7 @@ def _nucleus(row, V, m, temperature, kth, s, top_p, BLOCK_V: tl.constexpr):
 def _sampled_step(row, qrow, urow, node, tok, par, ar, T, V, S, temperature, top_k, top_p, sampled, without,
                   BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr):
     """accept_tree at one row: returns (the accepted child, or -1, and the final token drawn when none was)."""
-    m = tl.max(tl.load(row + tl.arange(0, BLOCK_V), mask=tl.arange(0, BLOCK_V) < V, other=float("-inf")), axis=0)
-    m = m.to(tl.float32)
-    for start in range(BLOCK_V, V, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        m = tl.maximum(m, tl.max(tl.load(row + offs, mask=offs < V, other=float("-inf")).to(tl.float32), axis=0))
+    _, m = _argmax(row, V, BLOCK_V)
     kth = node * 0 + INT32_MIN
     if (top_k > 0) & (top_k < V):
         kth = _kth_key(row, V, top_k, BLOCK_V)
@@ -198,7 +194,7 @@ def _sampled_step(row, qrow, urow, node, tok, par, ar, T, V, S, temperature, top
     if top_p < 1.0:
         tau, last_tie, mass = _nucleus(row, V, m, temperature, kth, s, top_p, BLOCK_V)
 
-    q_end = tl.where(sampled, V, 0)  # no draft rows to read in topk mode (a vector & a scalar bool: not in the interpreter)
+    q_end = tl.where(sampled, V, 0)  # no draft rows in topk mode (as a bound: the interpreter lacks vector & bool)
     xs = tl.zeros([BLOCK_T], dtype=tl.int32)  # the rejections so far: token, p normaliser, q normaliser
     zs = tl.zeros([BLOCK_T], dtype=tl.float32)
     ys = tl.zeros([BLOCK_T], dtype=tl.float32)
@@ -340,10 +336,10 @@ def tree_accept(tokens, parents, logits, sample_q, sample_u, sample_params, bloc
     out_rows = torch.empty((batch, rows), dtype=torch.int32, device=device)
     out_len = torch.empty((batch,), dtype=torch.int32, device=device)
     out_bonus = torch.empty((batch,), dtype=torch.int32, device=device)
-    tree_accept_kernel[(batch,)](tokens.to(torch.int32).contiguous(), parents.to(torch.int32).contiguous(),
-                                 logits.contiguous(), sample_q.float().contiguous(), sample_u.float().contiguous(),
-                                 sample_params.float().contiguous(), rows, vocab, sample_u.shape[-1],
-                                 sample_q.shape[1], tokens.shape[1], out_rows, out_len, out_bonus, BLOCK_T=block_t, BLOCK_V=block_v,
+    inputs = (tokens.to(torch.int32).contiguous(), parents.to(torch.int32).contiguous(), logits.contiguous(),
+              sample_q.float().contiguous(), sample_u.float().contiguous(), sample_params.float().contiguous())
+    sizes = (rows, vocab, sample_u.shape[-1], sample_q.shape[1], tokens.shape[1])
+    tree_accept_kernel[(batch,)](*inputs, *sizes, out_rows, out_len, out_bonus, BLOCK_T=block_t, BLOCK_V=block_v,
                                  num_warps=NUM_WARPS, enable_fp_fusion=False)
     return out_rows, out_len, out_bonus
 
@@ -355,8 +351,8 @@ def compile_ptx(logits_dtype: str = "fp32", target=None, ptx_version: int | None
     may be newer than the driver that will load it). The PTX takes exactly the arguments a TensorRT AOT plugin
     passes (inputs, sizes, outputs)."""
     if logits_dtype not in LOGITS_DTYPES:
-        raise ValueError(f"logits must be one of {sorted(LOGITS_DTYPES)}, got {logits_dtype}")
-    kinds = ["*i32", "*i32", f"*{LOGITS_DTYPES[logits_dtype]}", "*fp32", "*fp32", "*fp32"] + ["i32"] * len(SIZES)
+        raise ValueError(f"logits must be one of {LOGITS_DTYPES}, got {logits_dtype}")
+    kinds = ["*i32", "*i32", f"*{logits_dtype}", "*fp32", "*fp32", "*fp32"] + ["i32"] * len(SIZES)
     kinds += ["*i32"] * len(OUTPUTS)
     names = tree_accept_kernel.arg_names
     signature = dict(zip(names, kinds + ["constexpr", "constexpr"]))
