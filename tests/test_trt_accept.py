@@ -56,7 +56,7 @@ def random_step(rng, mode: str, vocab: int, ties: bool):
                 without=mode == "without_replacement"), (ref.path, ref.tokens[-1])
 
 
-def run_batch(steps, vocab: int, block_v: int | None, before: int = 0):
+def run_batch(steps, vocab: int, block_v: int | None, before: int = 0, dtype=torch.float32):
     """The steps as one batch: shorter trees padded with rows of parent -1 (no node); `before` tokens ahead of the
     tree in each token row (a graph's input_ids whose last rows are the tree)."""
     b, t = len(steps), max(len(s["tokens"]) for s in steps)
@@ -74,8 +74,9 @@ def run_batch(steps, vocab: int, block_v: int | None, before: int = 0):
         if s["q"] is not None:
             q[i, :n] = s["q"]
         params[i] = [s["params"].temperature, s["params"].top_k, s["params"].top_p, s["without"]]
-    arrays = (tokens, parents, logits, q, u, params)
-    rows, length, bonus = tree_accept(*(torch.tensor(a, device=DEVICE) for a in arrays), block_v=block_v)
+    tensors = [torch.tensor(a, device=DEVICE) for a in (tokens, parents, logits, q, u, params)]
+    tensors[2] = tensors[2].to(dtype)
+    rows, length, bonus = tree_accept(*tensors, block_v=block_v)
     rows, length, bonus = rows.cpu().numpy(), length.cpu().numpy(), bonus.cpu().numpy()
     assert all((r[n:] == -1).all() for r, n in zip(rows, length))  # padded with -1 after the accepted rows
     return [(r[:n].tolist(), int(x)) for r, n, x in zip(rows, length, bonus)]
@@ -94,6 +95,26 @@ def test_the_kernel_accepts_as_the_pure_rule(mode):
             assert g == w, (mode, batch, i, steps[i]["parents"], steps[i]["tokens"].tolist(), steps[i]["params"])
         depths |= {len(w[0]) for w in want}
     assert max(depths) >= 3  # paths two drafts deep were accepted, not only rejections
+
+
+def test_fp16_logits_are_read_as_they_are():
+    """An fp16 graph's logits: the kernel accepts as the rules do on those (rounded) logits."""
+    rng = np.random.default_rng(7)
+    steps, want = [], []
+    for mode in ("greedy", "topk"):
+        for _ in range(3):
+            step, _ = random_step(rng, mode, 50, ties=False)
+            step["logits"] = step["logits"].astype(np.float16).astype(np.float64)
+            if mode == "greedy":
+                ref = accept_greedy(step["tokens"].tolist(), step["parents"], step["logits"].argmax(-1))
+            else:
+                p = probabilities(step["logits"].astype(np.float32), step["params"])
+                ref = accept_tree(step["tokens"].tolist(), step["parents"], p, None, step["u"].astype(np.float32),
+                                  mode)
+            steps.append(step)
+            want.append((ref.path, ref.tokens[-1]))
+    got = run_batch(steps[:3], 50, None, dtype=torch.float16) + run_batch(steps[3:], 50, None, dtype=torch.float16)
+    assert got == want
 
 
 def test_the_final_draw_is_the_inverse_cdf():

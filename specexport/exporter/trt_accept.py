@@ -30,7 +30,9 @@ target's distribution is `sampling.probabilities` (temperature, top-k keeping ti
 by lower id) and the rule is `accept_tree`'s for the mode. Without a sort or a scratch buffer: top-k and top-p
 thresholds are found by bisection over the float's bits (one pass over the vocabulary per bit, only at the rows
 the walk visits), and the residual after k rejections at a row is recomputed per vocabulary block from the k
-recorded (token, normaliser) pairs. Arithmetic is float32 (the rules use float64), so a decision that falls
+recorded (token, normaliser) pairs. Passes over the vocabulary per visited row: one when greedy; sampling, two,
++32 with top-k, +34 with top-p, +1 per rejected child and +2 for a final draw (each replaying the rejections so
+far). Unmeasured on a GPU: one program per batch row leaves most of a large GPU idle. Arithmetic is float32 (the rules use float64), so a decision that falls
 within rounding of its threshold may go the other way (the tests meet none).
 Medusa's typical acceptance is lossy and stays on the host (`verify.accept_typical`).
 """
