@@ -4,7 +4,7 @@
 #     scripts/gpu_check.sh [OUTPUT_DIR]        (default: ./gpu-check-<gpu name>)
 #
 # For each GPU backend importable here (TensorRT; ONNX Runtime with CUDAExecutionProvider) it builds the SmolLM2
-# bundles (none, medusa, eagle3; fp16), and a CPU fp32 reference bundle; checks that greedy decoding on each GPU
+# bundles (none, medusa, eagle3; fp16; with this GPU's profile), and a CPU fp32 reference bundle; checks that greedy decoding on each GPU
 # bundle (its method and its plain decoding) gives the reference's tokens on the first prompts of bench/*.jsonl
 # (fp16 may part at near-ties: the report says where); measures tokens/s per method (`specexport bench`) and the
 # verification latency curve (`specexport profile`, which writes a measured profile for this GPU); and writes
@@ -61,17 +61,18 @@ declare -A pids
 build() {  # NAME ARGS...: a SmolLM2 bundle, its log in logs/
     local name=$1
     shift
-    specexport build --model smollm2-135m --profile off --no-validate --overwrite --output "$name" "$@" \
-        >"logs/build-$name.log" 2>&1 &
+    specexport build --model smollm2-135m --no-validate --overwrite --output "$name" "$@" >"logs/build-$name.log" 2>&1 &
     pids[$name]=$!
 }
-build cpu-fp32-none --method none --backend onnxruntime --precision fp32
+build cpu-fp32-none --method none --backend onnxruntime --precision fp32 --profile off
 gpu_bundles=()
 for backend in "${backends[@]}"; do
     flavour=()
     [[ $backend == tensorrt ]] && flavour=(--flavour trt)
     for method in "${methods[@]}"; do
-        build "$backend-fp16-$method" --method "$method" --backend "$backend" --precision fp16 "${flavour[@]}"
+        # this GPU's profile: its tree sizes, and the TensorRT engines' tokens per step (up to the curve's 64)
+        build "$backend-fp16-$method" --method "$method" --backend "$backend" --precision fp16 --profile auto \
+            "${flavour[@]}"
         gpu_bundles+=("$backend-fp16-$method")
     done
 done
@@ -117,7 +118,7 @@ for method in "${methods[@]}"; do
     fi
     [[ " ${built[*]} " == *" $name "* ]] || continue
     if specexport profile "$name" --prompts prompts.jsonl --output "profile-$method.toml" --base "$base" \
-        --new-tokens 32 --max-tokens 64 --contexts 256,1024 --reps 5 >"logs/profile-$name.log" 2>&1; then
+        --new-tokens 32 --contexts 256,1024 --reps 5 >"logs/profile-$name.log" 2>&1; then
         base=profile-$method.toml
         cp "$base" "$slug.toml"
         profile=(--profile "$slug.toml")
