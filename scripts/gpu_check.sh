@@ -4,8 +4,9 @@
 #     scripts/gpu_check.sh [OUTPUT_DIR]        (default: ./gpu-check-<gpu name>)
 #
 # For each GPU backend importable here (TensorRT; ONNX Runtime with CUDAExecutionProvider) it builds the SmolLM2
-# bundles (none, medusa, eagle3; fp16; with this GPU's profile), and a CPU fp32 reference bundle; checks that greedy decoding on each GPU
-# bundle (its method and its plain decoding) gives the reference's tokens on the first prompts of bench/*.jsonl
+# bundles (none, medusa, eagle3; fp16; with this GPU's profile), and a CPU fp32 reference bundle; checks that
+# greedy decoding on each GPU bundle (its method and its plain decoding) gives the reference's tokens on the
+# first prompts of bench/*.jsonl
 # (fp16 may part at near-ties: the report says where); measures tokens/s per method (`specexport bench`) and the
 # verification latency curve (`specexport profile`, which writes a measured profile for this GPU); and writes
 # OUTPUT_DIR/report.md. Sized to finish within 8 minutes on one GPU; it prints the elapsed time as it goes.
