@@ -4,13 +4,19 @@ Without TensorRT (every CI machine here): `build --backend tensorrt` and `run` o
 naming what is missing; fp32 is refused; a plan's TensorRT version, compute capability and checksum are checked
 before deserializing; a step over the engine's optimization profiles or past S_max is one line; the profiles and
 the row copies of a device commit are computed right; `--profile auto` picks the backend from what is importable.
-With TensorRT and an NVIDIA GPU: a real engine for SmolLM2 decodes the same greedy tokens as the CPU fp32 bundle.
+With TensorRT and an NVIDIA GPU: a real engine for SmolLM2 decodes the same greedy tokens as the CPU fp32 bundle, and
+one built with the acceptance plugin (--sampling-accept plugin) samples the same tokens as host acceptance.
+The plugin's wiring without TensorRT: its refusals, the manifest flag, the profile shapes of its inputs, and the
+runtime's feeds and trimmed outputs run through the Triton kernel (its interpreter on a CPU) against host acceptance.
 No fake TensorRT stands in for TensorRT anywhere.
 """
 
 import hashlib
 import json
+import os
 import shutil
+import sys
+from dataclasses import asdict
 
 import numpy as np
 import pytest
@@ -18,6 +24,7 @@ from click.testing import CliRunner
 from conftest import method_export
 
 from specexport.bundle import MANIFEST, load_bundle, write_manifest
+from specexport.bundle.describe import describe
 from specexport.cli import main
 from specexport.errors import UserError
 from specexport.exporter import tensorrt
@@ -31,6 +38,9 @@ from specexport.runtime import device_cache
 from specexport.runtime import tensorrt as trt_runtime
 from specexport.runtime.generate import Engine
 from specexport.runtime.kvcache import KVCache
+from specexport.runtime.sampling import SamplingParams
+from specexport.runtime.tree import AcceptMode, DraftTree, ancestor_mask, causal_mask
+from specexport.runtime.verify import accept, fused_inputs, greedy_inputs
 
 
 def _has_tensorrt_and_gpu() -> bool:
@@ -44,6 +54,20 @@ def _has_tensorrt_and_gpu() -> bool:
 has_tensorrt_and_gpu = _has_tensorrt_and_gpu()
 needs_no_tensorrt = pytest.mark.skipif(has_tensorrt_and_gpu, reason="TensorRT and a GPU are here")
 needs_tensorrt = pytest.mark.skipif(not has_tensorrt_and_gpu, reason="needs TensorRT >= 10.15, cuda-python and a GPU")
+
+
+def _interpret_triton_without_a_gpu() -> None:
+    """Triton's interpreter where no GPU is (as tests/test_trt_accept.py): set before triton is first imported, which
+    the tiny model's fixture may do, so at collection."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_interpret_triton_without_a_gpu()
 
 
 def one_line_failure(args: list, match: str) -> str:
@@ -85,6 +109,134 @@ def test_build_without_tensorrt_names_what_to_install(tiny_folder, tmp_path, mon
     if device_cache.load_cudart() is None:
         assert "cuda-python (pip install cuda-python)" in line and "an NVIDIA GPU" in line
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.partial*"))
+
+
+@pytest.fixture
+def trt_accept():
+    """The Triton acceptance kernel's module (on CUDA, or in Triton's interpreter without a GPU)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("triton", reason="needs triton: pip install 'specexport[triton]'")
+    from specexport.exporter import trt_accept
+
+    return trt_accept
+
+
+def plugin_build(tiny_folder, tmp_path, *extra) -> list:
+    return ["build", "--model", tiny_folder, "--backend", "tensorrt", "--sampling-accept", "plugin", *extra,
+            "--output", tmp_path / "b"]
+
+
+def test_sampling_accept_is_for_tensorrt(tiny_folder, tmp_path):
+    one_line_failure(["build", "--model", tiny_folder, "--backend", "onnxruntime", "--sampling-accept", "plugin",
+                      "--output", tmp_path / "b"], "--sampling-accept is for --backend tensorrt, and this build is for "
+                                                   "onnxruntime")
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("flag, why", [
+    ("--no-fused-accept", "replaces the target graph's fused acceptance: not with --no-fused-accept"),
+    ("--hardware-compatible", "bakes PTX for this GPU's architecture into the plan: not with --hardware-compatible"),
+])  # fmt: skip
+def test_the_plugin_refuses_what_it_cannot_do(tiny_folder, tmp_path, flag, why):
+    one_line_failure(plugin_build(tiny_folder, tmp_path, flag), f"--sampling-accept plugin {why}")
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_plugin_without_triton_names_what_to_install(tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton fails, as on an install without it
+    one_line_failure(plugin_build(tiny_folder, tmp_path), "--sampling-accept plugin compiles its kernel with triton "
+                                                          "at build time: pip install 'specexport[triton]'")
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_plugin_refuses_trees_over_its_rows(tiny_folder, tmp_path, trt_accept):
+    one_line_failure(plugin_build(tiny_folder, tmp_path, "--method", "ngram", "--draft-length", "64"),
+                     f"accepts trees of at most {trt_accept.MAX_ROWS} tokens and this build verifies up to 65 per step")
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_manifest_says_where_sampled_steps_accept():
+    platform = trt_runtime.Platform(None, None, "10.15.1.29", "NVIDIA H200", "9.0")  # the versions recorded
+    options = tensorrt.EngineOptions(64, sampling_accept="plugin")
+    plugged = tensorrt.engine_entry("target.plan", b"plan", platform, options, [(1, 64, 64)], plugin=True)
+    draft = tensorrt.engine_entry("draft.plan", b"plan", platform, options, [(1, 64, 64)], plugin=False)
+    assert plugged["sampling_accept"] == "plugin" and trt_runtime.sampling_in_engine(plugged)
+    assert "sampling_accept" not in draft and not trt_runtime.sampling_in_engine(draft)
+    assert asdict(options)["sampling_accept"] == "plugin"  # the manifest's tensorrt section
+    assert tensorrt.EngineOptions(64).sampling_accept == "host"
+
+
+def test_the_plugin_inputs_take_a_steps_shapes_and_prefill_needs_no_draft_rows():
+    vocab = 1000
+    step = tensorrt.plugin_shapes((1, 64, 64), 64, vocab)
+    assert step["accept_parents"] == ((1, 1), (1, 64), (1, 64))
+    assert step["sample_q"] == ((1, 0, vocab), (1, 64, vocab), (1, 64, vocab))
+    assert step["sample_u"] == ((1, 1, 1), (1, 64, 64), (1, 64, 64))
+    assert step["sample_params"] == ((1, 4),) * 3
+    prefill = tensorrt.plugin_shapes((1, 512, 512), 64, vocab)
+    assert prefill["accept_parents"] == ((1, 1), (1, 512), (1, 512))  # as many as the logits' rows
+    assert prefill["sample_q"] == ((1, 0, vocab), (1, 64, vocab), (1, 64, vocab))
+
+
+@pytest.mark.parametrize("parents", [[-1], [-1, 0, 1, 2], [-1, 0, 0, 1, 1, 2, 4, 0], [-1, 0, 1, 0, 3, 3, 1]])
+def test_the_tree_parents_come_back_from_its_mask(parents):
+    assert trt_runtime.tree_parents(ancestor_mask(parents)).tolist() == parents
+    wide = np.concatenate([np.ones((len(parents), 3), bool), ancestor_mask(parents)], axis=1)  # past columns first
+    feeds = trt_runtime.plugin_feeds(greedy_inputs(len(parents)), wide, len(parents), 50)
+    assert feeds["accept_parents"].tolist() == [parents] and feeds["accept_parents"].dtype == np.int32
+    assert feeds["sample_q"].shape == (1, 0, 50) and feeds["sample_u"].shape == (1, len(parents), 1)
+    assert feeds["sample_params"].shape == (1, 4)
+
+
+def test_the_padded_accepted_rows_are_cut_to_the_accept_length():
+    rows = np.array([[0, 2, 5, -1, -1, -1]], np.int32)
+    assert trt_runtime.trim_accepted(rows, np.array([3], np.int32)).tolist() == [0, 2, 5]
+    assert trt_runtime.trim_accepted(rows, np.array([1], np.int32)).tolist() == [0]
+    for length in (0, 4, 7):
+        with pytest.raises(RuntimeError, match="the acceptance plugin returned"):
+            trt_runtime.trim_accepted(rows, np.array([length], np.int32))
+
+
+def plugin_step(trt_accept, tokens, tree_mask, rows, logits, accept_inputs):
+    """What the TensorRT backend does around the plugin, with the kernel run by Triton: the feeds, the kernel on the
+    call's logits, the outputs cut to the accept length. Returns (accepted rows, bonus token)."""
+    import torch
+
+    feeds = trt_runtime.plugin_feeds(accept_inputs, tree_mask, rows, logits.shape[-1])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ints = [[tokens], feeds["accept_parents"]]
+    floats = [logits[None], feeds["sample_q"], feeds["sample_u"], feeds["sample_params"]]
+    tensors = [torch.tensor(np.asarray(a, np.int32), device=device) for a in ints] + \
+        [torch.tensor(np.asarray(a, np.float32), device=device) for a in floats]
+    got, length, bonus = (t.cpu().numpy() for t in trt_accept.tree_accept(*tensors))
+    return trt_runtime.trim_accepted(got, length).tolist(), int(bonus[0])
+
+
+@pytest.mark.parametrize("mode", ["greedy", "topk", "with_replacement", "without_replacement"])
+def test_the_plugins_feeds_and_outputs_accept_as_the_host_does(trt_accept, mode):
+    """A step's acceptance through the runtime's plugin feeds (verify.fused_inputs, the parents from the tree mask)
+    and trimmed outputs, with the kernel run by Triton, equals host acceptance (verify.accept) for the same seed."""
+    rng = np.random.default_rng(len(mode))
+    parents, vocab = [-1, 0, 0, 1, 1, 2, 3, 3], 40
+    logits = (rng.normal(size=(len(parents), vocab)) * 2).astype(np.float32)
+    params = SamplingParams() if mode == "greedy" else SamplingParams(temperature=0.9, top_k=20, top_p=0.9)
+    sampled = mode in ("with_replacement", "without_replacement")
+    q = rng.dirichlet(np.ones(vocab), size=len(parents)).astype(np.float32) if sampled else None
+    paths = set()
+    for seed in range(4):
+        tokens = [int(rng.integers(vocab))] + [int(np.argmax(logits[p])) if rng.random() < 0.6 else
+                                               int(rng.integers(vocab)) for p in parents[1:]]
+        tree = DraftTree(tokens, parents, AcceptMode.TOPK if mode == "greedy" else AcceptMode(mode), q)
+        host = accept(tree, logits, params, np.random.default_rng(seed))
+        feeds = fused_inputs(tree, params, np.random.default_rng(seed))
+        got = plugin_step(trt_accept, tokens, ancestor_mask(parents), len(parents), logits, feeds)
+        assert got == (host.path, host.tokens[-1]), (mode, seed, tokens)
+        paths.add(len(host.path))
+    assert max(paths) >= 2  # drafts were accepted, not only rejected
+    # a prefill call: a chain of tokens whose last row's logits come back; the plugin's outputs are not read
+    prompt = [int(t) for t in rng.integers(vocab, size=5)]
+    assert plugin_step(trt_accept, prompt, causal_mask(5), 1, logits[-1:], greedy_inputs(1)) == \
+        ([0], int(np.argmax(logits[-1])))
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +288,9 @@ def test_the_manifest_records_engines_under_checksum(trt_bundle):
     assert info.exit_code == 0, info.output
     assert ("engine       target: target.plan (TensorRT 10.15.1.29, NVIDIA H200, compute capability 9.0; tokens per "
             "call 1-9, 1-64)") in info.output
+    bundle.manifest["graphs"]["target"]["engine"]["sampling_accept"] = "plugin"
+    assert "engine       target: target.plan (TensorRT 10.15.1.29, NVIDIA H200, compute capability 9.0; tokens per " \
+        "call 1-9, 1-64; sampled steps accepted in it)" in describe(bundle)
 
 
 # ---- versions, compute capabilities, profiles -----------------------------------------------------------------
@@ -332,3 +487,34 @@ def test_real_engine_greedy_tokens_equal_the_cpu_fp32_bundle(smollm2_fp32, tmp_p
     write_manifest(out, manifest)
     with pytest.raises(UserError, match="built for compute capability 1.0"):
         Engine.load(out)
+
+
+@needs_tensorrt
+@pytest.mark.real
+@pytest.mark.parametrize("method, same_trees", [("ngram", True), ("medusa", False)])
+def test_real_engine_with_the_plugin_accepts_as_the_host(smollm2_fp32, tmp_path, method, same_trees):
+    """--sampling-accept plugin against host acceptance on the same model: greedy, the same tokens and (Medusa's
+    heads reading the plugin's accepted row) the same accept lengths; sampled with the same seed, the same tokens
+    where the trees do not depend on the target's outputs (n-grams), and a sampled run otherwise."""
+    pytest.importorskip("triton", reason="needs triton: pip install 'specexport[triton]'")
+    cache, engines = tmp_path / "timing.cache", {}
+    for where in tensorrt.SAMPLING_ACCEPT:
+        out = tmp_path / f"smol-trt-{method}-{where}"
+        result = CliRunner().invoke(main, ["build", "--model", "smollm2-135m", "--method", method, "--backend",
+                                           "tensorrt", "--precision", "fp16", "--profile", "off", "--max-context", "512",
+                                           "--no-validate", "--timing-cache", str(cache), "--sampling-accept", where,
+                                           "--output", str(out)])
+        assert result.exit_code == 0, result.output
+        engines[where] = Engine.load(out)
+    host, plugin = engines["host"], engines["plugin"]
+    assert plugin.bundle.graphs["target"]["engine"]["sampling_accept"] == "plugin"
+    assert plugin.target.fused_inputs and not host.target.fused_inputs
+    assert {"accept_rows", "accept_len", "bonus_token"} <= set(plugin.target.outputs)
+    for seed, prompt in enumerate(PROMPTS):
+        want, got = (e.generate(prompt, max_new_tokens=32) for e in (host, plugin))
+        assert got.tokens == want.tokens and got.stats.accept_lengths == want.stats.accept_lengths, prompt
+        sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=seed)
+        want, got = (e.generate(prompt, max_new_tokens=32, sampling=sampling) for e in (host, plugin))
+        if same_trees:
+            assert got.tokens == want.tokens, prompt
+        assert got.stats.new_tokens == 32 or got.stop_reason == "eos"

@@ -28,7 +28,8 @@ def describe(bundle: Bundle) -> list[str]:
             e = g["engine"]
             tokens = ", ".join(f"{p[0]}-{p[2]}" for p in e.get("profiles", []) if isinstance(p, list) and len(p) == 3)
             lines.append(f"engine       {name}: {_get(e, 'file')} (TensorRT {_get(e, 'tensorrt')}, {_get(e, 'gpu')}, "
-                         f"compute capability {_get(e, 'compute_capability')}; tokens per call {tokens or '?'})")
+                         f"compute capability {_get(e, 'compute_capability')}; tokens per call {tokens or '?'}"
+                         f"{'; sampled steps accepted in it' if e.get('sampling_accept') == 'plugin' else ''})")
     size = sum(f["bytes"] for f in m["files"].values())
     lines.append(f"files        {len(m['files'])} ({size / 1e6:.1f} MB), checksums ok")
     tools = m.get("tools") if isinstance(m.get("tools"), dict) else {}

@@ -107,9 +107,13 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
               help="TensorRT: a plan for any Ampere or newer GPU, not only this compute capability (may be slower).")
 @click.option("--version-compatible", is_flag=True,
               help="TensorRT: a plan later TensorRT releases of the same major version can run.")
+@click.option("--sampling-accept", type=click.Choice(tensorrt.SAMPLING_ACCEPT), default=None,
+              help="TensorRT: where sampled steps are accepted. host (default): the runtime, from the logits. plugin: "
+                   "the engine, with the Triton tree acceptance kernel as a TensorRT plugin (triton at build time; "
+                   "not yet run on a GPU).")
 def build(model_spec, method, backend, precision, profile_spec, output, max_context, flavour, aux_layers,
           no_validate, fused_accept, overwrite, workspace_gb, timing_cache, hardware_compatible, version_compatible,
-          **method_kwargs):
+          sampling_accept, **method_kwargs):
     """Export a model and compile it for a backend into a ready-to-run bundle.
 
     \b
@@ -149,6 +153,8 @@ def build(model_spec, method, backend, precision, profile_spec, output, max_cont
         click.echo(f"profile {profile.name} ({profile.description}; "
                    f"{'measured' if profile.measured else 'not measured on this hardware'})", err=True)
     backend = backend or "onnxruntime"
+    if sampling_accept and backend != "tensorrt":
+        raise UserError(f"--sampling-accept is for --backend tensorrt, and this build is for {backend}")
     engines = None
     if backend == "tensorrt":
         precision, flavour = precision or DEFAULT_TRT_PRECISION, flavour or "trt"
@@ -156,7 +162,7 @@ def build(model_spec, method, backend, precision, profile_spec, output, max_cont
         tree_tokens = profile.limits.max_tree_tokens if profile else \
             runtime.tokens_per_step(runtime.settings({}, settings))
         engines = tensorrt.EngineOptions(tree_tokens, workspace_gb, timing_cache, hardware_compatible,
-                                         version_compatible)
+                                         version_compatible, sampling_accept or "host")
     precision = precision or DEFAULT_CPU_PRECISION
     if output is None:
         output = Path(f"{sources.resolve(model_spec).name}-{method}-{backend}-{precision}")

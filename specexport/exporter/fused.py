@@ -35,6 +35,7 @@ import numpy as np
 from onnx import TensorProto, helper
 
 F, I64, BOOL = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL
+ACCEPTED_ROW = "accepted_row"  # the step row of the last accepted node, named so a TensorRT build can rewire it
 INPUTS = (("sample_u", F, ["rows", "slots"]), ("sample_q", F, ["draft_rows", "vocab"]), ("sample_params", F, [4]))
 
 
@@ -73,7 +74,7 @@ def add_accept(g, logits: str, seq_len: str, sampling: bool = True) -> tuple[str
         acc = g.op("And", [g.op("Not", [dup]), g.op("Equal", [ids, g.op("Gather", [top, par], axis=0)])])
         rows_out, best = _path(g, c, acc, anc, depth, before)
         bonus = g.op("Reshape", [g.op("Gather", [top, best], axis=0), c("one", [1])], outputs=["bonus_token"])
-        return rows_out, bonus, g.op("Add", [first, best])
+        return rows_out, bonus, g.op("Add", [first, best], outputs=[ACCEPTED_ROW])
     vocab = g.op("Shape", [logits], start=1, end=2)
     vrange = g.op("Range", [c("zero_s", 0), g.op("Squeeze", [vocab]), c("one_s", 1)])  # [V] 0..V-1
     rank = g.op("Cast", [g.op("ReduceSum", [g.op("Cast", [before], to=F), c("one", [1])], keepdims=0)], to=I64)
@@ -104,7 +105,7 @@ def add_accept(g, logits: str, seq_len: str, sampling: bool = True) -> tuple[str
     row = g.op("Where", [sampled, row, g.op("Mul", [row, keep])])  # topk: the rejected candidates lose their mass
     u_end = g.op("Slice", [g.op("Gather", ["sample_u", best], axis=0), c("minus1", [-1]), c("big", [2**62]), c("one", [1])])
     bonus = g.op("Reshape", [_draw(g, c, row, u_end, vrange, vocab), c("one", [1])], outputs=["bonus_token"])
-    return rows_out, bonus, g.op("Add", [first, best])
+    return rows_out, bonus, g.op("Add", [first, best], outputs=[ACCEPTED_ROW])
 
 
 def _path(g, c, acc: str, anc: str, depth: str, before: str) -> tuple[str, str]:

@@ -9,6 +9,17 @@ the bundle under its checksums; each graph's manifest entry gains an `engine` se
 version, the GPU and its compute capability, the profiles) that the runtime checks before deserializing
 (runtime/tensorrt.py).
 
+Sampling acceptance (`--sampling-accept`): the trt flavour's target graph accepts greedily in the graph (ArgMax; a
+top-p over the whole vocabulary would need TopK with k = vocab, which TensorRT caps below 3840), so by default
+(`host`) the runtime accepts sampled steps from the logits (`runtime.verify.accept`). With `plugin` the target's
+engine accepts every step itself, greedy and sampled, with the Triton tree acceptance kernel as a TensorRT plugin
+(exporter/trt_plugin.py) in place of the graph's greedy acceptance: its outputs `accept_rows` (padded with -1),
+`accept_len` and `bonus_token` are the engine's, the graph's own `accept_rows` and `bonus_token` are unmarked (and
+pruned with the nodes only they read), and what read the graph's accepted row (Medusa's heads) reads the plugin's.
+The engine entry records `sampling_accept = "plugin"`; the runtime then feeds the uniforms and draft distributions
+on every step and cuts `accept_rows` to `accept_len`. Host is the default: the plugin has never run on a GPU, needs
+triton at build time, and ties the plan to the build GPU's architecture.
+
 Written to the documented TensorRT >= 10.15 Python API; imported lazily (nothing here loads TensorRT until an
 engine is built).
 """
@@ -22,12 +33,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specexport.errors import UserError
+from specexport.exporter.fused import ACCEPTED_ROW
 from specexport.runtime import tensorrt as trt_runtime
 from specexport.runtime.generate import PREFILL_CHUNK
 
 TIMING_CACHE = "tensorrt.timing.cache"
 TOKEN_DIMS = ("seq", "rows", "mask_cols")  # symbolic dims that count a step's tokens (exporter/graph.py step_io)
 PRECISIONS = ("fp16", "bf16", "int4")  # TensorRT 11 is strongly typed: an fp32 graph would build an fp32 engine
+SAMPLING_ACCEPT = ("host", "plugin")  # where sampled steps are accepted (see the module docstring)
+GRAPH_ACCEPT = ("accept_rows", "bonus_token")  # the graph's greedy acceptance outputs, which the plugin replaces
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,7 @@ class EngineOptions:
     timing_cache: str | None = None  # a timing cache file read before the build and updated after it
     hardware_compatible: bool = False  # any Ampere or newer GPU (no cuDNN/cuBLAS tactics: may be slower)
     version_compatible: bool = False  # later TensorRT releases of the same major version may run the plan
+    sampling_accept: str = "host"  # host: the runtime accepts sampled steps; plugin: the target's engine does
 
 
 def check_precision(precision: str) -> None:
@@ -46,8 +61,8 @@ def check_precision(precision: str) -> None:
 
 
 def check_build(graph, options: EngineOptions) -> None:
-    """Before any work: a precision TensorRT builds, the trt flavour, a timing cache that can be written, and
-    TensorRT with a GPU here (one line each)."""
+    """Before any work: a precision TensorRT builds, the trt flavour, a timing cache that can be written, what the
+    acceptance plugin needs, and TensorRT with a GPU here (one line each)."""
     check_precision(graph.precision)
     if graph.flavour != "trt":
         raise UserError(f"--backend tensorrt builds the trt flavour of the graphs, not --flavour {graph.flavour}")
@@ -55,7 +70,30 @@ def check_build(graph, options: EngineOptions) -> None:
         folder = Path(options.timing_cache).resolve().parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             raise UserError(f"cannot write the timing cache {options.timing_cache}: {folder} is not a writable folder")
+    if options.sampling_accept == "plugin":
+        check_plugin(graph, options)
     trt_runtime.require()
+
+
+def check_plugin(graph, options: EngineOptions) -> None:
+    """--sampling-accept plugin: the graph's fused acceptance to replace, a plan for this GPU's architecture only,
+    triton to compile the kernel, and trees within the kernel's rows (one line each)."""
+    if not graph.fused_accept:
+        raise UserError("--sampling-accept plugin replaces the target graph's fused acceptance: not with "
+                        "--no-fused-accept")
+    if options.hardware_compatible:
+        raise UserError("--sampling-accept plugin bakes PTX for this GPU's architecture into the plan: not with "
+                        "--hardware-compatible (use --sampling-accept host)")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise UserError("--sampling-accept plugin compiles its kernel with triton at build time: pip install "
+                        "'specexport[triton]'") from None
+    from specexport.exporter.trt_accept import MAX_ROWS
+
+    if options.max_tree_tokens > MAX_ROWS:
+        raise UserError(f"--sampling-accept plugin accepts trees of at most {MAX_ROWS} tokens and this build verifies "
+                        f"up to {options.max_tree_tokens} per step: use a smaller tree or --sampling-accept host")
 
 
 def token_profiles(max_tree_tokens: int, s_max: int, chunk: int = PREFILL_CHUNK) -> list[tuple[int, int, int]]:
@@ -88,6 +126,35 @@ def input_shapes(inputs: list[dict], tokens: tuple[int, int, int]) -> dict[str, 
     return shapes
 
 
+def plugin_shapes(tokens: tuple[int, int, int], step: int, vocab: int) -> dict[str, tuple[tuple, tuple, tuple]]:
+    """(min, opt, max) shapes of the acceptance plugin's inputs for a profile of `tokens` rows: the plugin's own
+    (trt_plugin.input_shapes), with the draft distributions' rows within a step's (`step`: the tokens-per-step
+    profile's max). Sampled drafts come only with steps; prefill calls feed none, so a prefill profile needs no
+    [512, vocab] buffer for them."""
+    from specexport.exporter import trt_plugin
+
+    shapes = trt_plugin.input_shapes(tokens, vocab)
+    shapes["sample_q"] = tuple((1, min(rows, step), vocab) for _, rows, _ in shapes["sample_q"])
+    return shapes
+
+
+def engine_entry(plan_file: str, plan: bytes, platform, options: EngineOptions, profiles: list, plugin: bool) -> dict:
+    """A step graph's `engine` section in the manifest; `plugin`: the plan accepts sampled steps itself."""
+    entry = {
+        "file": plan_file,
+        "sha256": hashlib.sha256(plan).hexdigest(),
+        "tensorrt": platform.version,
+        "gpu": platform.gpu,
+        "compute_capability": platform.compute_capability,
+        "hardware_compatible": options.hardware_compatible,
+        "version_compatible": options.version_compatible,
+        "profiles": [list(p) for p in profiles],
+    }
+    if plugin:
+        entry["sampling_accept"] = "plugin"  # runtime/tensorrt.py sampling_in_engine
+    return entry
+
+
 def step_graphs(graphs: dict) -> list[str]:
     """The graphs that run steps against a KV cache (they get engines; others stay ONNX)."""
     return [name for name, info in graphs.items()
@@ -102,7 +169,7 @@ def build_engines(folder: Path, graphs: dict, options: EngineOptions, quiet: boo
     logger = trt.Logger(trt.Logger.WARNING if not quiet else trt.Logger.ERROR)
     builder = trt.Builder(logger)
     seed = _read_timing_cache(options.timing_cache)
-    cache = None
+    cache, plugins = None, 0
     for name in step_graphs(graphs):
         info = graphs[name]
         if not quiet:
@@ -111,21 +178,15 @@ def build_engines(folder: Path, graphs: dict, options: EngineOptions, quiet: boo
         if cache is None:  # one timing cache for every graph of the build
             cache = config.create_timing_cache(seed)
         profiles = token_profiles(options.max_tree_tokens, info["kv_capacity"])
-        plan = _build(trt, builder, logger, config, cache, folder / info["file"], info, profiles, options)
+        plan, plugged = _build(trt, builder, logger, config, cache, folder / info["file"], info, profiles, options)
         plan_file = f"{name}.plan"
         (folder / plan_file).write_bytes(plan)
-        info["engine"] = {
-            "file": plan_file,
-            "sha256": hashlib.sha256(plan).hexdigest(),
-            "tensorrt": platform.version,
-            "gpu": platform.gpu,
-            "compute_capability": platform.compute_capability,
-            "hardware_compatible": options.hardware_compatible,
-            "version_compatible": options.version_compatible,
-            "profiles": [list(p) for p in profiles],
-        }
+        info["engine"] = engine_entry(plan_file, plan, platform, options, profiles, plugged)
+        plugins += plugged
     if cache is None:
         raise UserError("this bundle has no step graph to build a TensorRT engine for")
+    if options.sampling_accept == "plugin" and not plugins:
+        raise UserError("--sampling-accept plugin: no step graph of this bundle has the fused acceptance to replace")
     serialized = bytes(cache.serialize())
     (folder / TIMING_CACHE).write_bytes(serialized)
     if options.timing_cache:  # whole or not at all
@@ -136,8 +197,9 @@ def build_engines(folder: Path, graphs: dict, options: EngineOptions, quiet: boo
             "timing_cache": TIMING_CACHE, **asdict(options)}
 
 
-def _build(trt, builder, logger, config, cache, onnx_path: Path, info: dict, profiles, options) -> bytes:
-    """One serialized plan: parse, configure, build."""
+def _build(trt, builder, logger, config, cache, onnx_path: Path, info: dict, profiles, options) -> tuple[bytes, bool]:
+    """One serialized plan: parse, (add the acceptance plugin), configure, build. Returns the plan and whether it
+    holds the plugin."""
     flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)  # TensorRT 11: always strongly typed
     network = builder.create_network(0 if flag is None else 1 << int(flag))
     parser = trt.OnnxParser(network, logger)
@@ -147,6 +209,9 @@ def _build(trt, builder, logger, config, cache, onnx_path: Path, info: dict, pro
     if shape_inputs:
         raise UserError(f"TensorRT takes {', '.join(shape_inputs)} of {onnx_path.name} as shape tensors; the runtime "
                         "feeds data only (re-export the graph with this specexport)")
+    outputs = {network.get_output(i).name for i in range(network.num_outputs)}
+    plugged = options.sampling_accept == "plugin" and set(GRAPH_ACCEPT) <= outputs
+    vocab = _add_plugin(trt, network) if plugged else 0
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_gb * (1 << 30)))
     config.set_timing_cache(cache, ignore_mismatch=False)
     if options.hardware_compatible:
@@ -155,13 +220,50 @@ def _build(trt, builder, logger, config, cache, onnx_path: Path, info: dict, pro
         config.set_flag(trt.BuilderFlag.VERSION_COMPATIBLE)
     for tokens in profiles:
         profile = builder.create_optimization_profile()
-        for name, (lo, opt, hi) in input_shapes(info["inputs"], tokens).items():
+        shapes = input_shapes(info["inputs"], tokens)
+        if plugged:
+            shapes |= plugin_shapes(tokens, profiles[0][2], vocab)
+        for name, (lo, opt, hi) in shapes.items():
             profile.set_shape(name, lo, opt, hi)
         config.add_optimization_profile(profile)
     plan = builder.build_serialized_network(network, config)
     if plan is None:
         raise UserError(f"TensorRT could not build an engine for {onnx_path.name} (its log above says why)")
-    return bytes(plan)
+    return bytes(plan), plugged
+
+
+def _add_plugin(trt, network) -> int:
+    """Replace the parsed graph's greedy acceptance with the tree acceptance plugin (see the module docstring);
+    returns the vocabulary (the logits' last dim)."""
+    from specexport.exporter import trt_plugin
+
+    given = {network.get_output(i).name: network.get_output(i) for i in range(network.num_outputs)}
+    for name in GRAPH_ACCEPT:  # out of the way of the plugin's outputs of the same names
+        network.unmark_output(given[name])
+        given[name].name = f"graph.{name}"
+    rows, _, _ = trt_plugin.add_tree_accept(network, "logits")
+    readers = [(layer, k) for layer in (network.get_layer(i) for i in range(network.num_layers))
+               for k in range(layer.num_inputs) if layer.get_input(k) is not None
+               and layer.get_input(k).name == ACCEPTED_ROW]
+    if readers:
+        row = _last_accepted_row(trt, network, rows, given["logits"], readers[0][0].get_input(readers[0][1]).dtype)
+        for layer, k in readers:
+            layer.set_input(k, row)
+    return given["logits"].shape[-1]
+
+
+def _last_accepted_row(trt, network, rows, logits, dtype):
+    """The step row of the plugin's last accepted node, as the graph's ACCEPTED_ROW [1]: the tree is the step's last
+    `logits` rows, so (tokens - tree rows) + the largest accepted row (a path's rows ascend; the padding is -1)."""
+    def dim(tensor, axis: int):  # [1] int64
+        return network.add_slice(network.add_shape(tensor).get_output(0), (axis,), (1,), (1,)).get_output(0)
+
+    tokens = next(network.get_input(i) for i in range(network.num_inputs) if network.get_input(i).name == "input_ids")
+    offset = network.add_elementwise(dim(tokens, 1), dim(logits, 0), trt.ElementWiseOperation.SUB).get_output(0)
+    last = network.add_reduce(rows, trt.ReduceOperation.MAX, 1 << 1, False).get_output(0)  # [1] int32
+    row = network.add_elementwise(network.add_cast(last, offset.dtype).get_output(0), offset,
+                                  trt.ElementWiseOperation.SUM).get_output(0)
+    return row if row.dtype == dtype else network.add_cast(row, dtype).get_output(0)
 
 
 def parse_error(file: str, errors: list) -> str:

@@ -13,9 +13,15 @@ in one allocation; each layer's `past_key_values.*` input and its `present.*` ou
 TensorRT's KVCacheUpdate layer) are bound to the same address. Commit moves an accepted row with one
 `cudaMemcpy2DAsync` across every layer, kind and head (the pitch is one head's S_max rows).
 
+Acceptance: the graph's greedy acceptance (`accept_rows` of a data-dependent length, `bonus_token`), or, in an engine
+built with `--sampling-accept plugin` (its manifest entry's `sampling_accept`), the tree acceptance plugin for greedy
+and sampled steps alike: every call then feeds the plugin's inputs (`plugin_feeds`: the uniforms and draft
+distributions of `verify.fused_inputs`, the tree's parents read from the tree mask), and `accept_rows`, padded with
+-1, comes back cut to `accept_len` (`trim_accepted`), as the graph's own output would.
+
 CUDA graphs (SPECEXPORT_CUDA_GRAPHS=1): each step shape (tokens per step, mask columns, wanted rows) is run once
 eagerly, then captured and replayed with `cudaGraphLaunch`. Off for engines with data-dependent output shapes (the
-fused acceptance's `accept_rows`): their output allocator cannot be captured.
+graph's greedy `accept_rows`): their output allocator cannot be captured. The plugin's outputs have fixed shapes.
 """
 
 from __future__ import annotations
@@ -143,6 +149,38 @@ def read_plan(path: Path, engine: dict) -> bytes:
     return data
 
 
+def sampling_in_engine(engine: dict) -> bool:
+    """Whether a plan (its manifest entry) accepts sampled steps itself (exporter/tensorrt.py, --sampling-accept)."""
+    return engine.get("sampling_accept") == "plugin"
+
+
+def tree_parents(mask: np.ndarray) -> np.ndarray:
+    """Each row's parent in an ancestor mask [T, T] (row i sees itself and its ancestors, which come before it): the
+    last earlier row it sees, or -1 (the root). int32, as the acceptance plugin takes it."""
+    seen = np.tril(np.asarray(mask, bool), -1)
+    last = seen.shape[1] - 1 - np.argmax(seen[:, ::-1], axis=1)
+    return np.where(seen.any(axis=1), last, -1).astype(np.int32)
+
+
+def plugin_feeds(accept: dict[str, np.ndarray], tree_mask: np.ndarray, rows: int, vocab: int) -> dict[str, np.ndarray]:
+    """The acceptance plugin's inputs (exporter/trt_plugin.py) for a call whose logits are its last `rows` rows:
+    the fused acceptance's inputs (`verify.fused_inputs`, `greedy_inputs`) with a batch axis, no draft rows as
+    [1, 0, vocab], and the tree's parents from the last rows and columns of the call's tree mask [T, K]."""
+    q = accept["sample_q"]
+    return {"accept_parents": tree_parents(tree_mask[-rows:, -rows:])[None],
+            "sample_q": (q if q.size else np.zeros((0, vocab), np.float32))[None],
+            "sample_u": accept["sample_u"][None], "sample_params": accept["sample_params"][None]}
+
+
+def trim_accepted(rows: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """The plugin's accepted rows [1, T] (root first, then -1) cut to its accept length [1]: [k], as the graph's
+    greedy acceptance returns them."""
+    n = int(np.asarray(length).reshape(-1)[0])
+    if not 1 <= n <= rows.shape[-1] or rows[0, 0] != 0 or (rows[0, :n] < 0).any():
+        raise RuntimeError(f"the acceptance plugin returned {n} rows of {rows.tolist()}")
+    return rows[0, :n]
+
+
 def _output_allocator(trt, cuda: Cuda):
     """A TensorRT output allocator for outputs whose shape depends on the data (NonZero's accepted rows): it keeps
     one device buffer per output, grown when a step needs more, and the shape TensorRT reports."""
@@ -209,7 +247,10 @@ class TensorRTSession:
         if shape_inputs:
             raise UserError(f"{plan_path.name}: inputs {shape_inputs} are shape tensors in this engine; the runtime "
                             "feeds data inputs only (rebuild with this specexport)")
-        self.fused_inputs = "sample_u" in self.inputs  # exporter/fused.py
+        self.fused_inputs = sampling_in_engine(engine_info)  # the acceptance plugin: sampled steps accept inside
+        if self.fused_inputs != ("accept_parents" in self.inputs):
+            raise UserError(f"{plan_path.name} does not match its manifest entry (sampling_accept): rebuild the bundle")
+        self.vocab = int(e.get_tensor_shape("logits")[-1])
         self.layers = graph_info["layers"]
         self.cache_names = [(f"past_key_values.{i}.{kind}", f"present.{i}.{kind}")
                             for i in range(self.layers) for kind in ("key", "value")]
@@ -288,7 +329,9 @@ class TensorRTSession:
                  "tree_mask": np.broadcast_to(mask, (b,) + mask.shape[1:]),
                  "past_len": np.full(b, cache.length), "logits_indices": logits_indices, **(inputs or {})}
         if self.fused_inputs:
-            feeds.update(accept or greedy_inputs(len(logits_indices)))
+            rows = len(logits_indices)
+            feeds.update(plugin_feeds(accept or greedy_inputs(rows), mask[0], rows, self.vocab))
+        fetch = want + (("accept_len",) if self.fused_inputs and "accept_rows" in want else ())
         self._bind_cache(k, cache)
         rt, cuda = self.cuda.rt, self.cuda
         start = time.perf_counter()
@@ -298,7 +341,7 @@ class TensorRTSession:
             cuda(rt.cudaMemcpyAsync(self.buffers[name], value.ctypes.data, value.nbytes, cuda.h2d, self.stream))
         self._launch(ctx, k, cache, tuple((n, np.shape(v)) for n, v in feeds.items()))
         out = {}
-        for name in want:
+        for name in fetch:
             shape = self.allocator.shapes[name] if name not in self.buffers else tuple(ctx.get_tensor_shape(name))
             host = np.empty(shape, self._host_type(name))
             device = self.buffers.get(name) or self.allocator.buffers[name]
@@ -306,7 +349,9 @@ class TensorRTSession:
             out[name] = host
         cuda(rt.cudaStreamSynchronize(self.stream))
         self.calls, self.seconds = self.calls + 1, self.seconds + time.perf_counter() - start
-        return {n: _from_bf16(v) if n in self.bf16 else v for n, v in out.items()}
+        if "accept_len" in fetch:
+            out["accept_rows"] = trim_accepted(out["accept_rows"], out["accept_len"])
+        return {n: _from_bf16(v) if n in self.bf16 else v for n, v in out.items() if n in want}
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise UserError("a TensorRT engine runs steps against its KV cache only (forward), not plain calls")
