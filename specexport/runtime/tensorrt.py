@@ -250,7 +250,7 @@ class TensorRTSession:
         self.fused_inputs = sampling_in_engine(engine_info)  # the acceptance plugin: sampled steps accept inside
         if self.fused_inputs != ("accept_parents" in self.inputs):
             raise UserError(f"{plan_path.name} does not match its manifest entry (sampling_accept): rebuild the bundle")
-        self.vocab = int(e.get_tensor_shape("logits")[-1])
+        self.vocab = int(e.get_tensor_shape("logits")[-1]) if self.fused_inputs else 0  # the plugin's sample_q width
         self.layers = graph_info["layers"]
         self.cache_names = [(f"past_key_values.{i}.{kind}", f"present.{i}.{kind}")
                             for i in range(self.layers) for kind in ("key", "value")]
