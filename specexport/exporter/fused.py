@@ -26,7 +26,9 @@ the argmax at its parent and no earlier sibling has it. Why not sampling for Ten
 vocabulary (TopK with k = vocab), and TensorRT's TopK takes k < 3840; cutting to a fixed top-3839 first would
 drop the tail's mass whenever no top-k <= 3839 is set, and the output would no longer follow the target's
 distribution. The greedy graph has no If, Loop, TopK or CumSum: ArgMax, comparisons, small [n, n] MatMuls and
-one NonZero (the accepted rows, a data-dependent length).
+one NonZero (the accepted rows, a data-dependent length). A TensorRT build may replace it with the tree acceptance
+plugin, which also samples (`build --backend tensorrt --sampling-accept plugin`, exporter/tensorrt.py); it rewires
+what reads ACCEPTED_ROW.
 """
 
 from __future__ import annotations
