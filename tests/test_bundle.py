@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from specexport.errors import UserError
 from specexport.bundle import MANIFEST, SCHEMA_VERSION, Bundle, load_bundle, sha256_file, write_manifest
 from specexport.bundle import staged_bundle as staged_output
+from specexport.errors import UserError
 
 
 def make_bundle(folder):

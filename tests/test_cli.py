@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import save_folder, tiny_model
+
 from specexport.cli import main
 from specexport.exporter.sources import ALIASES
 from specexport.runtime.tokenizer import Tokenizer

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import TINY, TOKENIZER_VOCAB, method_export
 
 from specexport import chisquare
 from specexport.cli import main
@@ -17,10 +18,8 @@ from specexport.exporter.eagle import DraftConfig, DraftModule, EagleDraft, load
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
 from specexport.runtime import rank_tree, tree
-from specexport.runtime.methods.eagle import CandidateTree, EagleMethod, Settings
 from specexport.runtime.generate import Engine
-
-from conftest import TINY, TOKENIZER_VOCAB, method_export
+from specexport.runtime.methods.eagle import CandidateTree, EagleMethod, Settings
 
 H, V = TINY["hidden_size"], TOKENIZER_VOCAB
 AUX = (0, 1, 1)  # the tiny target has 2 layers

@@ -36,7 +36,6 @@ def session():
 
 
 def run(session, tokens, parents, logits, past, u, q, params, without=False):
-    t = len(tokens)
     feeds = {"input_ids": np.array([tokens], np.int64),
              "tree_mask": tree.ancestor_mask(parents)[None],
              "past_len": np.array([past], np.int32), "logits": logits.astype(np.float32),

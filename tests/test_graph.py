@@ -10,12 +10,12 @@ from functools import lru_cache
 import numpy as np
 import pytest
 import torch
-
 from conftest import LLAMA3_ROPE, tiny_config, tiny_model
+
 from specexport.errors import UserError
 from specexport.exporter import arch, validate
+from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions
 from specexport.exporter.save import write_graph
-from specexport.exporter.graph import GraphOptions, DecoderGraphBuilder
 from specexport.runtime import tree
 from specexport.runtime.backend import GraphSession
 

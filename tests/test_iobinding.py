@@ -8,9 +8,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from conftest import tiny_model
 from onnx import TensorProto, helper
 
-from conftest import tiny_model
 from specexport.errors import UserError
 from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions, _Graph, make_model
 from specexport.exporter.save import write_graph

@@ -138,10 +138,10 @@ def blocked(*args, block=RUNTIME_ONLY):
 @pytest.fixture(scope="module")
 def bundles(tiny_folder, tmp_path_factory):
     """A tiny bundle of every method, built here (with torch)."""
+    from conftest import method_export
     from test_eagle import random_draft
     from test_medusa import random_heads, write_heads
 
-    from conftest import method_export
     from specexport.exporter.eagle import save_draft
     from specexport.exporter.export import ExportOptions, export_bundle
     from specexport.exporter.graph import GraphOptions

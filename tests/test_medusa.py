@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import TINY, TOKENIZER_VOCAB, method_export, tiny_model
 from safetensors.numpy import save_file
 
 from specexport import chisquare
@@ -15,17 +16,14 @@ from specexport.cli import main
 from specexport.errors import UserError
 from specexport.exporter import validate
 from specexport.exporter.export import ExportOptions, export_bundle
-from specexport.exporter.save import write_graph
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.medusa import MedusaHeads, load_heads, save_heads
+from specexport.exporter.medusa_graph import HeadsAtAcceptedRow, build_heads_graph
+from specexport.exporter.save import decoder_builder, save_graph, write_graph
 from specexport.runtime.backend import GraphSession
 from specexport.runtime.generate import Engine
-from specexport.exporter.medusa_graph import HeadsAtAcceptedRow, build_heads_graph
-from specexport.exporter.save import decoder_builder, save_graph
 from specexport.runtime.rank_tree import PRESETS, expected_accept_length, from_accuracy, make, parse
 from specexport.runtime.sampling import SamplingParams
-
-from conftest import TINY, TOKENIZER_VOCAB, method_export, tiny_model
 
 H, V = TINY["hidden_size"], TOKENIZER_VOCAB
 RANKS = [[0.5, 0.2, 0.1], [0.3, 0.1], [0.2]]

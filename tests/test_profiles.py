@@ -5,8 +5,8 @@ import json
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import method_export
+
 from specexport.cli import main
 from specexport.errors import UserError
 from specexport.profiles import bundled, dump, load_profile, names, parse
@@ -229,8 +229,8 @@ def test_medusa_accept_length_replays_recorded_steps():
 def test_a_measured_profile_keeps_the_other_methods_sources():
     import dataclasses
 
-    from specexport.tune import _source
     from specexport.profiles.detect import resolve_profile
+    from specexport.tune import _source
 
     base, _ = resolve_profile("cpu-8core")
     first = _source(base, "CPU X (2 cores)", "medusa on 2026-01-01 (bundle m int8)")

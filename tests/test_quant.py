@@ -3,7 +3,14 @@
 import numpy as np
 import pytest
 
-from specexport.exporter.quant import INT4_BLOCK, dequantize_int4, int4_blocks, int8_per_channel, matmul_nbits, pack_nibbles
+from specexport.exporter.quant import (
+    INT4_BLOCK,
+    dequantize_int4,
+    int4_blocks,
+    int8_per_channel,
+    matmul_nbits,
+    pack_nibbles,
+)
 
 
 def weights(out_dim, in_dim, seed=0):

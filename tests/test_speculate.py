@@ -2,12 +2,12 @@
 
 import numpy as np
 import pytest
-
 from conftest import method_export
+
 from specexport import chisquare
 from specexport.exporter.export import ExportOptions, export_bundle
-from specexport.exporter.save import write_graph
 from specexport.exporter.graph import GraphOptions
+from specexport.exporter.save import write_graph
 from specexport.runtime import tree
 from specexport.runtime.backend import GraphSession
 from specexport.runtime.generate import Engine

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from safetensors.torch import load_file
-
 from conftest import save_folder, tiny_model
 from helpers import TRAIN_CONVERSATIONS, sentence, write_sharegpt
+from safetensors.torch import load_file
+
 import specexport.train as trainers
 from specexport.cli import main
 from specexport.errors import UserError

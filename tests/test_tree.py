@@ -3,8 +3,19 @@
 import numpy as np
 import pytest
 
-from specexport.runtime.tree import (HIDDEN, AcceptMode, DraftTree, ancestor_mask, attention_bias, causal_mask, chain,
-                                     check_parents, children, depths, subtree)
+from specexport.runtime.tree import (
+    HIDDEN,
+    AcceptMode,
+    DraftTree,
+    ancestor_mask,
+    attention_bias,
+    causal_mask,
+    chain,
+    check_parents,
+    children,
+    depths,
+    subtree,
+)
 
 H = HIDDEN
 
