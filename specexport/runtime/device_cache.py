@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specexport.runtime.kvcache import CacheRows
+
 ALIGN = 256  # TensorRT's alignment for I/O tensor addresses
 
 
@@ -95,7 +97,7 @@ class Layout:
                 for to, src, n in row_runs(rows) for start, height in spans]
 
 
-class DeviceCache:
+class DeviceCache(CacheRows):
     """The KV cache in device memory (`Layout`): the runtime's cache protocol (backend.Cache)."""
 
     def __init__(self, cuda: Cuda, stream, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int,
@@ -107,29 +109,12 @@ class DeviceCache:
         cuda(cuda.rt.cudaMemsetAsync(self.base, 0, self.layout.size, stream))
         self.addresses = [self.base + j * self.layout.stride for j in range(self.layout.blocks)]  # k0, v0, k1, ...
 
-    def room(self) -> int:
-        return self.capacity - self.length
-
-    def advance(self, n: int) -> None:
-        if self.length + n > self.capacity:
-            raise ValueError(f"KV cache overflow: {self.length} + {n} > capacity {self.capacity}")
-        self.length += n
-
-    def commit(self, rows) -> None:
-        """Keep the last step's rows at these offsets from `length` (ascending), copied down on the device."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if rows.size and (rows.min() < 0 or self.length + rows.max() >= self.capacity):
-            raise ValueError(f"commit rows {rows.tolist()} outside the cache")
+    def move(self, src: np.ndarray) -> None:
+        """Copied down on the device, a 2-D copy per run of moved rows."""
         pitch = self.layout.pitch
-        for to, src, width, height in self.layout.copies(self.length, rows):
-            self.cuda(self.cuda.rt.cudaMemcpy2DAsync(self.base + to, pitch, self.base + src, pitch, width, height,
+        for to, frm, width, height in self.layout.copies(self.length, src - self.length):
+            self.cuda(self.cuda.rt.cudaMemcpy2DAsync(self.base + to, pitch, self.base + frm, pitch, width, height,
                                                      self.cuda.d2d, self.stream))
-        self.length += int(rows.size)
-
-    def rewind(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot rewind to {length} (cache holds {self.length})")
-        self.length = length
 
     def __del__(self):
         try:

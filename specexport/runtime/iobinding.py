@@ -21,13 +21,14 @@ import onnxruntime as ort
 
 from specexport.errors import UserError
 from specexport.runtime.backend import check_step, load_session, session_options
+from specexport.runtime.kvcache import CacheRows
 from specexport.runtime.verify import greedy_inputs
 
 _TYPES = {"fp32": (np.float32, 1), "fp16": (np.float16, 10)}  # numpy type, ONNX element type
 _KEEP = 64  # staged input OrtValues kept per session (the steady state repeats a few shapes; prefills vary)
 
 
-class DeviceCache:
+class DeviceCache(CacheRows):
     """The KV cache of a `DeviceSession`, on its device. Its buffer never moves (`pointer` is fixed)."""
 
     def __init__(self, owner: "DeviceSession", batch: int, capacity: int):
@@ -41,28 +42,8 @@ class DeviceCache:
         self.layer_bytes = int(np.prod(self.shape[1:])) * np.dtype(owner.dtype).itemsize
         self.bindings: dict[tuple, ort.IOBinding] = {}
 
-    def room(self) -> int:
-        return self.capacity - self.length
-
-    def advance(self, n: int) -> None:
-        if self.length + n > self.capacity:
-            raise ValueError(f"KV cache overflow: {self.length} + {n} > capacity {self.capacity}")
-        self.length += n
-
-    def commit(self, rows) -> None:
-        """Keep the new rows at these offsets (relative to `length`, ascending), in order; a path that is not a
-        prefix is compacted on the device."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if rows.size and (rows.min() < 0 or self.length + rows.max() >= self.capacity):
-            raise ValueError(f"commit rows {rows.tolist()} outside the cache")
-        if not np.array_equal(rows, np.arange(rows.size)):
-            self.owner.compact(self, self.length + rows)
-        self.length += rows.size
-
-    def rewind(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot rewind to {length} (cache holds {self.length})")
-        self.length = length
+    def move(self, src: np.ndarray) -> None:
+        self.owner.compact(self, src)  # on the device
 
 
 class DeviceSession:

@@ -10,14 +10,13 @@ from __future__ import annotations
 import numpy as np
 
 
-class KVCache:
-    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32):
-        shape = (batch, kv_heads, capacity, head_dim)
-        self.buffers = [np.zeros(shape, dtype=dtype) for _ in range(2 * layers)]  # k0, v0, k1, v1, ...
-        self.capacity = capacity
-        self.batch = batch
-        self.length = 0  # committed rows
-        self.handle = None  # the backend's binding of these buffers, made on first use
+class CacheRows:
+    """What every KV cache keeps the same way, wherever its buffers live: `capacity` rows, the first `length`
+    committed. A subclass writes `move(src)`: copy the rows at absolute offsets `src` down to
+    [length, length + len(src)) (only called for a path that is not a prefix)."""
+
+    capacity: int
+    length: int
 
     def room(self) -> int:
         return self.capacity - self.length
@@ -33,15 +32,29 @@ class KVCache:
         rows = np.asarray(rows, dtype=np.int64)
         if rows.size and (rows.min() < 0 or self.length + rows.max() >= self.capacity):
             raise ValueError(f"commit rows {rows.tolist()} outside the cache")
-        n = rows.size
-        if not np.array_equal(rows, np.arange(n)):  # only a non-prefix path needs a copy
-            src = self.length + rows
-            for buf in self.buffers:
-                buf[:, :, self.length:self.length + n] = buf[:, :, src]
-        self.length += n
+        if not np.array_equal(rows, np.arange(rows.size)):  # only a non-prefix path needs a copy
+            self.move(self.length + rows)
+        self.length += int(rows.size)
+
+    def move(self, src: np.ndarray) -> None:
+        raise NotImplementedError
 
     def rewind(self, length: int) -> None:
         """Forget everything after `length` rows (the buffer is not cleared; rows are overwritten later)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot rewind to {length} (cache holds {self.length})")
         self.length = length
+
+
+class KVCache(CacheRows):
+    def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32):
+        shape = (batch, kv_heads, capacity, head_dim)
+        self.buffers = [np.zeros(shape, dtype=dtype) for _ in range(2 * layers)]  # k0, v0, k1, v1, ...
+        self.capacity = capacity
+        self.batch = batch
+        self.length = 0  # committed rows
+        self.handle = None  # the backend's binding of these buffers, made on first use
+
+    def move(self, src: np.ndarray) -> None:
+        for buf in self.buffers:
+            buf[:, :, self.length:self.length + src.size] = buf[:, :, src]
