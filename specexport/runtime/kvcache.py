@@ -7,10 +7,12 @@ accepted rows down so they are contiguous), or drops rows (`rewind`). No call co
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 
-class CacheRows:
+class CacheRows(ABC):
     """What every KV cache keeps the same way, wherever its buffers live: `capacity` rows, the first `length`
     committed. A subclass writes `move(src)`: copy the rows at absolute offsets `src` down to
     [length, length + len(src)) (only called for a path that is not a prefix)."""
@@ -36,8 +38,9 @@ class CacheRows:
             self.move(self.length + rows)
         self.length += int(rows.size)
 
+    @abstractmethod
     def move(self, src: np.ndarray) -> None:
-        raise NotImplementedError
+        """Copy the rows at absolute offsets `src` down to [length, length + len(src))."""
 
     def rewind(self, length: int) -> None:
         """Forget everything after `length` rows (the buffer is not cleared; rows are overwritten later)."""
