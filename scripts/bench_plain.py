@@ -3,13 +3,15 @@
 onnxruntime-genai (fp32, int4) and transformers `generate` (fp32).
 
 Batch 1, the same prompt token ids for everyone, exactly N new tokens each (EOS stops no one);
-tokens/s = new tokens / wall time, prefill included. Also ms per target forward of T new tokens at
+tokens/s = new tokens / wall time, prefill included. The engines alternate: every engine is loaded once and
+stays loaded, and each prompt (then each T of the forward timings) goes to all of them in turn, the first one rotating,
+so machine noise hits them alike. Also ms per target forward of T new tokens at
 256 tokens of context (the cost of verifying T draft tokens), and the quantized bundles' top-1
 agreement with fp32 from their manifests. "other CPU" is the share of the machine that other
 processes used while an engine was timed: above ~5% its numbers are not to be trusted.
 
 onnxruntime-genai is not a dependency of specexport: it lives in its own venv (CACHE/genai-venv),
-made on first use, and runs through that venv's python in a subprocess.
+made on first use, and runs through that venv's python in one long-lived worker process per precision.
 
     python scripts/bench_plain.py [--cache bench-cache] [--new-tokens 128] [--prompts 6] [--skip-genai]
                                   [--rebuild] [--max-wait 300] [--json OUT]
@@ -24,7 +26,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -45,10 +46,10 @@ REPEATS = 7  # timed forwards per T (median), after 2 warm-ups
 GENAI_PACKAGES = ["onnxruntime-genai", "torch==2.13.0", "transformers", "onnx", "onnx-ir", "onnxscript", "numpy"]
 # (label, numerator, denominator, target): tokens/s ratios the project aims for, all "at least"
 TARGETS = [
-    ("ours fp32 / genai fp32", "ours fp32", "genai fp32", 0.9),
-    ("ours fp32 / transformers", "ours fp32", "transformers fp32", 2.0),
+    ("ours fp32 / genai fp32", "ours fp32", "genai fp32", 1.0),
+    ("ours int4 / genai int4", "ours int4", "genai int4", 0.95),
     ("ours int8 / genai int4", "ours int8", "genai int4", 0.75),
-    ("ours int4 / genai int4", "ours int4", "genai int4", 0.9),
+    ("ours fp32 / transformers", "ours fp32", "transformers fp32", 2.0),
 ]
 STEP_TARGET = ("ours int8", 8, 1.5)  # step(T=8) / step(T=1) at most this
 
@@ -66,20 +67,37 @@ def run(cmd: list, log_file: Path | None = None, **kw) -> None:
 
 
 # -- a shared 2-core machine: measure, and wait out, other processes' CPU use ----------------------
+WORKERS: list[subprocess.Popen] = []  # genai worker processes: their CPU is ours, not "other"
+
+
+def _own_cpu() -> float:
+    t = os.times()
+    own = t.user + t.system + t.children_user + t.children_system
+    for proc in WORKERS:
+        with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)": state is fields[0], utime fields[11]
+            own += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own
+
+
 def _cpu_snapshot() -> tuple[float, float, float]:
-    """(all processes' busy CPU seconds, this process's + waited children's CPU seconds, wall clock)."""
+    """(all processes' busy CPU seconds, this process's + its workers' CPU seconds, wall clock)."""
     with open("/proc/stat") as f:
         jiffies = [int(x) for x in f.readline().split()[1:9]]
     busy = (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
-    t = os.times()
-    return busy, t.user + t.system + t.children_user + t.children_system, time.monotonic()
+    return busy, _own_cpu(), time.monotonic()
+
+
+def others_seconds(start: tuple) -> tuple[float, float]:
+    """(CPU seconds other processes used since `start`, wall seconds since `start`)."""
+    end = _cpu_snapshot()
+    return max(0.0, (end[0] - start[0]) - (end[1] - start[1])), end[2] - start[2]
 
 
 def others_share(start: tuple) -> float:
     """Fraction of the machine's CPU that other processes used since `start` (0 = quiet)."""
-    end = _cpu_snapshot()
-    others = (end[0] - start[0]) - (end[1] - start[1])
-    return max(0.0, others / ((end[2] - start[2]) * os.cpu_count()))
+    others, wall = others_seconds(start)
+    return others / (wall * os.cpu_count())
 
 
 def wait_for_quiet(max_wait: float, threshold: float = 0.05) -> None:
@@ -96,20 +114,7 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.05) -> None:
         time.sleep(8)
 
 
-def step_ms(forward) -> dict[int, float]:
-    """Median ms of `forward(t)` for each T (2 warm-ups, REPEATS timed calls)."""
-    table = {}
-    for t in STEP_T:
-        times = []
-        for k in range(2 + REPEATS):
-            start = time.perf_counter()
-            forward(t)
-            times.append(time.perf_counter() - start)
-        table[t] = round(1000 * statistics.median(times[2:]), 2)
-    return table
-
-
-# -- ours ------------------------------------------------------------------------------------------
+# -- the engines: each loaded once; generate(ids, n) -> row, step(t) -> seconds of one forward ------
 def ensure_bundle(cache: Path, precision: str, rebuild: bool) -> Path:
     path = cache / f"smollm2-135m-none-{precision}"
     if rebuild or not (path / "manifest.json").is_file():
@@ -118,45 +123,47 @@ def ensure_bundle(cache: Path, precision: str, rebuild: bool) -> Path:
     return path
 
 
-def bench_ours(bundle: Path, prompts: list[list[int]], new_tokens: int, context: list[int]) -> dict:
-    from specexport.runtime import tree
-    from specexport.runtime.generate import Engine
+class Ours:
+    def __init__(self, bundle: Path, context: list[int]):
+        from specexport.runtime.generate import Engine
 
-    eng = Engine.load(bundle)
-    eng.generate(prompts[0], max_new_tokens=8, stop_ids=())  # warm-up
-    rows = []
-    for ids in prompts:
-        g = eng.generate(ids, max_new_tokens=new_tokens, stop_ids=())
-        rows.append({"new_tokens": g.stats.new_tokens, "seconds": g.stats.seconds, "ttft_s": g.stats.ttft_s,
-                     "tokens": g.tokens})
-    target = eng.target
-    cache = target.new_cache(CONTEXT + max(STEP_T))
-    eng.prefill(cache, context)  # cache.length = CONTEXT; the timed forwards below never advance it
-    rng = np.random.default_rng(0)
+        self.engine = eng = Engine.load(bundle)
+        eng.generate(context[:16], max_new_tokens=8, stop_ids=())  # warm-up
+        self.cache = eng.target.new_cache(CONTEXT + max(STEP_T))
+        eng.prefill(self.cache, context)  # cache.length = CONTEXT; the timed forwards below never advance it
+        self.rng = np.random.default_rng(0)
+        self.agreement = (eng.bundle.manifest.get("numerics") or {}).get("agreement")
 
-    def forward(t):  # a chain of t new tokens, logits for every row (as verifying t draft tokens needs)
-        target.forward(cache, rng.integers(3, 49152, size=(1, t)), CONTEXT + np.arange(t)[None], tree.causal_mask(t),
-                       np.arange(t))
+    def generate(self, ids: list[int], n: int) -> dict:
+        g = self.engine.generate(ids, max_new_tokens=n, stop_ids=())
+        return {"new_tokens": g.stats.new_tokens, "seconds": g.stats.seconds, "ttft_s": g.stats.ttft_s,
+                "tokens": g.tokens}
 
-    return {"rows": rows, "step_ms": step_ms(forward),
-            "agreement": (eng.bundle.manifest.get("numerics") or {}).get("agreement")}
+    def step(self, t: int) -> float:  # a chain of t new tokens, logits for every row (as verifying t drafts needs)
+        from specexport.runtime import tree
+
+        ids, pos = self.rng.integers(3, 49152, size=(1, t)), CONTEXT + np.arange(t)[None]
+        start = time.perf_counter()
+        self.engine.target.forward(self.cache, ids, pos, tree.causal_mask(t), np.arange(t))
+        return time.perf_counter() - start
 
 
-# -- transformers ----------------------------------------------------------------------------------
-def bench_transformers(model, prompts: list[list[int]], new_tokens: int, pad: int) -> dict:
-    import torch
+class Transformers:
+    def __init__(self, model, pad: int):
+        import torch
 
-    rows = []
-    with torch.inference_mode():
-        model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, pad_token_id=pad)  # warm-up
-        for ids in prompts:
+        self.torch, self.model, self.pad = torch, model, pad
+        self.threads = torch.get_num_threads()
+        self.generate([1, 2, 3], 4)  # warm-up
+
+    def generate(self, ids: list[int], n: int) -> dict:
+        with self.torch.inference_mode():
             start = time.perf_counter()
-            out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=pad)
-            tokens = out[0, len(ids):].tolist()
-            rows.append({"new_tokens": len(tokens), "seconds": time.perf_counter() - start, "ttft_s": None,
-                         "tokens": tokens})
-    return {"rows": rows, "torch_threads": torch.get_num_threads()}
+            out = self.model.generate(self.torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, pad_token_id=self.pad)
+            seconds = time.perf_counter() - start
+        tokens = out[0, len(ids):].tolist()
+        return {"new_tokens": len(tokens), "seconds": seconds, "ttft_s": None, "tokens": tokens}
 
 
 def save_hf_folder(model, tokenizer, folder: Path) -> None:
@@ -168,9 +175,9 @@ def save_hf_folder(model, tokenizer, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-# -- onnxruntime-genai (its own venv, one subprocess per model) ------------------------------------
-GENAI_WORKER = r'''
-import json, os, statistics, sys, time
+# onnxruntime-genai in its own venv: one worker process per model, answering JSON lines on stdin/stdout
+GENAI_WORKER = r"""
+import json, os, sys, time
 from pathlib import Path
 import numpy as np, onnxruntime as ort, onnxruntime_genai as og
 
@@ -188,7 +195,7 @@ def generate(model, ids, n):
     return {"new_tokens": len(tokens), "seconds": time.perf_counter() - start, "ttft_s": ttft, "tokens": tokens}
 
 def session_call(folder, capacity):
-    """Raw onnxruntime on genai's graph, each layer's KV buffer bound as both past and present (GQA shares it)."""
+    # raw onnxruntime on genai's graph, each layer's KV buffer bound as both past and present (GQA shares it)
     dec = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
     so = ort.SessionOptions()
     so.intra_op_num_threads = len(os.sched_getaffinity(0))
@@ -214,31 +221,59 @@ def session_call(folder, capacity):
         sess.run_with_iobinding(io)
     return call
 
-def step_ms(folder, context, t_values, repeats):
-    call, rng, table = session_call(folder, len(context) + max(t_values)), np.random.default_rng(0), {}
-    call(context, 0)
-    for t in t_values:
-        times = []
-        for k in range(2 + repeats):
-            ids = rng.integers(3, 49152, size=t).tolist()
-            start = time.perf_counter()
-            call(ids, len(context))
-            times.append(time.perf_counter() - start)
-        table[t] = round(1000 * statistics.median(times[2:]), 2)
-    return table
-
-job = json.loads(Path(sys.argv[1]).read_text())
-model = og.Model(job["folder"])
-generate(model, job["prompts"][0], 8)  # warm-up
-rows = [generate(model, ids, job["new_tokens"]) for ids in job["prompts"]]
-del model
+folder, context, capacity = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+model = og.Model(str(folder))
+generate(model, context[:16], 8)  # warm-up
 try:
-    table = step_ms(Path(job["folder"]), job["context"], job["step_t"], job["repeats"])
-except Exception as e:  # report it in the table, keep the tokens/s
-    table = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+    call, step_error = session_call(folder, capacity), None
+    call(context, 0)
+except Exception as e:  # reported in the table; tokens/s are still measured
+    call, step_error = None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+rng = np.random.default_rng(0)
 versions = {"onnxruntime_genai": getattr(og, "__version__", None), "onnxruntime": ort.__version__}
-Path(sys.argv[2]).write_text(json.dumps({"rows": rows, "step_ms": table, "versions": versions}))
-'''
+print(json.dumps({"versions": versions, "step_error": step_error}), flush=True)
+for line in sys.stdin:
+    job = json.loads(line)
+    if job["op"] == "generate":
+        reply = generate(model, job["ids"], job["n"])
+    else:
+        ids = rng.integers(3, 49152, size=job["t"]).tolist()
+        start = time.perf_counter()
+        call(ids, len(context))
+        reply = {"seconds": time.perf_counter() - start}
+    print(json.dumps(reply), flush=True)
+"""
+
+
+class Genai:
+    def __init__(self, python: Path, folder: Path, context: list[int], worker: Path):
+        self.proc = subprocess.Popen([str(python), str(worker), str(folder), json.dumps(context),
+                                      str(CONTEXT + max(STEP_T))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        WORKERS.append(self.proc)
+        hello = self._read()
+        self.versions, self.step_error = hello["versions"], hello["step_error"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            sys.exit(f"the onnxruntime-genai worker stopped (exit {self.proc.wait()}); its error is above")
+        return json.loads(line)
+
+    def _ask(self, job: dict) -> dict:
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def generate(self, ids: list[int], n: int) -> dict:
+        return self._ask({"op": "generate", "ids": ids, "n": n})
+
+    def step(self, t: int) -> float:
+        return self._ask({"op": "step", "t": t})["seconds"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
 
 
 def ensure_genai(cache: Path, hf_folder: Path) -> tuple[Path, dict[str, Path]]:
@@ -259,17 +294,60 @@ def ensure_genai(cache: Path, hf_folder: Path) -> tuple[Path, dict[str, Path]]:
     return python, folders
 
 
-def bench_genai(python: Path, folder: Path, prompts, new_tokens: int, context: list[int]) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        worker, job, result = Path(tmp, "worker.py"), Path(tmp, "job.json"), Path(tmp, "out.json")
-        worker.write_text(GENAI_WORKER)
-        job.write_text(json.dumps({"folder": str(folder), "prompts": prompts, "new_tokens": new_tokens,
-                                   "context": context, "step_t": list(STEP_T), "repeats": REPEATS}))
-        run([python, worker, job, result])
-        r = json.loads(result.read_text())
-    if "error" not in r["step_ms"]:
-        r["step_ms"] = {int(t): ms for t, ms in r["step_ms"].items()}  # JSON keys are strings
-    return r
+# -- the timed runs: every prompt, then every forward, goes to all engines in turn -----------------
+class Tally:
+    """Rows, step times and other processes' CPU use, per engine."""
+
+    def __init__(self, names: list[str]):
+        self.rows = {n: [] for n in names}
+        self.steps = {n: {t: [] for t in STEP_T} for n in names}
+        self.others = {n: [0.0, 0.0] for n in names}  # other processes' CPU seconds, wall seconds
+
+    def timed(self, name: str, call):
+        start = _cpu_snapshot()
+        out = call()
+        others, wall = others_seconds(start)
+        self.others[name][0] += others
+        self.others[name][1] += wall
+        return out
+
+    def other_cpu(self, name: str) -> float:
+        others, wall = self.others[name]
+        return round(others / (wall * os.cpu_count()), 3) if wall else 0.0
+
+
+def rotated(names: list[str], k: int) -> list[str]:
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
+def run_alternating(engines: dict, prompts: list[list[int]], new_tokens: int) -> dict:
+    names = list(engines)
+    tally = Tally(names)
+    for i, ids in enumerate(prompts):
+        log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(rotated(names, i)))
+        for name in rotated(names, i):
+            tally.rows[name].append(tally.timed(name, lambda: engines[name].generate(ids, new_tokens)))
+    stepping = [n for n in names if getattr(engines[n], "step", None) and not getattr(engines[n], "step_error", None)]
+    log("forwards of T new tokens: " + ", ".join(stepping))
+    for i, t in enumerate(STEP_T):  # engines in turn per T: a forward takes ~10 ms, and switching engine at every
+        for name in rotated(stepping, i):  # forward would time the previous engine's thread pool spinning down
+            for k in range(2 + REPEATS):
+                seconds = tally.timed(name, lambda: engines[name].step(t))
+                if k >= 2:  # 2 warm-ups
+                    tally.steps[name][t].append(seconds)
+    results = {}
+    for name in names:
+        engine = engines[name]
+        r = results[name] = {"rows": tally.rows[name], "other_cpu": tally.other_cpu(name)}
+        if name in stepping:
+            r["step_ms"] = {t: round(1000 * statistics.median(v), 2) for t, v in tally.steps[name].items()}
+        elif getattr(engine, "step_error", None):
+            r["step_ms"] = {"error": engine.step_error}
+        for attr in ("agreement", "versions", "threads"):
+            if getattr(engine, attr, None):
+                r[attr] = getattr(engine, attr)
+    return results
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -287,7 +365,7 @@ def summarize(result: dict, reference: list[list[int]], eos: set[int]) -> None:
 def report(results: dict, new_tokens: int) -> tuple[list[str], dict]:
     n = len(results["ours fp32"]["rows"])
     lines = [f"SmolLM2-135M-Instruct, greedy, batch 1, {new_tokens} new tokens x {n} prompts, "
-             f"{len(os.sched_getaffinity(0))} CPU threads",
+             f"{len(os.sched_getaffinity(0))} CPU threads; engines alternate prompt by prompt, then T by T",
              f"{'engine':<19}{'tokens/s':>9}{'TTFT ms':>9}{'other CPU':>11}   same tokens as ours fp32 (before EOS)"]
     for name, r in results.items():
         ttft = f"{r['ttft_ms']:.1f}" if r["ttft_ms"] is not None else "-"
@@ -328,13 +406,14 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
     ap.add_argument("--skip-genai", action="store_true")
     ap.add_argument("--rebuild", action="store_true", help="rebuild our bundles (after the exporter changed)")
-    ap.add_argument("--max-wait", type=float, default=300, help="seconds to wait for a quiet CPU before each engine")
+    ap.add_argument("--max-wait", type=float, default=300, help="seconds to wait for a quiet CPU before timing")
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
     args = ap.parse_args()
     cache = args.cache.resolve()
     cache.mkdir(parents=True, exist_ok=True)
     hf_folder = cache / "hf-smollm2-135m"
 
+    from specexport.exporter.sources import load_model, resolve
     from specexport.runtime.generate import Engine
 
     bundles = {p: ensure_bundle(cache, p, args.rebuild) for p in OURS}
@@ -344,31 +423,26 @@ def main() -> None:
     eos = tokenizer_engine.tokenizer.eos_token_ids
     del tokenizer_engine
 
-    def timed(name, bench, *a):
-        wait_for_quiet(args.max_wait)
-        log(f"{name}: generating and timing")
-        start = _cpu_snapshot()
-        results[name] = bench(*a)
-        results[name]["other_cpu"] = round(others_share(start), 3)
-
-    results = {}
-    for p in OURS:
-        timed(f"ours {p}", bench_ours, bundles[p], prompts, args.new_tokens, context)
-
-    from specexport.exporter.sources import load_model, resolve
-
-    log("transformers: loading the model")
+    log("loading every engine")
+    engines = {f"ours {p}": Ours(bundles[p], context) for p in OURS}
     model, tokenizer = load_model(resolve("smollm2-135m"))
-    timed("transformers fp32", bench_transformers, model, prompts, args.new_tokens, min(eos))
     if not args.skip_genai and not (hf_folder / "tokenizer.json").is_file():
         save_hf_folder(model, tokenizer, hf_folder)
-    del model
-
     if not args.skip_genai:
         python, folders = ensure_genai(cache, hf_folder)
+        worker = cache / "genai_worker.py"
+        worker.write_text(GENAI_WORKER)
         for p in GENAI:
-            timed(f"genai {p}", bench_genai, python, folders[p], prompts, args.new_tokens, context)
+            engines[f"genai {p}"] = Genai(python, folders[p], context, worker)
+    engines["transformers fp32"] = Transformers(model, min(eos))
 
+    wait_for_quiet(args.max_wait)
+    try:
+        results = run_alternating(engines, prompts, args.new_tokens)
+    finally:
+        for engine in engines.values():
+            if isinstance(engine, Genai):
+                engine.close()
     order = ["ours fp32", "ours int8", "ours int4", "genai fp32", "genai int4", "transformers fp32"]
     results = {k: results[k] for k in order if k in results}
     reference = [row["tokens"] for row in results["ours fp32"]["rows"]]

@@ -6,7 +6,7 @@ step spent outside ONNX Runtime's calls (Python, binding, mask, reading outputs,
 the time inside them.
 
     python scripts/compare_backends.py BUNDLE [BUNDLE ...] --prompts bench/sharegpt40.jsonl [--new-tokens 128]
-                                       [--limit N] [--devices cpu,cpu-iobinding] [--json OUT]
+                                       [--skip N] [--limit N] [--devices cpu,cpu-iobinding] [--json OUT]
 """
 
 from __future__ import annotations
@@ -69,11 +69,13 @@ def main() -> None:
     ap.add_argument("bundles", nargs="+")
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--limit", type=int, default=0, help="the first N prompts only (0: all)")
+    ap.add_argument("--skip", type=int, default=0, help="leave out the first N prompts")
+    ap.add_argument("--limit", type=int, default=0, help="then the first N prompts only (0: all)")
     ap.add_argument("--devices", default="cpu,cpu-iobinding")
     ap.add_argument("--json")
     args = ap.parse_args()
     prompts = [p["prompt"] for p in read_prompts(args.prompts)]
+    prompts = prompts[args.skip:]
     prompts = prompts[:args.limit] if args.limit else prompts
     devices = args.devices.split(",")
     rows = []
