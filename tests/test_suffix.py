@@ -403,6 +403,25 @@ def test_profile_chooses_the_node_budget_and_the_suffix_settings(tiny, tiny_fold
         (chosen.total_tokens, chosen.match_factor, chosen.min_prob)
 
 
+def test_profile_keeps_to_the_budget_of_the_bundles_profile(tiny, tmp_path):
+    """A bundle built with a profile that caps the node budget: the tuner tries no budget a run would refuse."""
+    import shutil
+
+    from specexport.profiles import load_profile
+
+    bundle, out = tmp_path / "b", tmp_path / "measured.toml"
+    shutil.copytree(tiny["root"] / "suffix", bundle)
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["profile"] = {"name": "cpu-2core", "limits": {"max_tree_tokens": 4}}
+    manifest["method"]["total_tokens"] = 3  # what a build with that profile keeps to
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["profile", str(bundle), "--output", str(out), "--base", "cpu-2core",
+                                       "--new-tokens", "8", "--max-tokens", "8", "--contexts", "16", "--reps", "2",
+                                       "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    assert 2 <= load_profile(out).methods["suffix"].total_tokens <= 4
+
+
 def test_a_hybrid_draft_from_another_target_is_one_line(tiny, tiny_folder, tmp_path):
     """An EAGLE draft made for another target (its hidden size or vocabulary): one line, nothing written."""
     from test_eagle import H, random_draft

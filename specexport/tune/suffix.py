@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specexport.runtime.methods.suffix import ANY_DEPTH, select
+from specexport.runtime.methods.suffix import ANY_DEPTH, profile_budget, select
 from specexport.tune.measure import Measured, Recording, record_runs, replay
 
 TOTALS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
@@ -72,7 +72,8 @@ class SuffixTuner:
     def tune(self, engine, measured: Measured, recording: Recording, t) -> None:
         before = t.curve()
         s = engine.settings
-        loosest = {"total_tokens": max(n for n in TOTALS if n <= t.max_tokens), "match_factor": max(FACTORS),
+        most = min(t.max_tokens, profile_budget(engine) or t.max_tokens)  # a run refuses more than the profile's
+        loosest = {"total_tokens": max(n for n in TOTALS if n <= most), "match_factor": max(FACTORS),
                    "min_prob": min(MIN_PROBS)}
         try:
             engine.configure(**loosest)
@@ -81,7 +82,7 @@ class SuffixTuner:
             engine.configure()
         depth = getattr(s, "depth", None)  # the hybrid's EAGLE depth: every smaller one is replayed too
         depths = [None] if depth is None else list(range(1, depth + 1))
-        rows = finalists(predict_rows(measured, rec, t.max_tokens, t.context, depths))
+        rows = finalists(predict_rows(measured, rec, most, t.context, depths))
         own = (s.total_tokens, s.match_factor, s.min_prob)
         if own[0] <= loosest["total_tokens"] and all(
                 (r["tokens"], r["settings"]["match_factor"], r["settings"]["min_prob"], r["settings"].get("depth"))

@@ -136,11 +136,16 @@ def bundle_datastore(engine) -> datastores.Datastore | None:
     return store
 
 
+def profile_budget(engine) -> int | None:
+    """The max_tree_tokens of the profile the bundle was built with (None: no limit recorded)."""
+    limit = ((engine.bundle.manifest.get("profile") or {}).get("limits") or {}).get("max_tree_tokens")
+    return limit if isinstance(limit, int) else None
+
+
 def check_profile_budget(engine, total: int) -> None:
     """One line when the node budget is above the max_tree_tokens of the profile the bundle was built with."""
-    limits = (engine.bundle.manifest.get("profile") or {}).get("limits") or {}
-    limit = limits.get("max_tree_tokens")
-    if isinstance(limit, int) and total > limit:
+    limit = profile_budget(engine)
+    if limit is not None and total > limit:
         check_budget(total, limit, f" (the max_tree_tokens of profile "
                                    f"{engine.bundle.manifest['profile'].get('name', '?')})")
 
