@@ -124,10 +124,10 @@ def ensure_bundle(cache: Path, precision: str, rebuild: bool) -> Path:
 
 
 class Ours:
-    def __init__(self, bundle: Path, context: list[int]):
-        from specexport.runtime.generate import Engine
+    def __init__(self, eng, context: list[int]):
+        from specexport.runtime import tree
 
-        self.engine = eng = Engine.load(bundle)
+        self.engine, self.tree = eng, tree
         eng.generate(context[:16], max_new_tokens=8, stop_ids=())  # warm-up
         self.cache = eng.target.new_cache(CONTEXT + max(STEP_T))
         eng.prefill(self.cache, context)  # cache.length = CONTEXT; the timed forwards below never advance it
@@ -140,11 +140,9 @@ class Ours:
                 "tokens": g.tokens}
 
     def step(self, t: int) -> float:  # a chain of t new tokens, logits for every row (as verifying t drafts needs)
-        from specexport.runtime import tree
-
         ids, pos = self.rng.integers(3, 49152, size=(1, t)), CONTEXT + np.arange(t)[None]
         start = time.perf_counter()
-        self.engine.target.forward(self.cache, ids, pos, tree.causal_mask(t), np.arange(t))
+        self.engine.target.forward(self.cache, ids, pos, self.tree.causal_mask(t), np.arange(t))
         return time.perf_counter() - start
 
 
@@ -417,14 +415,13 @@ def main() -> None:
     from specexport.runtime.generate import Engine
 
     bundles = {p: ensure_bundle(cache, p, args.rebuild) for p in OURS}
-    tokenizer_engine = Engine.load(bundles["fp32"])
-    prompts = [tokenizer_engine.encode(p) for p in PROMPTS[:args.prompts]]
+    loaded = {p: Engine.load(bundles[p]) for p in OURS}
+    prompts = [loaded["fp32"].encode(p) for p in PROMPTS[:args.prompts]]
     context = ([t for ids in prompts for t in ids] * CONTEXT)[:CONTEXT]
-    eos = tokenizer_engine.tokenizer.eos_token_ids
-    del tokenizer_engine
+    eos = loaded["fp32"].tokenizer.eos_token_ids
 
     log("loading every engine")
-    engines = {f"ours {p}": Ours(bundles[p], context) for p in OURS}
+    engines = {f"ours {p}": Ours(loaded[p], context) for p in OURS}
     model, tokenizer = load_model(resolve("smollm2-135m"))
     if not args.skip_genai and not (hf_folder / "tokenizer.json").is_file():
         save_hf_folder(model, tokenizer, hf_folder)
