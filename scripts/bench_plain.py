@@ -1,20 +1,22 @@
 #!/usr/bin/env python
-"""Plain greedy decoding of SmolLM2-135M, side by side in one run: our bundles (fp32, int8, int4),
-onnxruntime-genai (fp32, int4) and transformers `generate` (fp32).
+"""Plain greedy decoding of SmolLM2-135M: our bundles (fp32, int8, int4) against onnxruntime-genai (fp32, int4) and
+transformers `generate` (fp32), each engine in a process of its own.
 
-Batch 1, the same prompt token ids for everyone, exactly N new tokens each (EOS stops no one);
-tokens/s = new tokens / wall time, prefill included. The engines alternate: every engine is loaded once and
-stays loaded, and each prompt (then each T of the forward timings) goes to all of them in turn, the first one rotating,
-so machine noise hits them alike. Also ms per target forward of T new tokens at
-256 tokens of context (the cost of verifying T draft tokens), and the quantized bundles' top-1
-agreement with fp32 from their manifests. "other CPU" is the share of the machine that other
-processes used while an engine was timed: above ~5% its numbers are not to be trusted.
+A round runs every engine once, one after the other, the order rotating from round to round. Each run is a fresh
+process with the same threads and nothing else loaded: it loads its engine, warms it up, generates exactly N new
+tokens for every prompt (EOS stops no one; the same prompt token ids for everyone), then times forwards of T new
+tokens at 256 tokens of context on its own graph (ours: the bundle's target graph through our backend; genai: a raw
+ONNX Runtime session on genai's graph, its cache bound in place, after its generator is freed). Per engine, the
+median over rounds and the spread (min-max) of: tokens/s (new tokens / wall time, prefill included), decode ms per
+token (after the first), TTFT, and the step times; a tokens/s that disagrees with the engine's own step time shows
+as decode ms per token well above its T=1 step. "other CPU" is the share of the machine that other processes used
+while the engine ran: above ~5% its numbers are not to be trusted.
 
-onnxruntime-genai is not a dependency of specexport: it lives in its own venv (CACHE/genai-venv),
-made on first use, and runs through that venv's python in one long-lived worker process per precision.
+onnxruntime-genai is not a dependency of specexport: it lives in its own venv (CACHE/genai-venv), made on first use,
+with its model folders built by its own builder from the same dequantized SmolLM2 weights.
 
-    python scripts/bench_plain.py [--cache bench-cache] [--new-tokens 128] [--prompts 6] [--skip-genai]
-                                  [--rebuild] [--max-wait 300] [--json OUT]
+    python scripts/bench_plain.py [--cache bench-cache] [--rounds 3] [--new-tokens 128] [--prompts 6]
+                                  [--engines ours-fp32,genai-fp32,...] [--rebuild] [--max-wait 300] [--json OUT]
 """
 
 from __future__ import annotations
@@ -23,13 +25,12 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 PROMPTS = [
     "Write a short poem about the sea at night.",
@@ -39,19 +40,19 @@ PROMPTS = [
     "Summarize the plot of Romeo and Juliet in a few sentences.",
     "List the planets of the solar system in order, with one fact about each.",
 ]
-OURS, GENAI = ("fp32", "int8", "int4"), ("fp32", "int4")
+ENGINES = ["ours-fp32", "ours-int8", "ours-int4", "genai-fp32", "genai-int4", "transformers-fp32"]
 STEP_T = (1, 2, 4, 8, 16, 32, 64)
-CONTEXT = 256  # tokens of context for the step-time table
-REPEATS = 7  # timed forwards per T (median), after 2 warm-ups
+CONTEXT = 256  # tokens of context for the step times
+REPEATS = 15  # timed forwards per T (median), after 3 warm-ups
 GENAI_PACKAGES = ["onnxruntime-genai", "torch==2.13.0", "transformers", "onnx", "onnx-ir", "onnxscript", "numpy"]
 # (label, numerator, denominator, target): tokens/s ratios the project aims for, all "at least"
 TARGETS = [
-    ("ours fp32 / genai fp32", "ours fp32", "genai fp32", 1.0),
-    ("ours int4 / genai int4", "ours int4", "genai int4", 0.95),
-    ("ours int8 / genai int4", "ours int8", "genai int4", 0.75),
-    ("ours fp32 / transformers", "ours fp32", "transformers fp32", 2.0),
+    ("ours fp32 / genai fp32", "ours-fp32", "genai-fp32", 1.0),
+    ("ours int4 / genai int4", "ours-int4", "genai-int4", 1.0),
+    ("ours int8 / genai int4", "ours-int8", "genai-int4", 0.75),
+    ("ours fp32 / transformers", "ours-fp32", "transformers-fp32", 2.0),
 ]
-STEP_TARGET = ("ours int8", 8, 1.5)  # step(T=8) / step(T=1) at most this
+STEP_TARGETS = [("ours-fp32", "genai-fp32"), ("ours-int4", "genai-int4")]  # our T=1 step at most genai's
 
 
 def log(text: str) -> None:
@@ -66,46 +67,25 @@ def run(cmd: list, log_file: Path | None = None, **kw) -> None:
         sys.exit(f"failed ({done.returncode}): {cmd[0]} ... {'see ' + str(log_file) if log_file else ''}")
 
 
-# -- a shared 2-core machine: measure, and wait out, other processes' CPU use ----------------------
-WORKERS: list[subprocess.Popen] = []  # genai worker processes: their CPU is ours, not "other"
-
-
-def _own_cpu() -> float:
-    t = os.times()
-    own = t.user + t.system + t.children_user + t.children_system
-    for proc in WORKERS:
-        with contextlib.suppress(OSError), open(f"/proc/{proc.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)": state is fields[0], utime fields[11]
-            own += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return own
-
-
-def _cpu_snapshot() -> tuple[float, float, float]:
-    """(all processes' busy CPU seconds, this process's + its workers' CPU seconds, wall clock)."""
+# -- a shared machine: other processes' CPU use while an engine runs -------------------------------
+def _busy_seconds() -> float:
+    """CPU seconds every process has used since boot (all cores, idle and iowait excluded)."""
     with open("/proc/stat") as f:
         jiffies = [int(x) for x in f.readline().split()[1:9]]
-    busy = (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
-    return busy, _own_cpu(), time.monotonic()
+    return (sum(jiffies) - jiffies[3] - jiffies[4]) / os.sysconf("SC_CLK_TCK")
 
 
-def others_seconds(start: tuple) -> tuple[float, float]:
-    """(CPU seconds other processes used since `start`, wall seconds since `start`)."""
-    end = _cpu_snapshot()
-    return max(0.0, (end[0] - start[0]) - (end[1] - start[1])), end[2] - start[2]
-
-
-def others_share(start: tuple) -> float:
-    """Fraction of the machine's CPU that other processes used since `start` (0 = quiet)."""
-    others, wall = others_seconds(start)
-    return others / (wall * os.cpu_count())
+def _children_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def wait_for_quiet(max_wait: float, threshold: float = 0.05) -> None:
     deadline = time.monotonic() + max_wait
     while True:
-        start = _cpu_snapshot()
+        busy, wall = _busy_seconds(), time.monotonic()
         time.sleep(2)
-        share = others_share(start)
+        share = (_busy_seconds() - busy) / ((time.monotonic() - wall) * os.cpu_count())
         if share < threshold or time.monotonic() > deadline:
             if share >= threshold:
                 log(f"other processes still use {share:.0%} of the CPU; timing anyway")
@@ -114,70 +94,72 @@ def wait_for_quiet(max_wait: float, threshold: float = 0.05) -> None:
         time.sleep(8)
 
 
-# -- the engines: each loaded once; generate(ids, n) -> row, step(t) -> seconds of one forward ------
-def ensure_bundle(cache: Path, precision: str, rebuild: bool) -> Path:
-    path = cache / f"smollm2-135m-none-{precision}"
-    if rebuild or not (path / "manifest.json").is_file():
-        run([sys.executable, "-c", "from specexport.cli import main; main()", "build", "--model", "smollm2-135m",
-             "--method", "none", "--precision", precision, "--output", path, "--overwrite"])
-    return path
+# -- the engines' worker processes: one run each, one JSON line out ------------------------------------
+def work_ours(bundle: Path, prompts: list[list[int]], n: int, context: list[int]) -> dict:
+    import numpy as np
 
+    from specexport.runtime import tree
+    from specexport.runtime.generate import Engine
 
-class Ours:
-    def __init__(self, eng, context: list[int]):
-        from specexport.runtime import tree
+    eng = Engine.load(bundle)
+    eng.generate(context[:16], max_new_tokens=8, stop_ids=())  # warm-up
+    rows = []
+    for ids in prompts:
+        g = eng.generate(ids, max_new_tokens=n, stop_ids=())
+        rows.append({"new_tokens": g.stats.new_tokens, "seconds": g.stats.seconds, "ttft_s": g.stats.ttft_s,
+                     "tokens": g.tokens})
+    cache = eng.target.new_cache(CONTEXT + max(STEP_T))
+    eng.prefill(cache, context)  # cache.length = CONTEXT; the timed forwards below never advance it
+    rng = np.random.default_rng(0)
 
-        self.engine, self.tree = eng, tree
-        eng.generate(context[:16], max_new_tokens=8, stop_ids=())  # warm-up
-        self.cache = eng.target.new_cache(CONTEXT + max(STEP_T))
-        eng.prefill(self.cache, context)  # cache.length = CONTEXT; the timed forwards below never advance it
-        self.rng = np.random.default_rng(0)
-        self.agreement = (eng.bundle.manifest.get("numerics") or {}).get("agreement")
-
-    def generate(self, ids: list[int], n: int) -> dict:
-        g = self.engine.generate(ids, max_new_tokens=n, stop_ids=())
-        return {"new_tokens": g.stats.new_tokens, "seconds": g.stats.seconds, "ttft_s": g.stats.ttft_s,
-                "tokens": g.tokens}
-
-    def step(self, t: int) -> float:  # a chain of t new tokens, logits for every row (as verifying t drafts needs)
-        ids, pos = self.rng.integers(3, 49152, size=(1, t)), CONTEXT + np.arange(t)[None]
+    def step(t: int) -> float:  # a chain of t new tokens, logits for every row (as verifying t drafts needs)
+        ids, pos = rng.integers(3, 49152, size=(1, t)), CONTEXT + np.arange(t)[None]
         start = time.perf_counter()
-        self.engine.target.forward(self.cache, ids, pos, self.tree.causal_mask(t), np.arange(t))
+        eng.target.forward(cache, ids, pos, tree.causal_mask(t), np.arange(t))
         return time.perf_counter() - start
 
+    agreement = (eng.bundle.manifest.get("numerics") or {}).get("agreement")
+    return {"rows": rows, "step_ms": step_times(step), "agreement": agreement}
 
-class Transformers:
-    def __init__(self, model, pad: int):
-        import torch
 
-        self.torch, self.model, self.pad = torch, model, pad
-        self.threads = torch.get_num_threads()
-        self.generate([1, 2, 3], 4)  # warm-up
+def work_transformers(prompts: list[list[int]], n: int) -> dict:
+    import torch
 
-    def generate(self, ids: list[int], n: int) -> dict:
-        with self.torch.inference_mode():
+    from specexport.exporter.sources import load_model, resolve
+
+    model, tokenizer = load_model(resolve("smollm2-135m"))
+    pad = tokenizer.eos_token_id
+
+    def generate(ids: list[int], count: int) -> dict:
+        with torch.inference_mode():
             start = time.perf_counter()
-            out = self.model.generate(self.torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                                      do_sample=False, pad_token_id=self.pad)
+            out = model.generate(torch.tensor([ids]), max_new_tokens=count, min_new_tokens=count, do_sample=False,
+                                 pad_token_id=pad)
             seconds = time.perf_counter() - start
         tokens = out[0, len(ids):].tolist()
         return {"new_tokens": len(tokens), "seconds": seconds, "ttft_s": None, "tokens": tokens}
 
-
-def save_hf_folder(model, tokenizer, folder: Path) -> None:
-    """The GGUF-loaded model as a plain fp32 HF folder (its weights are already dequantized)."""
-    model.hf_quantizer = None  # else save_pretrained refuses: "quantized with gguf and is not serializable"
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    generate([1, 2, 3], 4)  # warm-up
+    return {"rows": [generate(ids, n) for ids in prompts], "threads": torch.get_num_threads()}
 
 
-# onnxruntime-genai in its own venv: one worker process per model, answering JSON lines on stdin/stdout
+def step_times(step) -> dict:
+    """Median ms per forward for each T (the same code runs in genai's worker: see GENAI_WORKER)."""
+    out = {}
+    for t in STEP_T:
+        times = [step(t) for _ in range(3 + REPEATS)][3:]
+        out[t] = round(1000 * statistics.median(times), 3)
+    return out
+
+
+# onnxruntime-genai in its own venv: one run per process, the same protocol as work_ours
 GENAI_WORKER = r"""
-import json, os, sys, time
+import gc, json, os, statistics, sys, time
 from pathlib import Path
 import numpy as np, onnxruntime as ort, onnxruntime_genai as og
+
+folder, job = Path(sys.argv[1]), json.loads(sys.argv[2])
+STEP_T, CONTEXT, REPEATS = job["step_t"], job["context_tokens"], job["repeats"]
 
 def generate(model, ids, n):
     params = og.GeneratorParams(model)
@@ -192,7 +174,7 @@ def generate(model, ids, n):
     tokens = [int(t) for t in gen.get_sequence(0)[len(ids):]]
     return {"new_tokens": len(tokens), "seconds": time.perf_counter() - start, "ttft_s": ttft, "tokens": tokens}
 
-def session_call(folder, capacity):
+def session_step(folder, capacity):
     # raw onnxruntime on genai's graph, each layer's KV buffer bound as both past and present (GQA shares it)
     dec = json.loads((folder / "genai_config.json").read_text())["model"]["decoder"]
     so = ort.SessionOptions()
@@ -219,238 +201,230 @@ def session_call(folder, capacity):
         sess.run_with_iobinding(io)
     return call
 
-folder, context, capacity = Path(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
 model = og.Model(str(folder))
+context = job["context"]
 generate(model, context[:16], 8)  # warm-up
-try:
-    call, step_error = session_call(folder, capacity), None
-    call(context, 0)
-except Exception as e:  # reported in the table; tokens/s are still measured
-    call, step_error = None, f"{type(e).__name__}: {str(e).splitlines()[0]}"
+rows = [generate(model, ids, job["new_tokens"]) for ids in job["prompts"]]
+del model
+gc.collect()
+call = session_step(folder, CONTEXT + max(STEP_T))
+call(context, 0)
 rng = np.random.default_rng(0)
+
+def step(t):
+    ids = rng.integers(3, 49152, size=t).tolist()
+    start = time.perf_counter()
+    call(ids, CONTEXT)
+    return time.perf_counter() - start
+
+step_ms = {}
+for t in STEP_T:
+    times = [step(t) for _ in range(3 + REPEATS)][3:]
+    step_ms[t] = round(1000 * statistics.median(times), 3)
 versions = {"onnxruntime_genai": getattr(og, "__version__", None), "onnxruntime": ort.__version__}
-print(json.dumps({"versions": versions, "step_error": step_error}), flush=True)
-for line in sys.stdin:
-    job = json.loads(line)
-    if job["op"] == "generate":
-        reply = generate(model, job["ids"], job["n"])
-    else:
-        ids = rng.integers(3, 49152, size=job["t"]).tolist()
-        start = time.perf_counter()
-        call(ids, len(context))
-        reply = {"seconds": time.perf_counter() - start}
-    print(json.dumps(reply), flush=True)
+print(json.dumps({"rows": rows, "step_ms": step_ms, "versions": versions}), flush=True)
 """
 
 
-class Genai:
-    def __init__(self, python: Path, folder: Path, context: list[int], worker: Path):
-        self.proc = subprocess.Popen([str(python), str(worker), str(folder), json.dumps(context),
-                                      str(CONTEXT + max(STEP_T))], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True)
-        WORKERS.append(self.proc)
-        hello = self._read()
-        self.versions, self.step_error = hello["versions"], hello["step_error"]
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            sys.exit(f"the onnxruntime-genai worker stopped (exit {self.proc.wait()}); its error is above")
-        return json.loads(line)
-
-    def _ask(self, job: dict) -> dict:
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
-
-    def generate(self, ids: list[int], n: int) -> dict:
-        return self._ask({"op": "generate", "ids": ids, "n": n})
-
-    def step(self, t: int) -> float:
-        return self._ask({"op": "step", "t": t})["seconds"]
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait()
+def worker_main(spec: str, job_file: Path) -> None:
+    """`--worker`: one run of one of our engines (or transformers), the result as one JSON line on stdout."""
+    job = json.loads(job_file.read_text())
+    if spec == "transformers":
+        result = work_transformers(job["prompts"], job["new_tokens"])
+    else:
+        result = work_ours(Path(spec), job["prompts"], job["new_tokens"], job["context"])
+    print(json.dumps(result), flush=True)
 
 
-def ensure_genai(cache: Path, hf_folder: Path) -> tuple[Path, dict[str, Path]]:
-    """The venv's python and genai's model folders, made on first use from the saved HF folder."""
+# -- preparing the engines -------------------------------------------------------------------------
+def ensure_bundle(cache: Path, precision: str, rebuild: bool) -> Path:
+    path = cache / f"smollm2-135m-none-{precision}"
+    if rebuild or not (path / "manifest.json").is_file():
+        run([sys.executable, "-c", "from specexport.cli import main; main()", "build", "--model", "smollm2-135m",
+             "--method", "none", "--precision", precision, "--output", path, "--overwrite"])
+    return path
+
+
+def save_hf_folder(folder: Path) -> None:
+    """The GGUF-loaded SmolLM2 as a plain fp32 HF folder (its weights are already dequantized), for genai's builder."""
+    from specexport.exporter.sources import load_model, resolve
+
+    model, tokenizer = load_model(resolve("smollm2-135m"))
+    model.hf_quantizer = None  # else save_pretrained refuses: "quantized with gguf and is not serializable"
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def ensure_genai(cache: Path, precisions: list[str]) -> tuple[Path, dict[str, Path]]:
+    """The venv's python and genai's model folders, made on first use."""
     venv = cache / "genai-venv"
     python = venv / "bin" / "python"
     check = [python, "-c", "import onnxruntime_genai"]
     if not (python.exists() and subprocess.run(check, capture_output=True).returncode == 0):
         run([sys.executable, "-m", "venv", "--clear", venv])
         run([python, "-m", "pip", "install", "-q", *GENAI_PACKAGES], log_file=cache / "genai-venv.log")
+    hf_folder = cache / "hf-smollm2-135m"
     folders = {}
-    for precision in GENAI:
+    for precision in precisions:
         folders[precision] = out = cache / f"genai-{precision}"
         if not (out / "genai_config.json").is_file():
+            if not (hf_folder / "tokenizer.json").is_file():
+                save_hf_folder(hf_folder)
             run([python, "-m", "onnxruntime_genai.models.builder", "-i", hf_folder, "-o", out, "-p", precision,
                  "-e", "cpu", "-c", cache / "genai-build-tmp"], log_file=cache / f"genai-build-{precision}.log",
                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    (cache / "genai_worker.py").write_text(GENAI_WORKER)
     return python, folders
 
 
-# -- the timed runs: every prompt, then every forward, goes to all engines in turn -----------------
-class Tally:
-    """Rows, step times and other processes' CPU use, per engine."""
-
-    def __init__(self, names: list[str]):
-        self.rows = {n: [] for n in names}
-        self.steps = {n: {t: [] for t in STEP_T} for n in names}
-        self.others = {n: [0.0, 0.0] for n in names}  # other processes' CPU seconds, wall seconds
-
-    def timed(self, name: str, call):
-        start = _cpu_snapshot()
-        out = call()
-        others, wall = others_seconds(start)
-        self.others[name][0] += others
-        self.others[name][1] += wall
-        return out
-
-    def other_cpu(self, name: str) -> float:
-        others, wall = self.others[name]
-        return round(others / (wall * os.cpu_count()), 3) if wall else 0.0
+def command(engine: str, cache: Path, job_file: Path, genai: tuple | None) -> list[str]:
+    kind, precision = engine.split("-")
+    if kind == "genai":
+        python, folders = genai
+        return [str(python), str(cache / "genai_worker.py"), str(folders[precision]), job_file.read_text()]
+    spec = "transformers" if kind == "transformers" else str(cache / f"smollm2-135m-none-{precision}")
+    return [sys.executable, __file__, "--worker", spec, "--job", str(job_file)]
 
 
-def rotated(names: list[str], k: int) -> list[str]:
-    k %= len(names)
-    return names[k:] + names[:k]
-
-
-def run_alternating(engines: dict, prompts: list[list[int]], new_tokens: int) -> dict:
-    names = list(engines)
-    tally = Tally(names)
-    for i, ids in enumerate(prompts):
-        log(f"prompt {i + 1}/{len(prompts)}: " + ", ".join(rotated(names, i)))
-        for name in rotated(names, i):
-            tally.rows[name].append(tally.timed(name, lambda: engines[name].generate(ids, new_tokens)))
-    stepping = [n for n in names if getattr(engines[n], "step", None) and not getattr(engines[n], "step_error", None)]
-    log("forwards of T new tokens: " + ", ".join(stepping))
-    for i, t in enumerate(STEP_T):  # engines in turn per T: a forward takes ~10 ms, and switching engine at every
-        for name in rotated(stepping, i):  # forward would time the previous engine's thread pool spinning down
-            for k in range(2 + REPEATS):
-                seconds = tally.timed(name, lambda: engines[name].step(t))
-                if k >= 2:  # 2 warm-ups
-                    tally.steps[name][t].append(seconds)
-    results = {}
-    for name in names:
-        engine = engines[name]
-        r = results[name] = {"rows": tally.rows[name], "other_cpu": tally.other_cpu(name)}
-        if name in stepping:
-            r["step_ms"] = {t: round(1000 * statistics.median(v), 2) for t, v in tally.steps[name].items()}
-        elif getattr(engine, "step_error", None):
-            r["step_ms"] = {"error": engine.step_error}
-        for attr in ("agreement", "versions", "threads"):
-            if getattr(engine, attr, None):
-                r[attr] = getattr(engine, attr)
-    return results
+def run_engine(cmd: list[str]) -> dict:
+    """One run in a fresh process; its result, plus the share of the CPU other processes used meanwhile."""
+    busy, own, wall = _busy_seconds(), _children_seconds(), time.monotonic()
+    done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+    if done.returncode:
+        sys.exit(f"an engine's run failed (exit {done.returncode}); its error is above: {' '.join(cmd[:3])} ...")
+    others = max(0.0, (_busy_seconds() - busy) - (_children_seconds() - own))
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["other_cpu"] = others / ((time.monotonic() - wall) * os.cpu_count())
+    return result
 
 
 # -- report ----------------------------------------------------------------------------------------
-def summarize(result: dict, reference: list[list[int]], eos: set[int]) -> None:
-    """Adds tokens/s, mean TTFT and how many outputs equal ours fp32's before its first EOS (genai and
-    transformers are made to suppress EOS for N tokens; ours emits it and goes on)."""
+def run_figures(result: dict) -> dict:
     rows = result["rows"]
-    result["tokens_per_s"] = round(sum(r["new_tokens"] for r in rows) / sum(r["seconds"] for r in rows), 2)
-    ttfts = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
-    result["ttft_ms"] = round(1000 * statistics.mean(ttfts), 1) if ttfts else None
+    seconds = sum(r["seconds"] for r in rows)
+    out = {"tokens_per_s": sum(r["new_tokens"] for r in rows) / seconds}
+    if all(r["ttft_s"] is not None for r in rows):
+        out["decode_ms_per_token"] = 1000 * sum(r["seconds"] - r["ttft_s"] for r in rows) / sum(
+            r["new_tokens"] - 1 for r in rows)
+        out["ttft_ms"] = 1000 * statistics.mean(r["ttft_s"] for r in rows)
+    for t, ms in (result.get("step_ms") or {}).items():
+        out[f"step_ms_t{t}"] = ms
+    return out
+
+
+def spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def report(runs: dict[str, list[dict]], reference: list[list[int]], eos: set[int], new_tokens: int) -> tuple[list, dict]:
+    figures = {e: [run_figures(r) for r in rs] for e, rs in runs.items()}
+    summary = {e: {k: spread([f[k] for f in fs]) for k in fs[0]} for e, fs in figures.items()}
+    rounds = len(next(iter(runs.values())))
     ends = [next((i for i, t in enumerate(ref) if t in eos), len(ref)) for ref in reference]
-    result["same_as_ours_fp32"] = sum(r["tokens"][:n] == ref[:n] for r, ref, n in zip(rows, reference, ends))
+    lines = [f"SmolLM2-135M-Instruct, greedy, batch 1, {new_tokens} new tokens x {len(reference)} prompts, "
+             f"{len(os.sched_getaffinity(0))} CPU threads; each engine in a process of its own, {rounds} alternating "
+             "rounds: median (min-max)",
+             f"{'engine':<19}{'tokens/s':>22}{'decode ms/token':>20}{'T=1 step ms':>20}{'TTFT ms':>9}{'other CPU':>10}"
+             "   same tokens as ours fp32 (before EOS)"]
 
+    def cell(s: dict | None, width: int, digits: int) -> str:
+        if s is None:
+            return f"{'-':>{width}}"
+        return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})".rjust(width)
 
-def report(results: dict, new_tokens: int) -> tuple[list[str], dict]:
-    n = len(results["ours fp32"]["rows"])
-    lines = [f"SmolLM2-135M-Instruct, greedy, batch 1, {new_tokens} new tokens x {n} prompts, "
-             f"{len(os.sched_getaffinity(0))} CPU threads; engines alternate prompt by prompt, then T by T",
-             f"{'engine':<19}{'tokens/s':>9}{'TTFT ms':>9}{'other CPU':>11}   same tokens as ours fp32 (before EOS)"]
-    for name, r in results.items():
-        ttft = f"{r['ttft_ms']:.1f}" if r["ttft_ms"] is not None else "-"
-        same = f"{r['same_as_ours_fp32']}/{n}"
-        lines.append(f"{name:<19}{r['tokens_per_s']:>9.1f}{ttft:>9}{r['other_cpu']:>11.0%}   {same}")
+    for engine, s in summary.items():
+        first = runs[engine][0]["rows"]
+        same = sum(r["tokens"][:n] == ref[:n] for r, ref, n in zip(first, reference, ends))
+        ttft = f"{s['ttft_ms']['median']:.0f}" if "ttft_ms" in s else "-"
+        other = max(r["other_cpu"] for r in runs[engine])
+        lines.append(f"{engine:<19}{cell(s['tokens_per_s'], 22, 1)}{cell(s.get('decode_ms_per_token'), 20, 2)}"
+                     f"{cell(s.get('step_ms_t1'), 20, 2)}{ttft:>9}{other:>10.0%}   {same}/{len(reference)}")
     ratios, checks = {}, []
     for label, num, den, target in TARGETS:
-        if num in results and den in results:
-            ratios[label] = results[num]["tokens_per_s"] / results[den]["tokens_per_s"]
-            checks.append((label, ratios[label], f">= {target}", ratios[label] >= target))
-    name, t, limit = STEP_TARGET
-    label = f"{name} step T={t} / T=1"
-    ratios[label] = results[name]["step_ms"][t] / results[name]["step_ms"][1]
-    checks.append((label, ratios[label], f"<= {limit}", ratios[label] <= limit))
-    lines += ["", f"{'ratio':<32}{'value':>7}   target"]
-    lines += [f"{lab:<32}{v:>7.2f}   {tgt:<8}{'ok' if ok else 'MISSED'}" for lab, v, tgt, ok in checks]
-    lines += ["", f"ms per forward of T new tokens (logits of all T rows) at {CONTEXT} tokens of context, "
-                  f"median of {REPEATS}", f"{'T':<19}" + "".join(f"{t:>8}" for t in STEP_T)]
-    for name, r in results.items():
-        table = r.get("step_ms")
-        if table and "error" in table:
-            lines.append(f"{name:<19}  not measured: {table['error']}")
-        elif table:
-            lines.append(f"{name:<19}" + "".join(f"{table[t]:>8.1f}" for t in STEP_T))
-    lines += ["", "top-1 agreement with fp32 (from the bundle manifest: teacher-forced on fp32's own continuations)"]
-    for name, r in results.items():
-        if (a := r.get("agreement")) and name != "ours fp32":  # top1_agreement[_t1, _t8, ...]: per step size
-            scores = ", ".join(f"{v:.1%}" + (f" in steps of T={k[16:]}" if k[15:16] == "t" else "")
-                               for k, v in a.items() if k.startswith("top1_agreement"))
-            lines.append(f"{name:<19}{scores} over {a.get('positions')} positions")
-    return lines, {k: round(v, 3) for k, v in ratios.items()}
+        if num in summary and den in summary:
+            ratios[label] = summary[num]["tokens_per_s"]["median"] / summary[den]["tokens_per_s"]["median"]
+            per_round = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(figures[num], figures[den])]
+            checks.append((label + " tokens/s", ratios[label], f">= {target}", ratios[label] >= target,
+                           f"rounds {min(per_round):.2f}-{max(per_round):.2f}"))
+    for ours, theirs in STEP_TARGETS:
+        if ours in summary and theirs in summary:
+            label = f"{ours} / {theirs} T=1 step"
+            ratios[label] = summary[ours]["step_ms_t1"]["median"] / summary[theirs]["step_ms_t1"]["median"]
+            checks.append((label, ratios[label], "<= 1.0", ratios[label] <= 1.0, ""))
+    lines += ["", f"{'ratio (of the medians)':<40}{'value':>7}   target"]
+    lines += [f"{lab:<40}{v:>7.3f}   {tgt:<8}{'ok' if ok else 'MISSED':<8}{note}" for lab, v, tgt, ok, note in checks]
+    lines += ["", f"ms per forward of T new tokens (logits of all T rows) at {CONTEXT} tokens of context, median over "
+                  f"rounds of each run's median of {REPEATS}", f"{'T':<19}" + "".join(f"{t:>8}" for t in STEP_T)]
+    for engine, s in summary.items():
+        if "step_ms_t1" in s:
+            lines.append(f"{engine:<19}" + "".join(f"{s[f'step_ms_t{t}']['median']:>8.2f}" for t in STEP_T))
+    agreement = [(e, rs[0]["agreement"]) for e, rs in runs.items() if rs[0].get("agreement") and e != "ours-fp32"]
+    if agreement:
+        lines += ["", "top-1 agreement with fp32 (from the bundle manifest: teacher-forced on fp32's own continuations)"]
+    for engine, a in agreement:  # top1_agreement[_t1, _t8, ...]: per step size
+        scores = ", ".join(f"{v:.1%}" + (f" in steps of T={k[16:]}" if k[15:16] == "t" else "")
+                           for k, v in a.items() if k.startswith("top1_agreement"))
+        lines.append(f"{engine:<19}{scores} over {a.get('positions')} positions")
+    return lines, {"ratios": {k: round(v, 3) for k, v in ratios.items()}, "summary": summary}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cache", type=Path, default=Path("bench-cache"), help="bundles, genai venv and graphs")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (every engine once per round)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
-    ap.add_argument("--skip-genai", action="store_true")
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"a comma-separated subset of {','.join(ENGINES)}")
     ap.add_argument("--rebuild", action="store_true", help="rebuild our bundles (after the exporter changed)")
     ap.add_argument("--max-wait", type=float, default=300, help="seconds to wait for a quiet CPU before timing")
     ap.add_argument("--json", type=Path, default=None, help="write every measurement here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--job", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        return worker_main(args.worker, args.job)
+    engines = [e for e in args.engines.split(",") if e]
+    unknown = [e for e in engines if e not in ENGINES]
+    if unknown or not engines:
+        sys.exit(f"unknown engines {unknown or args.engines!r}; choose from {', '.join(ENGINES)}")
+    if "ours-fp32" not in engines:
+        engines.insert(0, "ours-fp32")  # the reference for "same tokens"
     cache = args.cache.resolve()
     cache.mkdir(parents=True, exist_ok=True)
-    hf_folder = cache / "hf-smollm2-135m"
 
-    from specexport.exporter.sources import load_model, resolve
-    from specexport.runtime.generate import Engine
+    from specexport.runtime.tokenizer import Tokenizer
 
-    bundles = {p: ensure_bundle(cache, p, args.rebuild) for p in OURS}
-    loaded = {p: Engine.load(bundles[p]) for p in OURS}
-    prompts = [loaded["fp32"].encode(p) for p in PROMPTS[:args.prompts]]
+    for e in engines:
+        if e.startswith("ours-"):
+            ensure_bundle(cache, e.split("-")[1], args.rebuild)
+    tokenizer = Tokenizer.from_dir(cache / "smollm2-135m-none-fp32")
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:args.prompts]]
     context = ([t for ids in prompts for t in ids] * CONTEXT)[:CONTEXT]
-    eos = loaded["fp32"].tokenizer.eos_token_ids
-
-    log("loading every engine")
-    engines = {f"ours {p}": Ours(loaded[p], context) for p in OURS}
-    model, tokenizer = load_model(resolve("smollm2-135m"))
-    if not args.skip_genai and not (hf_folder / "tokenizer.json").is_file():
-        save_hf_folder(model, tokenizer, hf_folder)
-    if not args.skip_genai:
-        python, folders = ensure_genai(cache, hf_folder)
-        worker = cache / "genai_worker.py"
-        worker.write_text(GENAI_WORKER)
-        for p in GENAI:
-            engines[f"genai {p}"] = Genai(python, folders[p], context, worker)
-    engines["transformers fp32"] = Transformers(model, min(eos))
+    genai_precisions = [e.split("-")[1] for e in engines if e.startswith("genai-")]
+    genai = ensure_genai(cache, genai_precisions) if genai_precisions else None
+    job_file = cache / "bench_plain_job.json"
+    job_file.write_text(json.dumps({"prompts": prompts, "new_tokens": args.new_tokens, "context": context,
+                                    "step_t": list(STEP_T), "context_tokens": CONTEXT, "repeats": REPEATS}))
 
     wait_for_quiet(args.max_wait)
-    try:
-        results = run_alternating(engines, prompts, args.new_tokens)
-    finally:
-        for engine in engines.values():
-            if isinstance(engine, Genai):
-                engine.close()
-    order = ["ours fp32", "ours int8", "ours int4", "genai fp32", "genai int4", "transformers fp32"]
-    results = {k: results[k] for k in order if k in results}
-    reference = [row["tokens"] for row in results["ours fp32"]["rows"]]
-    for r in results.values():
-        summarize(r, reference, eos)
-    lines, ratios = report(results, args.new_tokens)
+    runs: dict[str, list[dict]] = {e: [] for e in engines}
+    for r in range(args.rounds):
+        order = engines[r % len(engines):] + engines[:r % len(engines)]
+        for engine in order:
+            log(f"round {r + 1}/{args.rounds}: {engine}")
+            runs[engine].append(run_engine(command(engine, cache, job_file, genai)))
+    for rs in runs.values():  # JSON keys: T as text in the workers' replies
+        for result in rs:
+            result["step_ms"] = {int(t): ms for t, ms in (result.get("step_ms") or {}).items()}
+    reference = [row["tokens"] for row in runs["ours-fp32"][0]["rows"]]
+    lines, figures = report(runs, reference, set(tokenizer.eos_token_ids), args.new_tokens)
     print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps({"new_tokens": args.new_tokens, "prompts": PROMPTS[:args.prompts],
-                                         "prompt_ids": prompts, "context_tokens": CONTEXT, "ratios": ratios,
-                                         "results": results, "table": lines}, indent=1))
+                                         "prompt_ids": prompts, "context_tokens": CONTEXT, "rounds": args.rounds,
+                                         **figures, "runs": runs, "table": lines}, indent=1))
         log(f"wrote {args.json}")
 
 

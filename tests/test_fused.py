@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from specexport.exporter.fused import INPUTS, add_accept
+from specexport.exporter.fused import INPUTS, _argmax_rows, add_accept
 from specexport.exporter.graph import _Graph, make_model
 from specexport.runtime import tree
 from specexport.runtime.sampling import SamplingParams, probabilities
@@ -17,12 +17,13 @@ from specexport.runtime.verify import accept_greedy, accept_tree, uniforms_shape
 V = 23
 
 
-@pytest.fixture(scope="module")
-def session():
-    """The acceptance alone, fed the logits directly (in the target graph they come from the LM head)."""
+@pytest.fixture(scope="module", params=[None, V], ids=["argmax", "blocked-argmax"])
+def session(request):
+    """The acceptance alone, fed the logits directly (in the target graph they come from the LM head); with the
+    vocabulary given at export (the ort flavour) its greedy argmax runs in blocks."""
     g = _Graph(TensorProto.FLOAT)
     seq = g.op("Gather", [g.op("Shape", ["input_ids"]), g.const("one_i64", np.array(1, np.int64))], axis=0)
-    add_accept(g, "logits", seq)
+    add_accept(g, "logits", seq, vocab_size=request.param)
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, ["batch", "seq", "seq"]),
               helper.make_tensor_value_info("past_len", TensorProto.INT32, ["batch"]),
@@ -92,3 +93,21 @@ def test_the_final_draw_is_the_inverse_cdf(session):
     for u in (0.0, 0.05, 0.15, 0.35, 0.45, 0.99, 0.9999999):
         got = run(session, [5], [-1], logits, 3, np.array([[u]]), None, params)
         assert got == ([0], sample(p[0], u)), u
+
+
+@pytest.mark.parametrize("vocab", [23, 256, 1000, 2048, 4096])
+def test_blocked_argmax_is_the_first_maximum(vocab):
+    """Every vocabulary size (whole blocks, a padded last block, one block), ties within and across blocks."""
+    g = _Graph(TensorProto.FLOAT)
+    g.op("Identity", [_argmax_rows(g, "x", vocab)], outputs=["top"])
+    graph = helper.make_graph(g.nodes, "argmax", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", vocab])],
+                              [helper.make_tensor_value_info("top", TensorProto.INT64, ["n"])], initializer=g.initializers)
+    session = ort.InferenceSession(make_model(graph).SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(vocab)
+    x = rng.standard_normal((6, vocab)).astype(np.float32)
+    x[1, [vocab // 3, vocab - 1]] = 9.0  # a tie across blocks: the first wins
+    x[2, [vocab - 2, vocab - 1]] = 9.0  # a tie in the last block
+    x[3] = 1.5  # all equal
+    x[4, -1] = 7.0  # the very last token
+    x[5] = np.round(x[5])  # many ties
+    assert session.run(None, {"x": x})[0].tolist() == np.argmax(x, axis=1).tolist()

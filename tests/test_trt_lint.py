@@ -399,7 +399,7 @@ def test_the_ort_flavour_fails(tmp_path):
                 quiet=True)
     report = lint_path(tmp_path / "target.onnx")
     errors = report.errors
-    for op in ("GroupQueryAttention", "MatMulNBits", "SkipSimplifiedLayerNormalization", "RotaryEmbedding"):
+    for op in ("GroupQueryAttention", "MatMulNBits", "SkipSimplifiedLayerNormalization"):
         assert any(v.op == op and v.rule == "opset" and "com.microsoft" in v.message for v in errors), op
     assert found(errors, "kv-cache", text="feeds GroupQueryAttention")
     assert "TensorRT's ONNX parser would reject it" in report.summary()

@@ -97,10 +97,7 @@ def build_draft_graph(builder, draft):
     attn = builder.attention(0, x, cos, sin, bias, lengths)
     h1 = g.op("Add", [residual, builder.linear(attn, "layers.0.o", builder.w["layers.0.o"])])
     normed, _ = builder.norm(h1, None, w["post_norm"], "layers.0.mlp_norm")
-    gate_up = builder.linear(normed, "layers.0.gate_up", np.concatenate([w["gate"], w["up"]]))
-    gate, up = g.op("Split", [gate_up, g.const("mlp.split", np.array([c.intermediate] * 2, np.int64))], outputs=2, axis=-1)
-    act = g.op("Mul", [g.op("Mul", [gate, g.op("Sigmoid", [gate])]), up])
-    out = g.op("Add", [h1, builder.linear(act, "layers.0.down", w["down"])])
+    out = g.op("Add", [h1, builder.mlp(normed, "layers.0.", w["gate"], w["up"], w["down"])])
     g.op("Identity", [out], outputs=["hidden_out"])
 
     flat = g.op("Reshape", [out, g.const("flat_hidden", np.array([-1, c.hidden], np.int64))])

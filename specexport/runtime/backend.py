@@ -148,51 +148,68 @@ class GraphSession:
         """One step (the `Backend` protocol)."""
         b, t = input_ids.shape
         check_step(cache, t, tree_mask)
-        io = self._binding(cache, want)
-        io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, dtype=np.int64))
-        io.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, dtype=np.int64))
+        io, staged = self._binding(cache, want)
+        stage = lambda name, value, dtype: self._stage(io, staged, name, value, dtype)  # noqa: E731
+        stage("input_ids", input_ids, np.int64)
+        stage("position_ids", position_ids, np.int64)
         mask = tree_mask.reshape((-1,) + tree_mask.shape[-2:])
         if self.wide_bias:
             start = cache.length + t - mask.shape[-1]
             width = cache.capacity if self.info.get("bias_width") == "capacity" else cache.length + t
-            io.bind_cpu_input("attention_bias", tree.mask_bias(mask[0], start, width, b))
+            stage("attention_bias", tree.mask_bias(mask[0], start, width, b), np.float32)
         else:
-            io.bind_cpu_input("tree_mask", np.ascontiguousarray(np.broadcast_to(mask, (b,) + mask.shape[1:])))
-        io.bind_cpu_input("past_len", np.full(b, cache.length, dtype=np.int32))
-        io.bind_cpu_input("logits_indices", np.ascontiguousarray(logits_indices, dtype=np.int64))
+            stage("tree_mask", np.broadcast_to(mask, (b,) + mask.shape[1:]), np.bool_)
+        stage("past_len", np.full(b, cache.length), np.int32)
+        stage("logits_indices", logits_indices, np.int64)
         for name, value in (inputs or {}).items():
-            io.bind_cpu_input(name, np.ascontiguousarray(value, dtype=self.dtype))
+            stage(name, value, self.dtype)
         if self.fused_inputs:
             for name, value in (accept or greedy_inputs(len(logits_indices))).items():
-                io.bind_cpu_input(name, np.ascontiguousarray(value, dtype=np.float32))
+                stage(name, value, np.float32)
         for name in want:  # rebound each run: ORT allocates them with this run's shapes
             io.bind_output(name, "cpu")
         start = time.perf_counter()
         self.session.run_with_iobinding(io)
         self.calls, self.seconds = self.calls + 1, self.seconds + time.perf_counter() - start
-        values = io.get_outputs()  # the cache's presents first, then `want` in binding order
+        # the cache's presents come first, then `want` in binding order; the binding's own list of ORT values is
+        # read, not IOBinding.get_outputs(), which wraps all 2 * layers + len(want) of them in Python every step
+        values = io._iobinding.get_outputs()
         if len(values) != 2 * self.layers + len(want):
             raise RuntimeError(f"unexpected bound outputs: {len(values)}")
         return {name: values[2 * self.layers + k].numpy() for k, name in enumerate(want)}
+
+    @staticmethod
+    def _stage(io, staged: dict, name: str, value, dtype) -> None:
+        """Bind an input through a host buffer kept per binding: the value is copied into it, and the buffer is bound
+        again only when its shape changes (a steady state of same-shaped steps binds nothing)."""
+        value = np.asarray(value)
+        kept = staged.get(name)
+        if kept is not None and kept[0].shape == value.shape:
+            np.copyto(kept[0], value, casting="unsafe")  # the bound OrtValue shares this memory
+            return
+        buffer = np.array(value, dtype=dtype, order="C")
+        staged[name] = (buffer, ort.OrtValue.ortvalue_from_numpy(buffer))
+        io.bind_ortvalue_input(name, staged[name][1])
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A plain call: every output, by name."""
         return dict(zip(self.outputs, self.session.run(self.outputs, feeds)))
 
-    def _binding(self, cache: KVCache, want: tuple[str, ...]):
-        """An IO binding per cache and set of wanted outputs, made once: each cache buffer bound as
-        both past and present (in place). The wanted outputs come after them, in order."""
+    def _binding(self, cache: KVCache, want: tuple[str, ...]) -> tuple:
+        """An IO binding per cache and set of wanted outputs, made once, with its staged inputs (`_stage`): each cache
+        buffer bound as both past and present (in place). The wanted outputs come after them, in order."""
         if cache.handle is None:  # wrap the numpy buffers once; the OrtValues share their memory
             cache.handle = {"values": [ort.OrtValue.ortvalue_from_numpy(buf) for buf in cache.buffers]}
-        io = cache.handle.get(want)
-        if io is None:
-            io = cache.handle[want] = self.session.io_binding()
+        bound = cache.handle.get(want)
+        if bound is None:
+            io = self.session.io_binding()
             for layer in range(self.layers):
                 for j, kind in enumerate(("key", "value")):
                     value = cache.handle["values"][2 * layer + j]
                     io.bind_ortvalue_input(f"past_key_values.{layer}.{kind}", value)
                     io.bind_ortvalue_output(f"present.{layer}.{kind}", value)
-        return io
+            bound = cache.handle[want] = (io, {})
+        return bound
 
 
 def load_session(graph_path: Path, threads: int | None, device: str, spin: bool) -> ort.InferenceSession:

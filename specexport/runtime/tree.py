@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from functools import lru_cache
 
 import numpy as np
 
@@ -85,12 +86,8 @@ def chain(n: int) -> np.ndarray:
 
 
 def depths(parents) -> np.ndarray:
-    """Depth of each node; roots have depth 0."""
-    parents = check_parents(parents)
-    depth = np.zeros(parents.size, dtype=np.int64)
-    for i, p in enumerate(parents):
-        depth[i] = 0 if p < 0 else depth[p] + 1
-    return depth
+    """Depth of each node; roots have depth 0. Read-only (kept per tree shape, see `_shape`)."""
+    return _shape(_key(parents))[0]
 
 
 def children(parents) -> list[list[int]]:
@@ -110,14 +107,27 @@ def subtree(tokens: list[int], parents: list[int], keep: list[int]) -> tuple[lis
 
 
 def ancestor_mask(parents) -> np.ndarray:
-    """[T, T] bool: mask[i, j] is True when j is i or an ancestor of i."""
+    """[T, T] bool: mask[i, j] is True when j is i or an ancestor of i. Read-only (kept per tree shape)."""
+    return _shape(_key(parents))[1]
+
+
+def _key(parents) -> tuple[int, ...]:
+    return tuple(parents.tolist() if isinstance(parents, np.ndarray) else parents)
+
+
+@lru_cache(maxsize=4096)
+def _shape(parents: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """A tree's depths and ancestor mask, computed once per tree shape: every step of a loop asks for them, and a
+    method's trees come in a few shapes (plain decoding: one)."""
     parents = check_parents(parents)
-    n = parents.size
-    mask = np.eye(n, dtype=bool)
+    depth = np.zeros(parents.size, dtype=np.int64)
+    mask = np.eye(parents.size, dtype=bool)
     for i, p in enumerate(parents):
         if p >= 0:
+            depth[i] = depth[p] + 1
             mask[i] |= mask[p]
-    return mask
+    depth.flags.writeable = mask.flags.writeable = False
+    return depth, mask
 
 
 def causal_mask(t: int) -> np.ndarray:
