@@ -16,7 +16,8 @@ and `logits_indices` must select every row of the step; the nodes also run on ot
 (prefill, decode), where they see the last selected rows as a tree and their outputs are ignored.
 
 At temperature 0 (greedy decoding, the common case) an If takes the greedy rule, one ArgMax per row, so plain
-decoding and greedy speculation pay no pass over the vocabulary beyond it; sampling's branch runs the rest.
+decoding and greedy speculation pay no pass over the vocabulary beyond it; sampling's branch runs the rest. A single
+greedy row (plain decoding) skips the tree altogether: its ArgMax is the bonus token.
 Deterministic candidates are accepted in parallel: after rejecting the earlier siblings, whose
 tokens then have no mass, child x of row r is accepted when u * (1 - their mass) < p_r(x). Sampled
 drafts change the residual with each rejection (max(0, p - q), renormalised), so a Loop runs over
@@ -62,23 +63,25 @@ def add_accept(g, logits: str, seq_len: str, sampling: bool = True, vocab_size: 
     target = g.op("Slice", [logits, g.op("Sub", [rows, n]), rows, c("zero", [0])])  # [n, V]
 
     if not sampling:
-        rows_out, best, bonus = _accept(g, target, ids, n, first, seq, argmax, sampling=False)
+        rows_out, best, bonus = _accept(g, target, ids, n, first, seq, argmax)
     else:  # a single greedy row (plain decoding) skips the tree: its argmax is the bonus token
         temperature = g.op("Gather", ["sample_params", c("zero_s", 0)], axis=0)
-        single = g.op("And", [g.op("Equal", [g.op("Squeeze", [n, c("zero", [0])]), c("one_s", 1)]),
-                              g.op("LessOrEqual", [temperature, c("0f", 0.0, np.float32)])])
+        greedy = g.op("LessOrEqual", [temperature, c("0f", 0.0, np.float32)])
+        single = g.op("And", [g.op("Equal", [g.op("Squeeze", [n, c("zero", [0])]), c("one_s", 1)]), greedy])
         rows_out, best, bonus = _if(g, "tree", single,
                                     lambda b: [_consts(b)("zero", [0]), _consts(b)("zero", [0]), argmax(b, target)],
-                                    lambda b: list(_accept(b, target, ids, n, first, seq, argmax, sampling=True)),
+                                    lambda b: list(_accept(b, target, ids, n, first, seq, argmax, (temperature, greedy))),
                                     [I64, I64, I64])
     rows_out = g.op("Identity", [rows_out], outputs=["accept_rows"])
     bonus = g.op("Reshape", [bonus, c("one", [1])], outputs=["bonus_token"])
     return rows_out, bonus, g.op("Add", [first, best], outputs=[ACCEPTED_ROW])
 
 
-def _accept(g, target: str, ids: str, n: str, first: str, seq: str, argmax, sampling: bool) -> tuple[str, str, str]:
+def _accept(g, target: str, ids: str, n: str, first: str, seq: str, argmax, sampling: tuple[str, str] | None = None
+            ) -> tuple[str, str, str]:
     """The tree's acceptance into graph (or If branch) `g`: (accepted rows [k], the deepest accepted row [1], the
-    bonus token [1])."""
+    bonus token [1]). `sampling`: the step's temperature and whether it is greedy, from the graph's sample_params
+    (None: greedy only, no sampling inputs)."""
     c = _consts(g)
     batch0 = c("batch0", 0)
     # the tree from the last n rows and columns of the tree mask (batch 0): anc[i, j] = j is i or an ancestor of i
@@ -98,15 +101,14 @@ def _accept(g, target: str, ids: str, n: str, first: str, seq: str, argmax, samp
     before = g.op("And", [same_parent, g.op("Less", [col, row_of])])  # [i, j]: j is an earlier sibling of i
     same = g.op("Equal", [g.op("Unsqueeze", [ids, c("one", [1])]), g.op("Unsqueeze", [ids, c("zero", [0])])])
     dup = _any(g, c, g.op("And", [before, same]))  # an earlier sibling has the same token
-    if not sampling:
+    if sampling is None:
         top = argmax(g, target)  # [n] the target's token at each row
         acc = g.op("And", [g.op("Not", [dup]), g.op("Equal", [ids, g.op("Gather", [top, par], axis=0)])])
         rows_out, best = _path(g, c, acc, anc, depth, before)
         return rows_out, best, g.op("Gather", [top, best], axis=0)
     # greedy (temperature 0) takes one ArgMax over the vocabulary; sampling's passes over it run only when sampling
     vocab = g.op("Shape", [target], start=1, end=2)
-    temperature = g.op("Gather", ["sample_params", c("zero_s", 0)], axis=0)
-    greedy = g.op("LessOrEqual", [temperature, c("0f", 0.0, np.float32)])
+    temperature, greedy = sampling
 
     def accept_greedy(b):
         top = argmax(b, target)  # [n] the target's token at each row

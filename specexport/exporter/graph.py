@@ -415,7 +415,7 @@ class DecoderGraphBuilder:
             if self.spec.qk_norm:
                 q = self.head_norm(q, w[p + "q_norm"], p + "q_norm", d.heads)
                 k = self.head_norm(k, w[p + "k_norm"], p + "k_norm", d.kv_heads)
-        if self.ort:  # GQA rotates Q and K itself, at `position_ids` (a tree's depths; exact once the cache has a past)
+        if self.ort:  # GQA rotates Q and K itself at `position_ids` (past length + depth; query_seqlens makes it use them all)
             inputs = [q, k, v, past_k, past_v, lengths["seqlens_k"], lengths["total"], cos, sin, "position_ids", bias]
             inputs += [""] * 5 + [lengths["query_seqlens"]]
             out, _, _ = g.op("GroupQueryAttention", inputs, outputs=[f"attn_{i}", present_k, present_v], domain="com.microsoft",
