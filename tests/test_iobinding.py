@@ -29,54 +29,51 @@ def random_parents(rng, n: int, roots: int = 1) -> list[int]:
 
 # ---- the compact tree mask, built inside the graph ------------------------------------------------------------
 
-def mask_graph(flavour: str):
-    """The graph's mask-to-bias nodes alone (DecoderGraphBuilder._mask_bias), output `bias` [B, 1, T, W]."""
-    g = _Graph(TensorProto.FLOAT)
-    builder = SimpleNamespace(g=g, ort=flavour == "ort", trt=flavour == "trt", capacity=CAPACITY)
-    bias = DecoderGraphBuilder._mask_bias(builder)
+def mask_graph(flavour: str, elem_type=TensorProto.FLOAT):
+    """The graph's step prelude alone (DecoderGraphBuilder.step_attention), output `bias` [B, 1, T, W]."""
+    g = _Graph(elem_type)
+    rope = (np.zeros((CAPACITY, 1), np.float32),) * 2
+    builder = SimpleNamespace(g=g, ort=flavour == "ort", trt=flavour == "trt", capacity=CAPACITY, rope=rope)
+    _, _, bias, _ = DecoderGraphBuilder.step_attention(builder)
     g.op("Identity", [bias], outputs=["bias"])
     inputs = [helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, ["batch", "seq", "cols"]),
               helper.make_tensor_value_info("past_len", TensorProto.INT32, ["batch"])]
     if flavour == "onnx":  # its width is the cache's capacity, read from the cache input's shape
-        inputs.append(helper.make_tensor_value_info("past_key_values.0.key", TensorProto.FLOAT, [1, 1, "cap", 1]))
+        inputs.append(helper.make_tensor_value_info("past_key_values.0.key", elem_type, [1, 1, "cap", 1]))
     model = make_model(helper.make_graph(g.nodes, "mask", inputs,
-                                         [helper.make_tensor_value_info("bias", TensorProto.FLOAT, ["b", 1, "t", "w"])],
+                                         [helper.make_tensor_value_info("bias", elem_type, ["b", 1, "t", "w"])],
                                          initializer=g.initializers))
     onnx.checker.check_model(model, full_check=True)
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return model
 
 
 @pytest.mark.parametrize("flavour", ["ort", "onnx", "trt"])
 def test_the_graph_builds_the_old_bias_from_the_compact_mask(flavour):
-    """On random trees (one or several roots, and K > T: nodes an earlier call wrote), the bias built in the graph
-    equals the wide bias the runtime used to build (tree.mask_bias): past visible, then the mask's columns."""
-    session, rng = mask_graph(flavour), np.random.default_rng(0)
-    for _ in range(60):
-        n = int(rng.integers(1, 12))
-        parents = random_parents(rng, n, roots=int(rng.integers(1, 3)))
+    """On random batches of random trees (one or several roots, K > T: nodes an earlier call wrote, a past of
+    its own per row), the bias built in the graph equals the wide bias the runtime used to build (tree.mask_bias):
+    past visible, then the mask's columns, then hidden; ort's GQA reads a row's columns up to its own end only."""
+    model = mask_graph(flavour)
+    session, rng = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]), np.random.default_rng(0)
+    for _ in range(80):
+        n, batch = int(rng.integers(1, 12)), int(rng.integers(1, 4))
         first = int(rng.integers(0, n))  # nodes before `first` are already in the cache
-        t, past = n - first, int(rng.integers(0, 20))
-        mask = tree.ancestor_mask(parents)[first:]
-        feeds = {"tree_mask": mask[None], "past_len": np.array([past + first], np.int32)}
+        masks = [tree.ancestor_mask(random_parents(rng, n, roots=int(rng.integers(1, 3))))[first:] for _ in range(batch)]
+        pasts = [int(rng.integers(0, 20)) for _ in range(batch)]
+        feeds = {"tree_mask": np.stack(masks), "past_len": np.array([p + first for p in pasts], np.int32)}
         if flavour == "onnx":
             feeds["past_key_values.0.key"] = np.zeros((1, 1, CAPACITY, 1), np.float32)
-        width = past + first + t if flavour == "ort" else CAPACITY
         got = session.run(None, feeds)[0]
-        np.testing.assert_array_equal(got, tree.mask_bias(mask, past, width))
+        width = max(pasts) + n if flavour == "ort" else CAPACITY
+        assert got.shape == (batch, 1, n - first, width)
+        for row, (mask, past) in enumerate(zip(masks, pasts)):
+            end = past + n if flavour == "ort" else width
+            np.testing.assert_array_equal(got[row, 0, :, :end], tree.mask_bias(mask, past, end)[0, 0])
 
 
 def test_the_trt_mask_passes_the_lint():
     from specexport.exporter.trt_lint import lint_model
 
-    g = _Graph(TensorProto.FLOAT16)
-    bias = DecoderGraphBuilder._mask_bias(SimpleNamespace(g=g, ort=False, trt=True, capacity=CAPACITY))
-    g.op("Identity", [bias], outputs=["bias"])
-    inputs = [helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, ["batch", "seq", "cols"]),
-              helper.make_tensor_value_info("past_len", TensorProto.INT32, ["batch"])]
-    model = make_model(helper.make_graph(g.nodes, "mask", inputs,
-                                         [helper.make_tensor_value_info("bias", TensorProto.FLOAT16, ["b", 1, "t", "w"])],
-                                         initializer=g.initializers))
-    assert lint_model(model) == []
+    assert lint_model(mask_graph("trt", TensorProto.FLOAT16)) == []
 
 
 # ---- the device path against the host path -------------------------------------------------------------------

@@ -84,8 +84,7 @@ def build_draft_graph(builder, draft):
     outputs[:0] = [helper.make_tensor_value_info("hidden_out", et, ["batch", "seq", c.hidden]),
                    helper.make_tensor_value_info("draft_logp", TensorProto.FLOAT, ["rows", EAGLE_TOP_K]),
                    helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["rows", EAGLE_TOP_K])]
-    cos, sin, bias = builder.step_constants()
-    lengths = builder._attention_lengths(builder._seq_len())
+    cos, sin, bias, lengths = builder.step_attention()
     embed = g.const("embed", builder.w["embed"], compute=True)
     emb = g.op("Gather", [embed, "input_ids"])
     if c.version == 3:

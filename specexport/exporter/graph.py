@@ -2,7 +2,7 @@
 
 One graph serves prefill, single-token decode and tree verification. Every step graph takes the step's compact
 tree mask (`tree_mask [B, T, K]`, bool) and the past length (`past_len [B]`, the past is visible to every row) and
-builds its additive attention bias from them inside the graph (`DecoderGraphBuilder._mask_bias`). Three flavours:
+builds its additive attention bias from them inside the graph (`DecoderGraphBuilder.step_attention`). Three flavours:
 
 - ``ort``: ONNX Runtime's fused contrib ops (GroupQueryAttention with an additive bias over
   past+new tokens, SkipSimplifiedLayerNormalization, RotaryEmbedding, DynamicQuantizeMatMul /
@@ -276,9 +276,8 @@ class DecoderGraphBuilder:
                        helper.make_tensor_value_info("hidden_states", et, ["batch", "seq", d.hidden])]
         outputs[2:2] = [helper.make_tensor_value_info(f"layer_input.{i}", et, ["batch", "seq", d.hidden])
                         for i in self.opt.aux_layers]
-        cos, sin, bias = self.step_constants()
-        seq_len = self._seq_len()
-        attn_args = self._attention_lengths(seq_len)
+        cos, sin, bias, attn_args = self.step_attention()
+        seq_len = attn_args["seq"]
 
         embed = g.const("embed", w["embed"], compute=True)
         x = g.op("Gather", [embed, "input_ids"])
@@ -331,45 +330,56 @@ class DecoderGraphBuilder:
                 outputs.append(helper.make_tensor_value_info(f"present.{i}.{kv}", et, shape))
         return inputs, outputs
 
-    def step_constants(self) -> tuple[str, str, str]:
-        """The rotary tables and the attention bias in the compute type."""
-        g = self.g
-        cos = g.const("rope.cos", self.rope[0], compute=True)
-        sin = g.const("rope.sin", self.rope[1], compute=True)
-        return cos, sin, self._mask_bias()
+    def step_attention(self) -> tuple[str, str, str, dict[str, str]]:
+        """What every layer's attention takes, computed once per step from `tree_mask` [B, T, K] (K >= T) and
+        `past_len` [B]: the rotary tables, the additive attention bias [B, 1, T, W] and the lengths (`seq`: T, an
+        int64 scalar; ort: GQA's seqlens_k, total length and query lengths, int32; onnx/trt: where the step writes
+        its K/V and, onnx, the valid cache length, int64).
 
-    def _mask_bias(self) -> str:
-        """The additive attention bias [B, 1, T, W] from the compact `tree_mask` [B, T, K] (K >= T) and `past_len`
-        [B]: the mask covers the last K columns before the step's end, start = past_len + T - K (K = T: the step's
-        own tokens; K > T: tree nodes a draft wrote by earlier calls, right after the past). Column c is visible to
-        row i when c < start, or when 0 <= c - start < K and tree_mask[i, c - start]. W: past + T (ort's GQA), the
-        cache capacity otherwise (static for trt). Standard ops only (Range, GatherElements, Where)."""
+        The mask covers the last K columns before the step's end: start = past_len + T - K (K = T: the step's own
+        tokens; K > T: tree nodes a draft wrote by earlier calls, right after the past). Column c is visible to row
+        i when c < start, or when 0 <= c - start < K and tree_mask[i, c - start]. W: past + T (ort's GQA, which
+        ignores a row's columns past its own end), the cache capacity otherwise (static for trt), where the
+        columns past the row's end are hidden. One GatherElements over [visible | mask rows (| hidden)] at each
+        column's clipped offset, standard ops only: a step pays ~20 small nodes for it, not one per layer."""
         g = self.g
-        i64 = lambda name, v: g.const(f"mask.{name}", np.array(v, np.int64))  # noqa: E731
+        ints = TensorProto.INT32 if self.ort else TensorProto.INT64  # GQA's lengths are int32
+        num = lambda name, v: g.const(f"mask.{name}", np.array(v, np.int32 if self.ort else np.int64))  # noqa: E731
+        i64 = lambda name, v: g.const(f"mask.{name}.i64", np.array(v, np.int64))  # noqa: E731
         shape = g.op("Shape", ["tree_mask"])
-        seq, cols = (g.op("Gather", [shape, i64(name, k)], axis=0) for name, k in (("t", 1), ("k", 2)))  # scalars
-        past = g.op("Cast", ["past_len"], to=TensorProto.INT64)
-        start = g.op("Sub", [g.op("Add", [past, seq]), cols])  # [B]
+        seq64 = g.op("Gather", [shape, i64("t", 1)], axis=0)  # scalar
+        cols = g.op("Gather", [shape, i64("k", 2)], axis=0)
         if self.ort:
-            width = g.op("Add", [g.op("ReduceMax", [past], keepdims=0), seq])
-        elif self.trt:
-            width = i64("capacity", self.capacity)
+            seq, cols, past = g.op("Cast", [seq64], to=ints), g.op("Cast", [cols], to=ints), "past_len"
+        else:
+            seq, past = seq64, g.op("Cast", ["past_len"], to=ints)
+        one, zero = num("one", 1), num("zero", 0)
+        end = g.op("Add", [past, seq])  # [B]: past + T
+        if self.ort:
+            width = g.op("ReduceMax", [end], keepdims=0)
+            lengths = {"seqlens_k": g.op("Sub", [end, one]), "total": width, "query_seqlens": g.op("Sub", [end, past])}
+        elif self.trt:  # the mask alone says which cache rows are valid
+            width, lengths = i64("capacity", self.capacity), {"write_at": past}
         else:
             width = g.op("Gather", [g.op("Shape", ["past_key_values.0.key"]), i64("two", 2)], axis=0)
-        rel = g.op("Sub", [g.op("Unsqueeze", [g.op("Range", [i64("zero", 0), width, i64("one", 1)]), i64("axis0", [0])]),
-                           g.op("Unsqueeze", [start, i64("axis1", [1])])])  # [B, W]: column - start
-        index = g.op("Max", [g.op("Min", [rel, g.op("Sub", [cols, i64("one", 1)])]), i64("zero", 0)])
-        full = g.op("Concat", [g.op("Slice", [shape, i64("axis0", [0]), i64("two1", [2])]),
-                               g.op("Unsqueeze", [width, i64("axis0", [0])])], axis=0)  # [B, T, W]
-        hit = g.op("GatherElements", ["tree_mask", g.op("Expand", [g.op("Unsqueeze", [index, i64("axis1", [1])]), full])],
-                   axis=2)
-        past_cols = g.op("Unsqueeze", [g.op("Less", [rel, i64("zero", 0)]), i64("axis1", [1])])
-        tree_cols = g.op("Unsqueeze", [g.op("Less", [rel, cols]), i64("axis1", [1])])
-        visible = g.op("Or", [past_cols, g.op("And", [hit, tree_cols])])
+            lengths = {"write_at": past, "kv_len": end}
+        lengths["seq"] = seq64
+        before = g.op("Sub", [end, g.op("Add", [cols, one])])  # [B]: start - 1
+        rel = g.op("Sub", [g.op("Range", [zero, width, one]), g.op("Unsqueeze", [before, i64("axis1", [1])])])
+        last = cols if self.ort else g.op("Add", [cols, one])  # the hidden column (ort: any, GQA ignores them)
+        index = g.op("Min", [g.op("Max", [rel, zero]), last])  # [B, W]: 0 before the mask, 1..K in it, K+1 after
+        rows = g.op("Concat", [g.op("Slice", [shape, i64("axis0", [0]), i64("two1", [2])]), i64("unit", [1])], axis=0)
+        index = g.op("Expand", [g.op("Unsqueeze", [index, i64("axis1", [1])]), rows])  # [B, T, W]
         hidden = np.finfo(np.float16).min if g.elem_type == TensorProto.FLOAT16 else -1e9  # finite in every type
-        bias = g.op("Where", [visible, g.const("mask.visible", np.array(0.0, np.float32), compute=True),
-                              g.const("mask.hidden", np.array(hidden, np.float32), compute=True)])
-        return g.op("Unsqueeze", [bias, i64("axis1", [1])])
+        visible = g.const("mask.visible", np.array(0.0, np.float32), compute=True)
+        hidden = g.const("mask.hidden", np.array(hidden, np.float32), compute=True)
+        ext = g.op("Pad", [g.op("Where", ["tree_mask", visible, hidden]), i64("pad_before", [0, 0, 1, 0, 0, 0]), visible])
+        if not self.ort:
+            ext = g.op("Pad", [ext, i64("pad_after", [0, 0, 0, 0, 0, 1]), hidden])
+        bias = g.op("Unsqueeze", [g.op("GatherElements", [ext, index], axis=2), i64("axis1", [1])])
+        cos = g.const("rope.cos", self.rope[0], compute=True)
+        sin = g.const("rope.sin", self.rope[1], compute=True)
+        return cos, sin, bias, lengths
 
     def lm_head(self, rows: str) -> str:
         """Logits of hidden rows [n, hidden] (compute type); the weights are created once and shared."""
@@ -378,26 +388,6 @@ class DecoderGraphBuilder:
             embed = "embed" if g.has("embed") else g.const("embed", self.w["embed"], compute=True)
             return g.op("Gemm", [rows, embed], transB=1)  # share the embedding table, no transposed copy
         return self.linear(rows, "lm_head", self.w["lm_head"])
-
-    def _seq_len(self) -> str:
-        g = self.g
-        shape = g.op("Shape", ["input_ids"])
-        return g.op("Gather", [shape, g.const("one_i64", np.array(1, np.int64))], axis=0)  # scalar int64
-
-    def _attention_lengths(self, seq_len: str) -> dict[str, str]:
-        g = self.g
-        past = "past_len"
-        if self.ort:
-            seq32 = g.op("Cast", [seq_len], to=TensorProto.INT32)
-            seqlens_k = g.op("Sub", [g.op("Add", [past, seq32]), g.const("one_i32", np.array(1, np.int32))])
-            total = g.op("Add", [g.op("ReduceMax", [past], keepdims=0), seq32])
-            batch = g.op("Gather", [g.op("Shape", ["input_ids"]), g.const("zero_i64", np.array([0], np.int64))], axis=0)
-            query_seqlens = g.op("Expand", [seq32, batch])
-            return {"seqlens_k": seqlens_k, "total": total, "query_seqlens": query_seqlens}
-        past64 = g.op("Cast", [past], to=TensorProto.INT64)
-        if self.trt:  # the mask alone says which cache rows are valid
-            return {"write_at": past64}
-        return {"write_at": past64, "kv_len": g.op("Add", [past64, seq_len])}
 
     def attention(self, i: int, h: str, cos: str, sin: str, bias: str, lengths: dict[str, str]) -> str:
         d, g, w = self.d, self.g, self.w

@@ -19,7 +19,7 @@ import onnxruntime as ort
 
 from specexport.errors import UserError
 from specexport.runtime import tree
-from specexport.runtime.kvcache import KVCache
+from specexport.runtime.kvcache import KVCache, KVPool
 from specexport.runtime.verify import greedy_inputs
 
 _NUMPY_TYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -34,6 +34,8 @@ class Cache(Protocol):
     capacity: int
 
     def room(self) -> int: ...  # capacity - length
+
+    def past_lengths(self, batch: int) -> np.ndarray: ...  # each batch row's committed length (a pool's slots differ)
 
     def advance(self, n: int) -> None: ...  # keep all n rows the last step wrote
 
@@ -129,6 +131,8 @@ class GraphSession:
         self.session = load_session(graph_path, threads, device, spin)
         self.layers = graph_info.get("layers", 0)
         self.outputs = [o.name for o in self.session.get_outputs()]
+        # outputs per batch row ([batch, seq, ...]: hidden states, features) rather than per selected row
+        self.batch_outputs = {o.name for o in self.session.get_outputs() if o.shape and o.shape[0] == "batch"}
         names = {i.name for i in self.session.get_inputs()}
         self.fused_inputs = "sample_u" in names  # exporter/fused.py
         self.wide_bias = "attention_bias" in names  # bundles exported before the compact tree mask
@@ -141,13 +145,21 @@ class GraphSession:
         capacity = i.get("kv_capacity") or capacity
         return KVCache(i["layers"], batch, i["kv_heads"], capacity, i["head_dim"], self.dtype)
 
+    def new_pool(self, slots: int, capacity: int) -> KVPool:
+        """The KV cache of a batch of `slots` sequences of up to `capacity` rows each (runtime/scheduler.py)."""
+        i = self.info
+        if i.get("kv_capacity"):
+            raise UserError("this graph's cache length is fixed (trt flavour): batched serving runs on ort-flavour graphs")
+        return KVPool(i["layers"], slots, i["kv_heads"], capacity, i["head_dim"], self.dtype)
+
     def forward(self, cache: KVCache, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
                 logits_indices: np.ndarray, want: tuple[str, ...] = ("logits",),
                 inputs: dict[str, np.ndarray] | None = None, accept: dict[str, np.ndarray] | None = None
                 ) -> dict[str, np.ndarray]:
         """One step (the `Backend` protocol)."""
         b, t = input_ids.shape
-        check_step(cache, t, tree_mask)
+        past = cache.past_lengths(b)
+        check_step(cache, t, tree_mask, past)
         io, staged = self._binding(cache, want)
         stage = lambda name, value, dtype: self._stage(io, staged, name, value, dtype)  # noqa: E731
         stage("input_ids", input_ids, np.int64)
@@ -159,7 +171,7 @@ class GraphSession:
             stage("attention_bias", tree.mask_bias(mask[0], start, width, b), np.float32)
         else:
             stage("tree_mask", np.broadcast_to(mask, (b,) + mask.shape[1:]), np.bool_)
-        stage("past_len", np.full(b, cache.length), np.int32)
+        stage("past_len", past, np.int32)
         stage("logits_indices", logits_indices, np.int64)
         for name, value in (inputs or {}).items():
             stage(name, value, self.dtype)
@@ -221,10 +233,12 @@ def load_session(graph_path: Path, threads: int | None, device: str, spin: bool)
         raise UserError(f"cannot load graph {graph_path.name}: {str(e).splitlines()[0]}") from None
 
 
-def check_step(cache, t: int, tree_mask: np.ndarray) -> None:
-    """A step must fit the cache and its mask must be [.., T, K >= T] with K - T rows already written."""
+def check_step(cache, t: int, tree_mask: np.ndarray, past: np.ndarray | None = None) -> None:
+    """A step must fit the cache and its mask must be [.., T, K >= T] with K - T rows already written (`past`: each
+    batch row's length, when they differ)."""
     rows, cols = tree_mask.shape[-2:]
-    if rows != t or not t <= cols <= cache.length + t:
-        raise ValueError(f"tree mask {list(tree_mask.shape)} does not fit a step of {t} tokens after {cache.length}")
-    if cache.length + t > cache.capacity:
-        raise ValueError(f"KV cache overflow: {cache.length} + {t} > capacity {cache.capacity}")
+    shortest, longest = (cache.length,) * 2 if past is None else (int(past.min()), int(past.max()))
+    if rows != t or not t <= cols <= shortest + t:
+        raise ValueError(f"tree mask {list(tree_mask.shape)} does not fit a step of {t} tokens after {shortest}")
+    if longest + t > cache.capacity:
+        raise ValueError(f"KV cache overflow: {longest} + {t} > capacity {cache.capacity}")

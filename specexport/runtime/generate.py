@@ -55,6 +55,12 @@ class Stats:
         lengths, counts = np.unique(self.accept_lengths, return_counts=True)
         return {int(k): int(v) for k, v in zip(lengths, counts)}
 
+    def record(self, step: "StepRecord") -> None:
+        """Count one speculative step."""
+        self.steps += 1
+        self.drafted += step.tree.drafts
+        self.accept_lengths.append(step.acceptance.accept_length)
+
     def as_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
@@ -184,13 +190,24 @@ class Engine:
     def prefill(self, cache: Cache, ids: list[int], proposer=None) -> np.ndarray:
         """Run the prompt through the target; returns the logits of its last token. Its calls also
         bring what `proposer` wants from the target (EAGLE's features; Medusa's candidates at the last row)."""
+        for chunk in self.prefill_chunks(ids):
+            logits = self.prefill_chunk(cache, chunk, proposer)
+        return logits
+
+    def prefill_chunks(self, ids: list[int], size: int | None = None) -> list[list[int]]:
+        """The prompt's target calls: chunks of at most `size` tokens (default PREFILL_CHUNK; the first token alone
+        where the bundle asks)."""
+        size = PREFILL_CHUNK if size is None else size
         chunks = [ids[:1], ids[1:]] if self.first_token_alone and len(ids) > 1 else [ids]
-        chunks = [c[i:i + PREFILL_CHUNK] for c in chunks for i in range(0, len(c), PREFILL_CHUNK)]
-        extra = proposer.wants(self.fused_accept) if proposer is not None else ()
-        for chunk in chunks:
-            out = self.forward_chain(cache, chunk, ("logits",) + extra)
-            if extra:
-                proposer.observe(out, range(len(chunk)))
+        return [c[i:i + size] for c in chunks for i in range(0, len(c), size)]
+
+    def prefill_chunk(self, cache: Cache, chunk: list[int], proposer=None, fused: bool | None = None) -> np.ndarray:
+        """One prompt chunk appended to the cache; the logits of its last token. `fused`: whether the proposer's steps
+        accept in the graph (what it wants from the target depends on it; default: this engine's graph)."""
+        extra = proposer.wants(self.fused_accept if fused is None else fused) if proposer is not None else ()
+        out = self.forward_chain(cache, chunk, ("logits",) + extra)
+        if extra:
+            proposer.observe(out, range(len(chunk)))
         return out["logits"][-1]
 
     def forward_chain(self, cache: Cache, ids: list[int], want=("logits",)) -> dict:
@@ -247,42 +264,57 @@ class Engine:
         sampler = Sampler(sampling or SamplingParams())
         proposer = self.proposer(sampler, plain)
         ids = self.encode(prompt, chat=chat)
-        stop_ids = set(self.tokenizer.eos_token_ids if stop_ids is None else stop_ids)
         budget = min(max_new_tokens, self.max_context - len(ids))
         cache = self.target.new_cache(len(ids) + budget + proposer.max_drafts)
         proposer.start(len(ids), cache.capacity)
         stats = Stats(prompt_tokens=len(ids))
-        text = TextStream(self.tokenizer, stop, on_text)
-        out, reason = [], None
-
-        def emit(token: int) -> str | None:
-            """Append one token; returns why generation stops, if it does."""
-            out.append(token)
-            if token in stop_ids:
-                return "eos"
-            if text.push(token):
-                return "stop_string"
-            if len(out) >= budget:
-                return "length" if budget == max_new_tokens else "context"
-            return None
+        output = Output(self.tokenizer, stop, stop_ids, max_new_tokens, budget, on_text)
 
         start = time.perf_counter()
         pending = [sampler(self.prefill(cache, ids, proposer))]
         stats.ttft_s = time.perf_counter() - start
-        while not (reason := next((r for r in map(emit, pending) if r), None)):
+        while not output.emit(pending):
             if cancelled():
-                reason = "cancelled"
+                output.reason = "cancelled"
                 break
-            record = self.step(cache, ids + out, proposer, sampler)
-            stats.steps += 1
-            stats.drafted += record.tree.drafts
-            stats.accept_lengths.append(record.acceptance.accept_length)
+            record = self.step(cache, ids + output.tokens, proposer, sampler)
+            stats.record(record)
             if on_step is not None:
                 on_step(record)
             pending = record.acceptance.tokens
         stats.seconds = time.perf_counter() - start
-        stats.new_tokens = len(out)
-        return Generation(out, text.close(flush=reason != "stop_string"), reason, stats)
+        return output.close(stats)
+
+
+class Output:
+    """A generation's emitted tokens and text, and why it stops (`reason`: eos, stop_string, length, context,
+    cancelled, or None while it goes on); the same for a batch-1 generation and a scheduled request."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], stop_ids, max_new_tokens: int, budget: int,
+                 on_text=None):
+        self.stop_ids = set(tokenizer.eos_token_ids if stop_ids is None else stop_ids)
+        self.text = TextStream(tokenizer, stop, on_text)
+        self.max_new_tokens, self.budget = max_new_tokens, budget
+        self.tokens: list[int] = []
+        self.reason: str | None = None
+
+    def emit(self, tokens) -> str | None:
+        """Append a step's tokens one by one; returns why generation stops, if it does (the rest are dropped)."""
+        for token in tokens:
+            self.tokens.append(token)
+            if token in self.stop_ids:
+                self.reason = "eos"
+            elif self.text.push(token):
+                self.reason = "stop_string"
+            elif len(self.tokens) >= self.budget:
+                self.reason = "length" if self.budget == self.max_new_tokens else "context"
+            if self.reason:
+                return self.reason
+        return None
+
+    def close(self, stats: Stats) -> Generation:
+        stats.new_tokens = len(self.tokens)
+        return Generation(self.tokens, self.text.close(flush=self.reason != "stop_string"), self.reason, stats)
 
 
 class TextStream:

@@ -23,6 +23,10 @@ class CacheRows(ABC):
     def room(self) -> int:
         return self.capacity - self.length
 
+    def past_lengths(self, batch: int) -> np.ndarray:
+        """Each batch row's committed length, what a step's `past_len` takes (one cache: the same for all)."""
+        return np.full(batch, self.length, np.int64)
+
     def advance(self, n: int) -> None:
         """Keep all n rows written by the last step."""
         if self.length + n > self.capacity:
@@ -61,3 +65,76 @@ class KVCache(CacheRows):
     def move(self, src: np.ndarray) -> None:
         for buf in self.buffers:
             buf[:, :, self.length:self.length + src.size] = buf[:, :, src]
+
+
+class KVPool:
+    """The KV cache of a batch: `slots` sequences' rows in one buffer per layer and kind, [slots, kv_heads, capacity,
+    head_dim], each slot with its own committed length. The scheduler keeps its running sequences in a prefix of the
+    slots, so that a batched call binds `rows(n)`: the first n slots, a view (no copy) of every buffer; `slot(j)`
+    views one slot alone, for a prompt's prefill and for the proposers' own calls. A slot freed in the middle is
+    refilled by moving the last one down (`move_slot`: one copy of its committed rows, rarely)."""
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32):
+        shape = (slots, kv_heads, capacity, head_dim)
+        self.buffers = [np.zeros(shape, dtype=dtype) for _ in range(2 * layers)]
+        self.slots, self.capacity = slots, capacity
+        self.lengths = np.zeros(slots, np.int64)
+        self._views: dict[tuple[int, int], SlotRows] = {}
+
+    def rows(self, n: int) -> "SlotRows":
+        """Slots 0..n-1 as one cache (a batched call's); made once per n and kept with its binding."""
+        return self._view(0, n)
+
+    def slot(self, j: int) -> "SlotRows":
+        """Slot j alone as a cache."""
+        return self._view(j, j + 1)
+
+    def _view(self, start: int, stop: int) -> "SlotRows":
+        if not 0 <= start < stop <= self.slots:
+            raise ValueError(f"slots [{start}, {stop}) outside a pool of {self.slots}")
+        view = self._views.get((start, stop))
+        if view is None:
+            view = self._views[(start, stop)] = SlotRows(self, start, stop)
+        return view
+
+    def move_slot(self, src: int, dst: int) -> None:
+        """Copy slot src's committed rows and length into slot dst (src's rows are left as they were)."""
+        n = int(self.lengths[src])
+        for buf in self.buffers:
+            buf[dst, :, :n] = buf[src, :, :n]
+        self.lengths[dst] = n
+
+
+class SlotRows(CacheRows):
+    """A run of a pool's slots seen as one cache (`Cache` in runtime/backend.py): views of the pool's buffers, bound in
+    place. Its `length` is the first slot's (what a single slot's calls read and move); `past_lengths` gives each
+    slot's, for a batched call, whose rows the scheduler commits slot by slot (`commit_slot`)."""
+
+    def __init__(self, pool: KVPool, start: int, stop: int):
+        self.pool, self.start, self.stop = pool, start, stop
+        self.buffers = [buf[start:stop] for buf in pool.buffers]  # leading-axis slices: contiguous views
+        self.batch, self.capacity = stop - start, pool.capacity
+        self.handle = None
+
+    @property
+    def length(self) -> int:
+        return int(self.pool.lengths[self.start])
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.pool.lengths[self.start] = value
+
+    def past_lengths(self, batch: int) -> np.ndarray:
+        if batch != self.batch:
+            raise ValueError(f"a step of batch {batch} on {self.batch} slots")
+        return self.pool.lengths[self.start:self.stop]
+
+    def move(self, src: np.ndarray) -> None:
+        at = self.length
+        for buf in self.buffers:
+            rows = buf[0]  # [kv_heads, capacity, head_dim]
+            rows[:, at:at + src.size] = rows[:, src]
+
+    def commit_slot(self, k: int, rows) -> None:
+        """Keep the new rows of slot start + k at these offsets from its length (ascending), in order."""
+        self.pool.slot(self.start + k).commit(rows)

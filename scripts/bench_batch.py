@@ -1,0 +1,155 @@
+#!/usr/bin/env python
+"""Throughput against concurrency on one engine: a closed loop of C clients (each sends its next prompt when its last
+one finishes, `--requests` each), C = 1, 2, 4, 8, 16, for each configuration:
+
+- `batch-1`: today's engine, one generation at a time (`Engine.generate`; C = 1 only, the reference);
+- `plain`: plain decoding, batched (runtime/scheduler.py) on the plain bundle;
+- `method`: the speculative bundle's method with its fixed tree, batched.
+
+Printed per configuration and C: aggregate tokens/s (all new tokens / wall time), time to first token p50/p99
+(submit to first token: queueing and prefill included), time between tokens p50/p99 (the gap before each step's
+tokens divided by how many it brought, over all steps of all requests), the mean rows per target call and the
+scheduler's time outside the graph calls per step. Configurations alternate at each C, so they see the same
+machine. Greedy, EOS suppressed (every request emits exactly --new-tokens).
+
+    python scripts/bench_batch.py --plain BUNDLE --method BUNDLE [--prompts bench/sharegpt40.jsonl]
+        [--concurrency 1,2,4,8,16] [--requests 2] [--new-tokens 128] [--threads N] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from specexport.runtime.generate import Engine  # noqa: E402
+from specexport.runtime.scheduler import Scheduler  # noqa: E402
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))] if values else float("nan")
+
+
+def closed_loop(submit, prompts: list[str], clients: int, per_client: int) -> dict:
+    """`clients` threads, each submitting `per_client` prompts one after the other; the requests' arrival records."""
+    lock, done, next_prompt = threading.Lock(), [], iter(range(clients * per_client))
+
+    def client():
+        for _ in range(per_client):
+            with lock:
+                k = next(next_prompt)
+            request = submit(prompts[k % len(prompts)])
+            request.result(timeout=1800)
+            with lock:
+                done.append(request)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    tokens = sum(r.result().stats.new_tokens for r in done)
+    ttft = [r.arrivals[0][0] - r.submitted for r in done]
+    tbt = [(t1 - t0) / n for r in done for (t0, _), (t1, n) in zip(r.arrivals, r.arrivals[1:]) if n]
+    return {"tokens_per_s": tokens / wall, "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+            "tbt_p50_ms": 1e3 * pct(tbt, 50), "tbt_p99_ms": 1e3 * pct(tbt, 99), "requests": len(done),
+            "tokens": tokens, "wall_s": wall}
+
+
+class BatchOne:
+    """The batch-1 engine behind the same submit/result interface (one generation at a time, in the caller)."""
+
+    def __init__(self, engine: Engine, new_tokens: int):
+        self.engine, self.new_tokens, self.lock = engine, new_tokens, threading.Lock()
+
+    def submit(self, prompt: str):
+        request = _Done()
+        with self.lock:
+            request.submitted = time.perf_counter()
+            steps = []
+            request.generation = self.engine.generate(prompt, max_new_tokens=self.new_tokens, stop_ids=(), on_step=lambda
+                                                      record: steps.append((time.perf_counter(),
+                                                                            record.acceptance.accept_length)))
+            request.arrivals = [(request.submitted + request.generation.stats.ttft_s, 1)] + steps
+        return request
+
+
+class _Done:
+    def __init__(self):
+        self.arrivals, self.generation = [], None
+
+    def result(self, timeout=None):
+        return self.generation
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plain", type=Path, required=True, help="a plain-decoding bundle")
+    ap.add_argument("--method", type=Path, default=None, help="a speculative bundle (its fixed tree)")
+    ap.add_argument("--prompts", type=Path, default=Path("bench/sharegpt40.jsonl"))
+    ap.add_argument("--concurrency", default="1,2,4,8,16")
+    ap.add_argument("--requests", type=int, default=2, help="requests per client")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    engines = {"plain": Engine.load(args.plain, threads=args.threads)}
+    if args.method is not None:
+        engines["method"] = Engine.load(args.method, threads=args.threads)
+    schedulers = {name: Scheduler(e, max_batch=max(levels), plain=name == "plain") for name, e in engines.items()}
+    new = args.new_tokens
+
+    def submitter(name):
+        if name == "batch-1":
+            return BatchOne(engines["plain"], new).submit
+        return lambda prompt: schedulers[name].submit(prompt, max_new_tokens=new, stop_ids=())
+
+    for name in engines:  # warm-up: one short request each
+        schedulers[name].submit(prompts[0], max_new_tokens=8, stop_ids=()).result(timeout=600)
+    results = []
+    try:
+        for c in levels:
+            names = (["batch-1"] if c == 1 else []) + list(engines)
+            for name in names:
+                scheduler = schedulers.get(name)
+                before = (scheduler.steps, scheduler.rows, scheduler.overhead_s) if scheduler else (0, 0, 0.0)
+                row = {"config": name, "concurrency": c, **closed_loop(submitter(name), prompts, c, args.requests)}
+                if scheduler:
+                    steps = scheduler.steps - before[0]
+                    row["rows_per_call"] = (scheduler.rows - before[1]) / max(steps, 1)
+                    row["overhead_ms_per_step"] = 1e3 * (scheduler.overhead_s - before[2]) / max(steps, 1)
+                results.append(row)
+                print(f"  C={c:<3} {name:<8} {row['tokens_per_s']:7.1f} tok/s", file=sys.stderr, flush=True)
+    finally:
+        for s in schedulers.values():
+            s.close()
+    print(f"{args.plain.name} vs {args.method.name if args.method else '-'}: closed loop, {args.requests} requests per "
+          f"client, {new} new tokens each, {args.threads} threads")
+    print(f"{'config':<9}{'C':>4}{'tokens/s':>10}{'TTFT p50':>10}{'p99':>8}{'TBT p50':>9}{'p99':>8}{'rows/call':>10}"
+          f"{'host ms/step':>13}")
+    for r in results:
+        print(f"{r['config']:<9}{r['concurrency']:>4}{r['tokens_per_s']:>10.1f}{r['ttft_p50_ms']:>10.0f}"
+              f"{r['ttft_p99_ms']:>8.0f}{r['tbt_p50_ms']:>9.1f}{r['tbt_p99_ms']:>8.1f}"
+              f"{r.get('rows_per_call', 1):>10.1f}{r.get('overhead_ms_per_step', float('nan')):>13.2f}")
+    by = {(r["config"], r["concurrency"]): r["tokens_per_s"] for r in results}
+    if ("plain", 1) in by and ("plain", max(levels)) in by:
+        print(f"plain batched C={max(levels)} / C=1: {by[('plain', max(levels))] / by[('plain', 1)]:.2f}x (target >= 3x)")
+    if ("batch-1", 1) in by:
+        print(f"plain batched C=1 / batch-1 engine: {by[('plain', 1)] / by[('batch-1', 1)]:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

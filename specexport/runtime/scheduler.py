@@ -1,0 +1,376 @@
+"""Many requests on one engine: continuous batching of speculative steps.
+
+A front end (a server, a benchmark, a script with threads) `submit`s requests to a `Scheduler` and holds a
+`Request` for each: it streams the request's text as steps accept it, waits for the result, or cancels it. The
+scheduler runs one loop (its own thread, or `run_until_idle` called by the owner) whose every step is:
+
+1. Requests cancelled since the last step stop (their slots are free for the next step).
+2. Waiting requests are admitted while there are free slots; one at a time prefills.
+3. The prefilling request feeds one chunk of its prompt (at most `prefill_chunk` tokens): a long prompt holds the
+   running streams back by one chunk per step, never by its whole length. Its last chunk gives its first token.
+4. One target call verifies every running sequence's tree: each sequence proposes its tree with its own proposer,
+   the trees are padded to the widest (a padded row sees only itself and writes cache rows past its sequence's
+   length, which nothing reads), each row with its sequence's past length and positions. Each sequence accepts
+   its rows with its own sampling settings and random stream (runtime/verify.accept: a seeded request gives the
+   same tokens whatever else is in the batch), commits its path in its slot, and emits.
+
+The KV cache is a pool of slots (runtime/kvcache.KVPool) with the running sequences in a prefix, bound in place:
+the batched call takes a view of the first n slots, no copy. A finished sequence's slot is refilled by moving the
+last running one down (one copy of its rows); the prefilling request sits right after the running ones.
+
+The acceptance runs on the host from the logits of each sequence's rows (the acceptance fused into the graph is
+batch 1; the graph's own copy of it runs on batch row 0 and is ignored). Each sequence's proposer makes its own
+draft calls (an EAGLE draft, a draft model: batch 1 per sequence). A request that fails (its proposer raises, its
+sampling fails) stops with its message; the others go on.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specexport.errors import UserError
+from specexport.runtime import tree
+from specexport.runtime.generate import PREFILL_CHUNK, Engine, Generation, Output, Stats, StepRecord
+from specexport.runtime.sampling import Sampler, SamplingParams
+from specexport.runtime.verify import accept
+
+_DONE = object()
+
+
+class Request:
+    """A submitted generation, as its submitter holds it: `stream()` its text, `result()`, `cancel()`. Thread-safe."""
+
+    def __init__(self, rid: int, prompt_tokens: int):
+        self.id, self.prompt_tokens = rid, prompt_tokens
+        self.submitted = time.perf_counter()
+        self.arrivals: list[tuple[float, int]] = []  # (perf_counter time, tokens) of each step that emitted
+        self._events: queue.Queue = queue.Queue()
+        self._cancel = threading.Event()
+        self._finished = threading.Event()
+        self._result: Generation | None = None
+        self._error: str | None = None
+
+    def cancel(self) -> None:
+        """Stop at the next step; the result keeps what was generated (stop_reason "cancelled")."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def stream(self, timeout: float | None = None):
+        """The text as it is accepted, piece by piece, until the request ends (raises UserError if it failed).
+        `timeout`: the most seconds to wait for each piece."""
+        while True:
+            try:
+                item = self._events.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.id}: no text for {timeout} s") from None
+            if item is _DONE:
+                break
+            yield item
+        if self._error is not None:
+            raise UserError(self._error)
+
+    def result(self, timeout: float | None = None) -> Generation:
+        """Wait for the end of the request; its Generation (raises UserError with its message if it failed)."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"request {self.id} still running after {timeout} s")
+        if self._error is not None:
+            raise UserError(self._error)
+        return self._result
+
+    # -- the scheduler's side ------------------------------------------------------------------
+    def _text(self, piece: str) -> None:
+        self._events.put(piece)
+
+    def _finish(self, result: Generation | None, error: str | None = None) -> None:
+        self._result, self._error = result, error
+        self._finished.set()
+        self._events.put(_DONE)
+
+
+@dataclass
+class _Sequence:
+    """A request inside the scheduler: its prompt, proposer, sampler, output, slot and progress."""
+
+    request: Request
+    ids: list[int]
+    output: Output
+    sampler: Sampler
+    proposer: object
+    chunks: list[list[int]]
+    stats: Stats
+    slot: int = -1
+    pending: list[int] = field(default_factory=list)  # tokens accepted but not yet emitted
+
+    @property
+    def history(self) -> list[int]:
+        return self.ids + self.output.tokens
+
+
+class _HostAccepting:
+    """The engine as a scheduled sequence's proposer sees it: its steps accept on the host (the acceptance fused into
+    the graph is batch 1), so a proposer that reads the target's outputs asks for every row's."""
+
+    def __init__(self, engine: Engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def accepts_in_graph(self, sampler, mode) -> bool:
+        return False
+
+
+class Scheduler:
+    """Continuous batching on one engine (see the module docstring). `max_batch`: the most sequences in a step
+    (more requests wait their turn, never refused); `prefill_chunk`: the most prompt tokens fed per step;
+    `plain`: plain decoding instead of the bundle's method; `background`: run the loop in a thread of its own
+    (else the owner calls `run_until_idle`)."""
+
+    def __init__(self, engine: Engine, max_batch: int = 8, prefill_chunk: int | None = None, plain: bool = False,
+                 background: bool = True):
+        if max_batch < 1:
+            raise UserError(f"max_batch must be >= 1, got {max_batch}")
+        prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
+        if prefill_chunk < 1:
+            raise UserError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if not hasattr(engine.target, "new_pool"):
+            raise UserError("batched generation runs on ONNX Runtime's host backend (--device cpu) in this version")
+        self.engine, self.max_batch, self.prefill_chunk, self.plain = engine, max_batch, prefill_chunk, plain
+        self._host = _HostAccepting(engine)
+        method = engine.method if not plain else None
+        self.step_rows = 1 if plain else method.tokens_per_step(engine.settings)
+        self.pool = engine.target.new_pool(max_batch, engine.max_context + self.step_rows)
+        self.running: list[_Sequence] = []  # decoding, slot k = index k
+        self.prefilling: _Sequence | None = None  # slot len(running)
+        self.waiting: deque[_Sequence] = deque()
+        self._lock = threading.Condition()
+        self._ids = 0
+        self._closed = False
+        self.steps = 0  # batched target calls so far
+        self.rows = 0  # rows they computed (padding included)
+        self.overhead_s = 0.0  # the steps' time outside every graph call (the scheduler's own work)
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._loop, name="specexport-scheduler", daemon=True)
+            self._thread.start()
+
+    # -- the front end's side ---------------------------------------------------------------------
+    def submit(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+               stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] | None = None, chat: bool = True,
+               on_text=None) -> Request:
+        """Queue a generation; returns its handle at once. A bad request (an empty or too long prompt, a bad
+        setting) raises UserError here and never enters the batch."""
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not all(isinstance(s, str) and s for s in stop):
+            raise UserError("stop strings must not be empty")
+        engine = self.engine
+        ids = engine.encode(prompt, chat=chat)
+        sampler = Sampler(sampling or SamplingParams())
+        proposer = engine.proposer(sampler, self.plain) if self.plain else \
+            engine.method.proposer(self._host, engine.settings, sampler)
+        budget = min(max_new_tokens, engine.max_context - len(ids))
+        with self._lock:
+            if self._closed:
+                raise UserError("the scheduler is closed")
+            self._ids += 1
+            request = Request(self._ids, len(ids))
+            text = on_text if on_text is not None else request._text
+            seq = _Sequence(request, ids, Output(engine.tokenizer, stop, stop_ids, max_new_tokens, budget, text),
+                            sampler, proposer, engine.prefill_chunks(ids, self.prefill_chunk), Stats(len(ids)))
+            proposer.start(len(ids), len(ids) + budget + proposer.max_drafts)
+            self.waiting.append(seq)
+            self._lock.notify()
+        return request
+
+    def close(self) -> None:
+        """Stop the loop; requests still queued or running end as cancelled."""
+        with self._lock:
+            self._closed = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+        for seq in list(self.running) + ([self.prefilling] if self.prefilling else []) + list(self.waiting):
+            seq.output.reason = seq.output.reason or "cancelled"
+            self._end(seq)
+        self.running, self.prefilling, self.waiting = [], None, deque()
+
+    @property
+    def active(self) -> int:
+        """Requests admitted or waiting."""
+        return len(self.running) + (self.prefilling is not None) + len(self.waiting)
+
+    def run_until_idle(self) -> None:
+        """Run steps until no request is left (for a scheduler without a background thread)."""
+        while self.step():
+            pass
+
+    # -- the loop -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not self.active:
+                    self._lock.wait()
+                if self._closed:
+                    return
+            self.step()
+
+    def step(self) -> bool:
+        """One scheduler step (the module docstring); returns whether any request is left."""
+        graphs = [self.engine.target] + self.engine.side_graphs()
+        start, inside = time.perf_counter(), sum(g.seconds for g in graphs)
+        self._drop_cancelled()
+        self._admit()
+        if self.prefilling is not None:
+            self._prefill_one_chunk()
+        if self.running:
+            self._decode()
+        graphs = [self.engine.target] + self.engine.side_graphs()
+        self.overhead_s += time.perf_counter() - start - (sum(g.seconds for g in graphs) - inside)
+        return self.active > 0
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self.running if s.request.cancelled]:
+            seq.output.reason = "cancelled"
+            self._retire(seq)
+        with self._lock:
+            for seq in [s for s in self.waiting if s.request.cancelled]:
+                self.waiting.remove(seq)
+                seq.output.reason = "cancelled"
+                self._end(seq)
+        if self.prefilling is not None and self.prefilling.request.cancelled:
+            seq, self.prefilling = self.prefilling, None
+            seq.output.reason = "cancelled"
+            self._end(seq)
+
+    def _admit(self) -> None:
+        with self._lock:
+            if self.prefilling is None and self.waiting and len(self.running) < self.max_batch:
+                self.prefilling = self.waiting.popleft()
+                self.prefilling.slot = len(self.running)
+                self.pool.lengths[self.prefilling.slot] = 0
+
+    def _prefill_one_chunk(self) -> None:
+        seq = self.prefilling
+        try:
+            logits = self.engine.prefill_chunk(self.pool.slot(seq.slot), seq.chunks.pop(0), seq.proposer, fused=False)
+            if seq.chunks:
+                return
+            seq.pending = [seq.sampler(logits)]
+        except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
+            self.prefilling = None
+            self._end(seq, error=_message(e))
+            return
+        seq.stats.ttft_s = time.perf_counter() - seq.request.submitted
+        self.prefilling = None
+        self.running.append(seq)  # its slot is len(running) already
+        if self._emit(seq, seq.pending):
+            self._retire(seq)
+
+    def _decode(self) -> None:
+        """One target call over every running sequence's tree, then each sequence's acceptance, commit and emission.
+        Sequences that end leave after every sequence has committed (a slot move copies committed rows only)."""
+        seqs, trees, leaving, started = [], [], [], time.perf_counter()
+        for seq in self.running:
+            if seq.request.cancelled:
+                continue  # its row is padding; it leaves at the next step
+            try:
+                room = self.pool.capacity - int(self.pool.lengths[seq.slot])
+                trees.append(seq.proposer.propose(seq.history).truncated(min(room, self.step_rows)))
+                seqs.append(seq)
+            except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
+                leaving.append((seq, _message(e)))
+        if seqs:
+            out, placed = self._verify(seqs, trees)
+            verified = time.perf_counter()
+            for seq, draft in zip(seqs, trees):
+                try:
+                    mine = placed(seq, len(draft), out)
+                    acceptance = accept(draft, mine["logits"], seq.sampler.params, seq.sampler.rng)
+                    self.pool.slot(seq.slot).commit(acceptance.path)
+                    seq.proposer.accepted(acceptance.path)
+                    if len(mine) > 1:
+                        seq.proposer.observe(mine, acceptance.path)
+                except Exception as e:  # noqa: BLE001
+                    leaving.append((seq, _message(e)))
+                    continue
+                seq.stats.record(StepRecord(draft, acceptance, len(seq.history), 0.0, verified - started,
+                                            time.perf_counter() - started))
+                if self._emit(seq, acceptance.tokens):
+                    leaving.append((seq, None))
+        for seq, error in leaving:
+            self._retire(seq, error)
+
+    def _verify(self, seqs: list[_Sequence], trees: list) -> tuple[dict, object]:
+        """The batched target call over the running slots, each tree padded to the widest (a padded row sees only
+        itself); returns the outputs and a function giving a sequence its own: its logits rows and what its proposer
+        wants (per-row outputs by its rows, per-batch-row outputs by its slot)."""
+        n, width = len(self.running), max(len(t) for t in trees)
+        ids = np.zeros((n, width), np.int64)
+        positions = np.repeat(self.pool.lengths[:n, None], width, axis=1)
+        mask = np.broadcast_to(np.eye(width, dtype=np.bool_), (n, width, width)).copy()
+        rows, first = [], {}
+        for seq, draft in zip(seqs, trees):
+            b, t = seq.slot, len(draft)
+            ids[b, :t] = draft.tokens
+            positions[b, :t] += tree.depths(draft.parents)
+            mask[b, :t, :t] = tree.ancestor_mask(draft.parents)
+            first[seq.request.id] = (b, len(rows))
+            rows.extend(range(b * width, b * width + t))
+        wants = {seq.request.id: seq.proposer.wants(False) for seq in seqs}
+        want = ("logits",) + tuple(sorted({w for ws in wants.values() for w in ws}))
+        target = self.engine.target
+        out = target.forward(self.pool.rows(n), ids, positions, mask, np.array(rows, np.int64), want=want)
+        self.steps, self.rows = self.steps + 1, self.rows + n * width
+
+        def placed(seq: _Sequence, t: int, out: dict) -> dict:
+            b, start = first[seq.request.id]
+            return {name: out[name][b:b + 1, :t] if name in target.batch_outputs else out[name][start:start + t]
+                    for name in ("logits",) + wants[seq.request.id]}
+        return out, placed
+
+    @staticmethod
+    def _emit(seq: _Sequence, tokens: list[int]) -> bool:
+        """Emit a step's tokens; True when the sequence ends. Their arrival is noted on the request."""
+        before = len(seq.output.tokens)
+        ended = seq.output.emit(tokens) is not None
+        seq.request.arrivals.append((time.perf_counter(), len(seq.output.tokens) - before))
+        return ended
+
+    # -- leaving ----------------------------------------------------------------------------------
+    def _retire(self, seq: _Sequence, error: str | None = None) -> None:
+        """A running sequence leaves: the last running one moves into its slot, the prefilling one down after it."""
+        k = self.running.index(seq)
+        last = self.running.pop()
+        if last is not seq:
+            self.pool.move_slot(last.slot, k)
+            last.slot = k
+            self.running[k] = last
+        if self.prefilling is not None:
+            self.pool.move_slot(self.prefilling.slot, len(self.running))
+            self.prefilling.slot = len(self.running)
+        self._end(seq, error)
+
+    def _end(self, seq: _Sequence, error: str | None = None) -> None:
+        seq.stats.seconds = time.perf_counter() - seq.request.submitted
+        if error is not None:
+            seq.request._finish(None, error)
+            return
+        seq.request._finish(seq.output.close(seq.stats))
+
+
+def _message(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__

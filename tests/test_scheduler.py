@@ -1,0 +1,157 @@
+"""Continuous batching (runtime/scheduler.py) on tiny bundles: every request's tokens are its batch-1 tokens, whatever
+else runs with it; slots are refilled, prompts prefilled in chunks, requests cancelled, failures kept to their
+request; and the KV pool's slot bookkeeping on hand-built cases."""
+
+import numpy as np
+import pytest
+from conftest import method_export
+
+from specexport.errors import UserError
+from specexport.exporter.export import ExportOptions, export_bundle
+from specexport.exporter.graph import GraphOptions
+from specexport.runtime.generate import Engine
+from specexport.runtime.kvcache import KVPool
+from specexport.runtime.sampling import SamplingParams
+from specexport.runtime.scheduler import Scheduler
+
+PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat", "x", "abcabcabcabc",
+           "a much longer prompt that takes several chunks to prefill, " * 2, "zz"]
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_folder, tmp_path_factory):
+    root = tmp_path_factory.mktemp("sched")
+
+    def build(name, fused=True, **given):
+        options = ExportOptions(graph=GraphOptions(fused_accept=fused), max_context=256, validate=False,
+                                **method_export(name, **given))
+        export_bundle(str(tiny_folder), root / name, options, quiet=True)
+        return Engine.load(root / name, threads=1)
+
+    return {"none": build("none"), "ngram": build("ngram", draft_length=4, max_matches=2),
+            "self1-tree": build("draft", draft_model="self:1", draft_length=3, draft_branching=(2, 2))}
+
+
+def batch_one(engine, prompts, lengths, **kw):
+    return [engine.generate(p, max_new_tokens=n, stop_ids=(), **kw) for p, n in zip(prompts, lengths)]
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "self1-tree"])
+def test_batched_greedy_equals_batch_one(engines, name):
+    """Six requests of different lengths on four slots, prompts fed 5 tokens per step: requests wait, finish at
+    different steps, their slots are refilled by moves, and every request emits its batch-1 tokens."""
+    engine = engines[name]
+    lengths = [20, 7, 33, 12, 25, 3]
+    want = batch_one(engine, PROMPTS, lengths)
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=5, background=False)
+    requests = [scheduler.submit(p, max_new_tokens=n, stop_ids=()) for p, n in zip(PROMPTS, lengths)]
+    scheduler.run_until_idle()
+    for request, expected in zip(requests, want):
+        got = request.result(timeout=0)
+        assert got.tokens == expected.tokens and got.stop_reason == expected.stop_reason
+        assert got.text == expected.text
+    assert scheduler.steps < sum(r.stats.steps for r in want)  # steps were shared
+    assert scheduler.active == 0 and not scheduler.running
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(engines):
+    engine = engines["self1-tree"]
+    sampling = [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=1.0, top_p=0.9, seed=3)]
+    alone = [engine.generate(PROMPTS[k], max_new_tokens=24, stop_ids=(), sampling=s) for k, s in enumerate(sampling)]
+    scheduler = Scheduler(engine, max_batch=3, background=False)
+    mixed = [scheduler.submit(PROMPTS[3], max_new_tokens=30, stop_ids=()),  # a greedy neighbour
+             *(scheduler.submit(PROMPTS[k], max_new_tokens=24, stop_ids=(), sampling=s) for k, s in enumerate(sampling))]
+    scheduler.run_until_idle()
+    assert [r.result().tokens for r in mixed[1:]] == [a.tokens for a in alone]
+
+
+def test_cancel_frees_the_slot_at_the_next_step_and_the_others_go_on(engines):
+    engine = engines["ngram"]
+    want = batch_one(engine, PROMPTS[:3], [30, 30, 30])
+    scheduler = Scheduler(engine, max_batch=3, prefill_chunk=64, background=False)
+    requests = [scheduler.submit(p, max_new_tokens=30, stop_ids=()) for p in PROMPTS[:3]]
+    while len(scheduler.running) < 3:
+        scheduler.step()
+    scheduler.step()
+    requests[0].cancel()
+    scheduler.step()
+    assert len(scheduler.running) == 2 and requests[0].done
+    cancelled = requests[0].result()
+    assert cancelled.stop_reason == "cancelled" and cancelled.tokens == want[0].tokens[:len(cancelled.tokens)]
+    scheduler.run_until_idle()
+    assert [r.result().tokens for r in requests[1:]] == [w.tokens for w in want[1:]]
+
+
+def test_a_request_joining_mid_run_changes_no_one_else(engines):
+    engine = engines["self1-tree"]
+    want = batch_one(engine, PROMPTS[:2], [40, 40])
+    scheduler = Scheduler(engine, max_batch=4, background=False)
+    first = scheduler.submit(PROMPTS[0], max_new_tokens=40, stop_ids=())
+    for _ in range(4):
+        scheduler.step()
+    late = scheduler.submit(PROMPTS[1], max_new_tokens=40, stop_ids=())
+    scheduler.run_until_idle()
+    assert first.result().tokens == want[0].tokens and late.result().tokens == want[1].tokens
+
+
+def test_a_failing_proposer_fails_its_request_only(engines):
+    engine = engines["ngram"]
+    want = batch_one(engine, PROMPTS[:2], [16, 16])
+    scheduler = Scheduler(engine, max_batch=3, background=False)
+    good = scheduler.submit(PROMPTS[0], max_new_tokens=16, stop_ids=())
+    bad = scheduler.submit(PROMPTS[2], max_new_tokens=16, stop_ids=())
+    other = scheduler.submit(PROMPTS[1], max_new_tokens=16, stop_ids=())
+    seq = next(s for s in scheduler.waiting if s.request is bad)
+
+    def broken(history):
+        raise RuntimeError("datastore unreadable")
+    seq.proposer.propose = broken
+    scheduler.run_until_idle()
+    with pytest.raises(UserError, match="datastore unreadable"):
+        bad.result()
+    assert good.result().tokens == want[0].tokens and other.result().tokens == want[1].tokens
+
+
+def test_bad_requests_are_refused_at_submit(engines):
+    scheduler = Scheduler(engines["none"], max_batch=2, background=False)
+    with pytest.raises(UserError, match="context limit"):
+        scheduler.submit([5] * 300)
+    with pytest.raises(UserError, match="empty"):
+        scheduler.submit([])
+    with pytest.raises(UserError, match="max_new_tokens"):
+        scheduler.submit("hi", max_new_tokens=0)
+    with pytest.raises(UserError, match="temperature"):
+        scheduler.submit("hi", sampling=SamplingParams(temperature=-1))
+    assert scheduler.active == 0
+
+
+def test_the_background_loop_streams_text(engines):
+    engine = engines["ngram"]
+    want = batch_one(engine, PROMPTS[:4], [24] * 4)
+    scheduler = Scheduler(engine, max_batch=2)
+    try:
+        requests = [scheduler.submit(p, max_new_tokens=24, stop_ids=()) for p in PROMPTS[:4]]
+        texts = ["".join(r.stream(timeout=60)) for r in requests]
+        assert texts == [w.text for w in want]
+        assert [r.result(timeout=60).tokens for r in requests] == [w.tokens for w in want]
+    finally:
+        scheduler.close()
+
+
+# ---- the KV pool, by hand --------------------------------------------------------------------------------------
+
+def test_pool_views_share_the_buffers_and_keep_their_own_lengths():
+    pool = KVPool(layers=1, slots=3, kv_heads=1, capacity=8, head_dim=1)
+    for j in range(3):
+        pool.buffers[0][j, 0, :, 0] = 10 * j + np.arange(8)
+        pool.lengths[j] = j + 2
+    rows = pool.rows(2)
+    assert rows.batch == 2 and np.shares_memory(rows.buffers[0], pool.buffers[0])
+    assert rows.past_lengths(2).tolist() == [2, 3] and pool.slot(2).length == 4
+    pool.slot(1).commit([0, 2, 3])  # slot 1 keeps rows 3, 5, 6 after its 3 committed
+    assert pool.lengths[1] == 6 and pool.buffers[0][1, 0, :6, 0].tolist() == [10, 11, 12, 13, 15, 16]
+    pool.move_slot(2, 0)  # the last slot refills slot 0: its committed rows and length
+    assert pool.lengths[0] == 4 and pool.buffers[0][0, 0, :4, 0].tolist() == [20, 21, 22, 23]
+    assert pool.rows(2) is rows  # views are made once
+    with pytest.raises(ValueError):
+        pool.rows(4)
