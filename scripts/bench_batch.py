@@ -4,7 +4,8 @@ one finishes, `--requests` each), C = 1, 2, 4, 8, 16, for each configuration:
 
 - `batch-1`: today's engine, one generation at a time (`Engine.generate`; C = 1 only, the reference);
 - `plain`: plain decoding, batched (runtime/scheduler.py) on the plain bundle;
-- `method`: the speculative bundle's method with its fixed tree, batched.
+- `fixed`: the speculative bundle's method, batched, every tree as its proposer made it;
+- `budget`: the same with one tree budget for the batch (runtime/budget.py).
 
 Printed per configuration and C: aggregate tokens/s (all new tokens / wall time), time to first token p50/p99
 (submit to first token: queueing and prefill included), time between tokens p50/p99 (the gap before each step's
@@ -104,31 +105,35 @@ def main() -> None:
     args = ap.parse_args()
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
     levels = [int(c) for c in args.concurrency.split(",")]
-    engines = {"plain": Engine.load(args.plain, threads=args.threads)}
+    plain = Engine.load(args.plain, threads=args.threads)
+    schedulers = {"plain": Scheduler(plain, max_batch=max(levels), plain=True)}
     if args.method is not None:
-        engines["method"] = Engine.load(args.method, threads=args.threads)
-    schedulers = {name: Scheduler(e, max_batch=max(levels), plain=name == "plain") for name, e in engines.items()}
+        method = Engine.load(args.method, threads=args.threads)
+        schedulers["fixed"] = Scheduler(method, max_batch=max(levels), budget=False)
+        schedulers["budget"] = Scheduler(method, max_batch=max(levels))
     new = args.new_tokens
 
     def submitter(name):
         if name == "batch-1":
-            return BatchOne(engines["plain"], new).submit
+            return BatchOne(plain, new).submit
         return lambda prompt: schedulers[name].submit(prompt, max_new_tokens=new, stop_ids=())
 
-    for name in engines:  # warm-up: one short request each
-        schedulers[name].submit(prompts[0], max_new_tokens=8, stop_ids=()).result(timeout=600)
+    for scheduler in schedulers.values():  # warm-up: one short request each
+        scheduler.submit(prompts[0], max_new_tokens=8, stop_ids=()).result(timeout=600)
     results = []
     try:
         for c in levels:
-            names = (["batch-1"] if c == 1 else []) + list(engines)
+            names = (["batch-1"] if c == 1 else []) + list(schedulers)
             for name in names:
                 scheduler = schedulers.get(name)
-                before = (scheduler.steps, scheduler.rows, scheduler.overhead_s) if scheduler else (0, 0, 0.0)
+                before = (scheduler.steps, scheduler.rows, scheduler.overhead_s, len(scheduler.widths)) if scheduler \
+                    else (0, 0, 0.0, 0)
                 row = {"config": name, "concurrency": c, **closed_loop(submitter(name), prompts, c, args.requests)}
                 if scheduler:
                     steps = scheduler.steps - before[0]
                     row["rows_per_call"] = (scheduler.rows - before[1]) / max(steps, 1)
                     row["overhead_ms_per_step"] = 1e3 * (scheduler.overhead_s - before[2]) / max(steps, 1)
+                    row["mean_width"] = sum(scheduler.widths[before[3]:]) / max(steps, 1)
                 results.append(row)
                 print(f"  C={c:<3} {name:<8} {row['tokens_per_s']:7.1f} tok/s", file=sys.stderr, flush=True)
     finally:
@@ -137,16 +142,20 @@ def main() -> None:
     print(f"{args.plain.name} vs {args.method.name if args.method else '-'}: closed loop, {args.requests} requests per "
           f"client, {new} new tokens each, {args.threads} threads")
     print(f"{'config':<9}{'C':>4}{'tokens/s':>10}{'TTFT p50':>10}{'p99':>8}{'TBT p50':>9}{'p99':>8}{'rows/call':>10}"
-          f"{'host ms/step':>13}")
+          f"{'width':>7}{'host ms/step':>13}")
     for r in results:
         print(f"{r['config']:<9}{r['concurrency']:>4}{r['tokens_per_s']:>10.1f}{r['ttft_p50_ms']:>10.0f}"
               f"{r['ttft_p99_ms']:>8.0f}{r['tbt_p50_ms']:>9.1f}{r['tbt_p99_ms']:>8.1f}"
-              f"{r.get('rows_per_call', 1):>10.1f}{r.get('overhead_ms_per_step', float('nan')):>13.2f}")
+              f"{r.get('rows_per_call', 1):>10.1f}{r.get('mean_width', 1):>7.1f}"
+              f"{r.get('overhead_ms_per_step', float('nan')):>13.2f}")
     by = {(r["config"], r["concurrency"]): r["tokens_per_s"] for r in results}
     if ("plain", 1) in by and ("plain", max(levels)) in by:
         print(f"plain batched C={max(levels)} / C=1: {by[('plain', max(levels))] / by[('plain', 1)]:.2f}x (target >= 3x)")
     if ("batch-1", 1) in by:
         print(f"plain batched C=1 / batch-1 engine: {by[('plain', 1)] / by[('batch-1', 1)]:.2f}x")
+    if args.method is not None:
+        print("budget / the better of plain and fixed, per C: " + ", ".join(
+            f"C={c} {by[('budget', c)] / max(by[('plain', c)], by[('fixed', c)]):.2f}x" for c in levels))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
 

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -59,6 +60,16 @@ def check_writable(path: Path) -> None:
     blocking = next((p for p in Path(path).parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise UserError(f"cannot write {path}: {blocking} is a file, not a folder")
+
+
+def probe_writable(folder: Path, what: str) -> None:
+    """Fail now, in one line, when no file can be created in `folder` (permissions, a read-only mount), rather than
+    after the work whose result would go there: a file is created there and removed."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".specexport-probe-"):
+            pass
+    except OSError as e:
+        raise UserError(f"cannot write {what} in {folder}: {e.strerror or e}") from None
 
 
 def _remove_empty(folders: list[Path]) -> None:

@@ -244,7 +244,8 @@ def test_every_bad_input_is_a_status_and_one_line(checks, bundles):
         cases[case.pop("case")] = case
     invalid = ["open_null_handle", "open_null_path", "open_bad_struct_size", "open_unknown_setting",
                "open_setting_wrong_type", "open_settings_not_json", "open_settings_not_object", "open_negative_threads",
-               "open_unknown_device", "top_p_zero", "negative_temperature", "negative_top_k", "zero_max_new_tokens",
+               "open_unknown_device", "top_p_zero", "negative_temperature", "negative_top_k", "seed_below_minus_one",
+               "zero_max_new_tokens",
                "no_prompt", "two_prompts", "prompt_not_utf8", "prompt_over_context", "prompt_id_out_of_range",
                "empty_stop_string", "stop_count_without_list", "stop_id_out_of_range", "generate_null_options",
                "stats_bad_size", "cancel_request_0", "close_from_own_callback"]
@@ -258,6 +259,7 @@ def test_every_bad_input_is_a_status_and_one_line(checks, bundles):
     assert cases["open_unknown_setting"]["message"].startswith("setting 'depth' does not apply to this ngram bundle")
     assert cases["prompt_over_context"]["message"] == "the prompt has 100000 tokens; this bundle's context limit is 256"
     assert cases["callback_error"]["message"] == "the stream callback returned -7 (an error)"
+    assert cases["seed_below_minus_one"]["message"].startswith("seed must be -1 (a fresh random stream) or in [0, 2^63)")
     assert cases["callback_error_calls"]["calls"] == 1  # nothing more reaches a callback that failed
     for ok in ("null_callback", "callback_stop", "generate_after_close_from_callback", "close", "close_null"):
         assert cases[ok] == {"status": "SPECEXPORT_OK", "message": ""}, ok

@@ -9,6 +9,7 @@ from conftest import method_export
 from specexport.errors import UserError
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
+from specexport.runtime.budget import AcceptanceRates, LatencyCurve, choose_width
 from specexport.runtime.generate import Engine
 from specexport.runtime.kvcache import KVPool
 from specexport.runtime.sampling import SamplingParams
@@ -155,3 +156,56 @@ def test_pool_views_share_the_buffers_and_keep_their_own_lengths():
     assert pool.rows(2) is rows  # views are made once
     with pytest.raises(ValueError):
         pool.rows(4)
+
+
+# ---- the batch's tree budget, by hand -------------------------------------------------------------------------
+
+def test_acceptance_rates_count_per_node_index():
+    rates = AcceptanceRates(4)
+    for path in ([0, 1, 2], [0, 1], [0]):
+        rates.update(4, path)
+    # node 1 accepted 2 of 3, node 2 1 of 3, node 3 0 of 3 (Beta(1, 1) prior); the root always emits the bonus
+    np.testing.assert_allclose(rates.expected(4), np.cumsum([1, 3 / 5, 2 / 5, 1 / 5]))
+
+
+def test_the_width_shrinks_smoothly_as_sequences_are_added():
+    rates, rng = AcceptanceRates(8), np.random.default_rng(0)
+    for _ in range(400):  # a chain whose node i is accepted with probability 0.75^i
+        depth = min(int(rng.geometric(0.25)) - 1, 7)
+        rates.update(8, list(range(depth + 1)))
+    curve = LatencyCurve([1, 8, 64, 128], [0.010, 0.014, 0.060, 0.115])  # a CPU-like call: flat, then linear
+    widths = [choose_width([8] * n, rates, curve, 0.001) for n in (1, 2, 4, 8, 16)]
+    assert widths[0] >= 6 and widths[-1] <= 3, widths
+    assert all(a >= b for a, b in zip(widths, widths[1:])), widths  # never wider with more sequences
+    free = LatencyCurve([1, 512], [0.01, 0.01])  # rows cost nothing: every tree whole
+    assert choose_width([8, 5, 3], rates, free, 0.0) == 8
+    hopeless = AcceptanceRates(8)
+    for _ in range(100):
+        hopeless.update(8, [0])
+    assert choose_width([8] * 4, hopeless, curve, 0.0) == 1  # nothing is ever accepted: plain decoding
+    # a kept (seeded) tree of 6 makes the call 6 wide anyway: the others may use those rows
+    assert choose_width([8, 8, 6], hopeless, curve, 0.0, kept=[False, False, True]) == 6
+
+
+def test_the_latency_curve_follows_the_calls_it_sees():
+    curve = LatencyCurve([1, 8, 64], [0.01, 0.02, 0.08])
+    assert curve(36) == pytest.approx(0.05)
+    for _ in range(50):
+        curve.observe(8, 0.03)
+    assert curve(8) == pytest.approx(0.03, rel=1e-3) and curve(64) == pytest.approx(0.08)
+
+
+def test_the_budget_cuts_trees_under_load_and_a_fixed_tree_does_not(engines):
+    engine = engines["self1-tree"]
+    full = engine.method.tokens_per_step(engine.settings)
+    fixed = Scheduler(engine, max_batch=4, budget=False, background=False)
+    for p in PROMPTS[:4]:
+        fixed.submit(p, max_new_tokens=12, stop_ids=())
+    fixed.run_until_idle()
+    assert max(fixed.widths) == full
+    budget = Scheduler(engine, max_batch=4, background=False)
+    budget.latency = LatencyCurve([1, 4 * full], [0.001, 1.0])  # rows are dear: trees must shrink
+    for p in PROMPTS[:4]:
+        budget.submit(p, max_new_tokens=12, stop_ids=())
+    budget.run_until_idle()
+    assert budget.widths and max(budget.widths[2:]) < full

@@ -371,6 +371,8 @@ def test_the_datastore_command(tiny, sharegpt, tmp_path):
     assert store.meta["documents"] == 5 and store.meta["tokenizer_sha256"] == identity
     assert 5 <= store.meta["tokens"] <= 40 and oct(out.stat().st_mode & 0o777) == "0o644"
     fails(args + ["--samples", "5"], "already exists")
+    unwritable = ["datastore", str(tiny["root"] / "none"), "--output", "/proc/specexport-test.npz", *args[4:]]
+    fails(unwritable + ["--samples", "5"], "cannot write --output specexport-test.npz in /proc")  # before generating
     fails(args + ["--samples", "8", "--resume", "--new-tokens", "9"], "new_tokens differ")
     result = CliRunner().invoke(main, args + ["--samples", "8", "--resume"])
     assert result.exit_code == 0, result.output

@@ -237,11 +237,13 @@ def test_stream_equals_full_decode_llama_style(tmp_path, text):
     assert not any("\ufffd" in piece for piece in pieces)
 
 
-def test_stream_window_stays_small(chatml):
+def test_a_long_stream_is_final_piece_by_piece(chatml):
+    """Over a long output every piece is final as it comes (nothing left for flush), and the pieces are the text."""
+    text = "hello world, naïve café 🙂 " * 100
+    ids = chatml.encode(text)
     decoder = StreamDecoder(chatml)
-    for i in chatml.encode("hello world " * 200):
-        decoder.push(i)
-        assert len(decoder._ids) <= 4
+    pieces = [decoder.push(i) for i in ids]
+    assert "".join(pieces) == text and decoder.flush() == ""
 
 
 def test_flush_returns_an_unfinished_character(chatml):

@@ -439,6 +439,10 @@ def test_check_trt_command(bundle, tmp_path):
     empty.mkdir()
     nothing = check_trt(empty)
     assert nothing.exit_code == 1 and "holds no .onnx file" in nothing.output
+    (empty / "notes.onnx").write_text("not a protobuf at all")  # not ONNX: one line, no protobuf traceback
+    junk = check_trt(empty / "notes.onnx")
+    assert junk.exit_code == 1 and "Traceback" not in junk.output, junk.output
+    assert junk.output.strip() == junk.output.strip().splitlines()[0] and "notes.onnx is not an ONNX model" in junk.output
 
 
 def test_build_writes_the_trt_flavour_without_the_ort_optimizer(tiny_folder, tmp_path):

@@ -100,9 +100,11 @@ def generate(engine: Engine, prompt: str | None, prompt_ids: list[int] | None, r
     vocab = engine.bundle.manifest["model"]["vocab"]
     if any(not 0 <= t < vocab for t in stop_ids):
         raise EmbedError(INVALID_ARGUMENT, f"stop_ids must be token ids in 0..{vocab - 1}")
+    if seed < -1:
+        raise EmbedError(INVALID_ARGUMENT, f"seed must be -1 (a fresh random stream) or in [0, 2^63), got {seed}")
     out = Stream(stream, cancelled)
     try:
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=None if seed < 0 else seed)
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=None if seed == -1 else seed)
         result = engine.generate(prompt if prompt is not None else prompt_ids, max_new_tokens=max_new_tokens,
                                  sampling=sampling, stop=tuple(stop),
                                  stop_ids=tuple(sorted(engine.tokenizer.eos_token_ids | set(stop_ids))),

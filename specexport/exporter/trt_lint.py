@@ -38,6 +38,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
+from specexport.errors import UserError
+
 MIN_OPSET, MAX_OPSET = 9, 24
 DEFAULT_TRT = "10.15"  # RMSNormalization, RotaryEmbedding and TensorScatter came in 10.15
 TOPK_LIMIT = 3840  # TopK's K must be below this
@@ -110,7 +112,11 @@ def lint_path(path: Path, trt_version: str = DEFAULT_TRT) -> Report:
     files = sorted(path.glob("*.onnx")) if path.is_dir() else [path]
     report = Report()
     for file in files:
-        model = onnx.load(str(file), load_external_data=False)
+        try:
+            model = onnx.load(str(file), load_external_data=False)
+        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError and friends: not an ONNX model
+            detail = str(e).splitlines()[0] if str(e) else "unreadable"
+            raise UserError(f"{file.name} is not an ONNX model ({type(e).__name__}: {detail})") from None
         report.files.append(file.name)
         report.nodes += sum(1 for _ in _nodes(model.graph))
         report.violations += lint_model(model, file.name, trt_version, base_dir=str(file.parent))

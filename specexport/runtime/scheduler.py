@@ -36,6 +36,7 @@ import numpy as np
 
 from specexport.errors import UserError
 from specexport.runtime import tree
+from specexport.runtime.budget import AcceptanceRates, LatencyCurve, choose_width
 from specexport.runtime.generate import PREFILL_CHUNK, Engine, Generation, Output, Stats, StepRecord
 from specexport.runtime.sampling import Sampler, SamplingParams
 from specexport.runtime.verify import accept
@@ -136,11 +137,12 @@ class _HostAccepting:
 class Scheduler:
     """Continuous batching on one engine (see the module docstring). `max_batch`: the most sequences in a step
     (more requests wait their turn, never refused); `prefill_chunk`: the most prompt tokens fed per step;
-    `plain`: plain decoding instead of the bundle's method; `background`: run the loop in a thread of its own
-    (else the owner calls `run_until_idle`)."""
+    `plain`: plain decoding instead of the bundle's method; `budget`: one tree budget for the batch
+    (runtime/budget.py: the trees' width chosen per step), else every tree as its proposer made it; `background`: run
+    the loop in a thread of its own (else the owner calls `run_until_idle`)."""
 
     def __init__(self, engine: Engine, max_batch: int = 8, prefill_chunk: int | None = None, plain: bool = False,
-                 background: bool = True):
+                 budget: bool = True, background: bool = True):
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
@@ -153,6 +155,11 @@ class Scheduler:
         method = engine.method if not plain else None
         self.step_rows = 1 if plain else method.tokens_per_step(engine.settings)
         self.pool = engine.target.new_pool(max_batch, engine.max_context + self.step_rows)
+        self.rates = self.latency = None
+        if budget and self.step_rows > 1:
+            self.rates = AcceptanceRates(self.step_rows)
+            self.latency = LatencyCurve.measure(engine.target, self.pool, min(max_batch * self.step_rows, 512))
+        self.widths: list[int] = []  # the width of each batched call
         self.running: list[_Sequence] = []  # decoding, slot k = index k
         self.prefilling: _Sequence | None = None  # slot len(running)
         self.waiting: deque[_Sequence] = deque()
@@ -294,12 +301,19 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
                 leaving.append((seq, _message(e)))
         if seqs:
+            if self.rates is not None:  # seeded sampling keeps its tree: its tokens must not depend on the batch
+                kept = [not s.sampler.params.greedy and s.sampler.params.seed is not None for s in seqs]
+                host = self.overhead_s / self.steps if self.steps else 0.0
+                width = choose_width([len(t) for t in trees], self.rates, self.latency, host, kept)
+                trees = [t if keep else t.truncated(width) for t, keep in zip(trees, kept)]
             out, placed = self._verify(seqs, trees)
             verified = time.perf_counter()
             for seq, draft in zip(seqs, trees):
                 try:
                     mine = placed(seq, len(draft), out)
                     acceptance = accept(draft, mine["logits"], seq.sampler.params, seq.sampler.rng)
+                    if self.rates is not None:
+                        self.rates.update(len(draft), acceptance.path)
                     self.pool.slot(seq.slot).commit(acceptance.path)
                     seq.proposer.accepted(acceptance.path)
                     if len(mine) > 1:
@@ -333,8 +347,12 @@ class Scheduler:
         wants = {seq.request.id: seq.proposer.wants(False) for seq in seqs}
         want = ("logits",) + tuple(sorted({w for ws in wants.values() for w in ws}))
         target = self.engine.target
+        before = target.seconds
         out = target.forward(self.pool.rows(n), ids, positions, mask, np.array(rows, np.int64), want=want)
         self.steps, self.rows = self.steps + 1, self.rows + n * width
+        self.widths.append(width)
+        if self.latency is not None:
+            self.latency.observe(n * width, target.seconds - before)
 
         def placed(seq: _Sequence, t: int, out: dict) -> dict:
             b, start = first[seq.request.id]

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.fsutil import check_writable
+from specexport.fsutil import check_writable, probe_writable
 from specexport.runtime import datastore as datastores
 from specexport.runtime.bench import read_prompts
 from specexport.runtime.generate import Engine
@@ -82,6 +82,7 @@ def build(bundle: Path, output: Path, samples: int, new_tokens: int, data: Path 
     check_writable(output)
     if not output.parent.is_dir():
         raise UserError(f"--output {output}: its folder does not exist")
+    probe_writable(output.parent, f"--output {output.name}")
     exclude = sorted(BENCH.glob("*.jsonl")) if exclude is None else exclude
     whole, cores = bench_texts([p["prompt"] for f in exclude for p in read_prompts(f)])
     engine = Engine.load(bundle, threads=threads)

@@ -130,6 +130,8 @@ static int errors(const char* bundle) {
     report("negative_temperature", specexport_generate(e, &g, collect, &c, &stats));
     g = greedy("the cat", 8), g.top_k = -2;
     report("negative_top_k", specexport_generate(e, &g, collect, &c, &stats));
+    g = greedy("the cat", 8), g.temperature = 0.8, g.seed = -5;  /* only -1 means a fresh random stream */
+    report("seed_below_minus_one", specexport_generate(e, &g, collect, &c, &stats));
     g = greedy("the cat", 0);
     report("zero_max_new_tokens", specexport_generate(e, &g, collect, &c, &stats));
     g = greedy(NULL, 8);
