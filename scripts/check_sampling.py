@@ -5,9 +5,11 @@ plain decoding (different seeds); the joint of the tokens after the first (those
 speculative steps) is compared by a two-sample chi-square test at a 1e-4 tail.
 
     python scripts/check_sampling.py BUNDLE [--n 600] [--tokens 3] [--temperatures 0.7,1.0] [--outside-graph]
+                                     [--batched N]
 
 --outside-graph accepts with the runtime's rule on the step's logits instead of inside the graph (the same
-random numbers, so the same tokens up to float32 rounding).
+random numbers, so the same tokens up to float32 rounding). --batched N samples the speculative side through the
+batched engine (runtime/scheduler.py, N sequences per step, the batch's tree budget on, unseeded requests).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 
 from specexport import chisquare
 from specexport.runtime.generate import Engine
+from specexport.runtime.scheduler import Scheduler
 
 # text to copy, so that prompt lookup and drafts are often right and the speculative path is exercised
 PROMPT = ("Repeat this sentence three times: The quick brown fox jumps over the lazy dog while the cat "
@@ -30,15 +33,18 @@ def main() -> None:
     ap.add_argument("--temperatures", default="0.7,1.0")
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--outside-graph", action="store_true", help="accept with the runtime's rule, not in the graph")
+    ap.add_argument("--batched", type=int, default=0, help="sample the method through the batched engine, N at once")
     args = ap.parse_args()
     engine = Engine.load(args.bundle, verify=False)
+    scheduler = Scheduler(engine, max_batch=args.batched, background=False) if args.batched else None
     engine.fused_accept &= not args.outside_graph
     print(f"{engine.bundle.manifest['model']['name']} {engine.bundle.precision}, method {engine.bundle.method}, "
-          f"{args.n} samples each, tokens 2..{args.tokens}, accepted {'outside' if not engine.fused_accept else 'in'} "
-          "the graph")
+          f"{args.n} samples each, tokens 2..{args.tokens}, accepted "
+          + (f"by the batched engine ({args.batched} at once)" if scheduler else
+             f"{'outside' if not engine.fused_accept else 'in'} the graph"))
     failed = False
     for temperature in (float(t) for t in args.temperatures.split(",")):
-        spec, lengths = chisquare.sampled_counts(engine, args.prompt, False, args.n, 0, args.tokens,
+        spec, lengths = chisquare.sampled_counts(engine, args.prompt, False, args.n, 0, args.tokens, scheduler,
                                                  temperature=temperature)
         plain, _ = chisquare.sampled_counts(engine, args.prompt, True, args.n, 10**6, args.tokens,
                                             temperature=temperature)

@@ -41,15 +41,23 @@ def two_sample(a: dict, b: dict, min_count: int = 10) -> tuple[float, int]:
     return statistic(observed, expected), len(rows) - 1
 
 
-def sampled_counts(engine, prompt: str, plain: bool, n: int, seed0: int, tokens: int = 3,
+def sampled_counts(engine, prompt: str, plain: bool, n: int, seed0: int, tokens: int = 3, scheduler=None,
                    **sampling) -> tuple[dict, list[int]]:
     """Counts of the tokens after the first (they come from speculative steps, or plain decoding's when `plain`)
     over `n` generations seeded seed0, seed0 + 1, ..., and every step's accept length. `sampling` holds
-    SamplingParams fields."""
+    SamplingParams fields. `scheduler` (runtime/scheduler.py, on `engine`): the n generations are submitted at
+    once and batched, unseeded, so that the batch's tree budget may cut their trees too."""
+    if scheduler is not None:
+        requests = [scheduler.submit(prompt, max_new_tokens=tokens, stop_ids=(), sampling=SamplingParams(**sampling))
+                    for _ in range(n)]
+        if scheduler._thread is None:
+            scheduler.run_until_idle()
+        results = [r.result() for r in requests]
+    else:
+        results = (engine.generate(prompt, max_new_tokens=tokens, stop_ids=(), plain=plain,
+                                   sampling=SamplingParams(seed=seed0 + i, **sampling)) for i in range(n))
     counts, lengths = {}, []
-    for i in range(n):
-        result = engine.generate(prompt, max_new_tokens=tokens, stop_ids=(), plain=plain,
-                                 sampling=SamplingParams(seed=seed0 + i, **sampling))
+    for result in results:
         key = tuple(result.tokens[1:])
         counts[key] = counts.get(key, 0) + 1
         lengths += result.stats.accept_lengths

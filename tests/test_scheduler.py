@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from conftest import method_export
 
+from specexport import chisquare
 from specexport.errors import UserError
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
@@ -209,3 +210,18 @@ def test_the_budget_cuts_trees_under_load_and_a_fixed_tree_does_not(engines):
         budget.submit(p, max_new_tokens=12, stop_ids=())
     budget.run_until_idle()
     assert budget.widths and max(budget.widths[2:]) < full
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.5, "top_p": 0.9}, {"temperature": 0.5}])
+def test_batched_sampling_follows_plain_sampling(engines, params):
+    """1500 unseeded sampled requests through the batched engine, their trees cut by a budget that finds rows dear:
+    the same distribution as plain sampling (two-sample chi-square at a 1e-4 tail)."""
+    engine = engines["self1-tree"]
+    scheduler = Scheduler(engine, max_batch=8, background=False)
+    full = engine.method.tokens_per_step(engine.settings)
+    scheduler.latency = LatencyCurve([1, 8, 8 * full], [0.001, 0.002, 0.05])
+    spec, lengths = chisquare.sampled_counts(engine, "the cat", False, 2000, 0, 3, scheduler, **params)
+    plain = chisquare.sampled_counts(engine, "the cat", True, 2000, 100_000, 3, **params)[0]
+    stat, dof = chisquare.two_sample(spec, plain)
+    assert dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)
+    assert max(lengths) > 1 and min(scheduler.widths) < full  # drafts were accepted; the budget cut trees
