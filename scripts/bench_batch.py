@@ -133,7 +133,7 @@ def main() -> None:
                     steps = scheduler.steps - before[0]
                     row["rows_per_call"] = (scheduler.rows - before[1]) / max(steps, 1)
                     row["overhead_ms_per_step"] = 1e3 * (scheduler.overhead_s - before[2]) / max(steps, 1)
-                    row["mean_width"] = sum(scheduler.widths[before[3]:]) / max(steps, 1)
+                    row["mean_width"] = sum(w for _, w in scheduler.widths[before[3]:]) / max(steps, 1)
                 results.append(row)
                 print(f"  C={c:<3} {name:<8} {row['tokens_per_s']:7.1f} tok/s", file=sys.stderr, flush=True)
     finally:

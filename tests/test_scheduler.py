@@ -191,9 +191,9 @@ def test_the_width_shrinks_smoothly_as_sequences_are_added():
 def test_the_latency_curve_follows_the_calls_it_sees():
     curve = LatencyCurve([1, 8, 64], [0.01, 0.02, 0.08])
     assert curve(36) == pytest.approx(0.05)
-    for _ in range(50):
+    for _ in range(300):  # calls of 8 rows take 1.5x what the start measured: every size scales alike
         curve.observe(8, 0.03)
-    assert curve(8) == pytest.approx(0.03, rel=1e-3) and curve(64) == pytest.approx(0.08)
+    assert curve(8) == pytest.approx(0.03, rel=1e-3) and curve(64) == pytest.approx(0.12, rel=1e-3)
 
 
 def test_the_budget_cuts_trees_under_load_and_a_fixed_tree_does_not(engines):
@@ -203,13 +203,15 @@ def test_the_budget_cuts_trees_under_load_and_a_fixed_tree_does_not(engines):
     for p in PROMPTS[:4]:
         fixed.submit(p, max_new_tokens=12, stop_ids=())
     fixed.run_until_idle()
-    assert max(fixed.widths) == full
+    assert max(w for _, w in fixed.widths) == full
     budget = Scheduler(engine, max_batch=4, background=False)
     budget.latency = LatencyCurve([1, 4 * full], [0.001, 1.0])  # rows are dear: trees must shrink
     for p in PROMPTS[:4]:
         budget.submit(p, max_new_tokens=12, stop_ids=())
     budget.run_until_idle()
-    assert budget.widths and max(budget.widths[2:]) < full
+    crowded = [w for n, w in budget.widths if n == 4]
+    assert crowded and max(crowded) < full
+    assert max(w for n, w in budget.widths if n == 1) == full  # alone, a sequence takes its whole tree
 
 
 @pytest.mark.parametrize("params", [{"temperature": 0.5, "top_p": 0.9}, {"temperature": 0.5}])
@@ -224,4 +226,4 @@ def test_batched_sampling_follows_plain_sampling(engines, params):
     plain = chisquare.sampled_counts(engine, "the cat", True, 2000, 100_000, 3, **params)[0]
     stat, dof = chisquare.two_sample(spec, plain)
     assert dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)
-    assert max(lengths) > 1 and min(scheduler.widths) < full  # drafts were accepted; the budget cut trees
+    assert max(lengths) > 1 and min(w for _, w in scheduler.widths) < full  # drafts were accepted; trees were cut

@@ -29,7 +29,7 @@ import numpy as np
 from specexport.runtime import tree
 
 GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # rows at which the latency is kept
-BLEND = 0.2  # weight of a new call's time at its nearest grid point
+BLEND = 0.05  # weight of a new call's time in the curve's scale
 
 
 class AcceptanceRates:
@@ -77,9 +77,11 @@ class LatencyCurve:
         return float(np.interp(rows, self.rows, self.seconds))
 
     def observe(self, rows: int, seconds: float) -> None:
-        """A call's measured time refines its nearest grid point."""
-        k = int(np.argmin(np.abs(np.log(self.rows) - np.log(rows))))
-        self.seconds[k] *= 1 + BLEND * (seconds / max(self(rows), 1e-9) - 1)
+        """A call's measured time rescales the whole curve towards it: what the start's calls did not see (longer
+        contexts, several sequences' attention, a busier machine) scales every size alike, so the sizes a step
+        compares keep the ratios they were measured with (refining one point alone would favour the sizes seldom
+        called)."""
+        self.seconds *= 1 + BLEND * (seconds / max(self(rows), 1e-9) - 1)
 
 
 def choose_width(lengths: list[int], rates: AcceptanceRates, latency: LatencyCurve, host_s: float,

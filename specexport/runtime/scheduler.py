@@ -12,7 +12,8 @@ scheduler runs one loop (its own thread, or `run_until_idle` called by the owner
    the trees are padded to the widest (a padded row sees only itself and writes cache rows past its sequence's
    length, which nothing reads), each row with its sequence's past length and positions. Each sequence accepts
    its rows with its own sampling settings and random stream (runtime/verify.accept: a seeded request gives the
-   same tokens whatever else is in the batch), commits its path in its slot, and emits.
+   same tokens whatever else is in the batch), commits its path in its slot, and emits. A sequence running alone
+   takes the engine's own step (Engine.step: its whole tree, the acceptance fused into the graph), as batch 1 does.
 
 The KV cache is a pool of slots (runtime/kvcache.KVPool) with the running sequences in a prefix, bound in place:
 the batched call takes a view of the first n slots, no copy. A finished sequence's slot is refilled by moving the
@@ -159,7 +160,7 @@ class Scheduler:
         if budget and self.step_rows > 1:
             self.rates = AcceptanceRates(self.step_rows)
             self.latency = LatencyCurve.measure(engine.target, self.pool, min(max_batch * self.step_rows, 512))
-        self.widths: list[int] = []  # the width of each batched call
+        self.widths: list[tuple[int, int]] = []  # (sequences, width) of each step's target call
         self.running: list[_Sequence] = []  # decoding, slot k = index k
         self.prefilling: _Sequence | None = None  # slot len(running)
         self.waiting: deque[_Sequence] = deque()
@@ -290,6 +291,9 @@ class Scheduler:
     def _decode(self) -> None:
         """One target call over every running sequence's tree, then each sequence's acceptance, commit and emission.
         Sequences that end leave after every sequence has committed (a slot move copies committed rows only)."""
+        if len(self.running) == 1 and not self.running[0].request.cancelled \
+                and self.running[0].proposer.wants(True) == self.running[0].proposer.wants(False):
+            return self._single_step(self.running[0])
         seqs, trees, leaving, started = [], [], [], time.perf_counter()
         for seq in self.running:
             if seq.request.cancelled:
@@ -328,6 +332,24 @@ class Scheduler:
         for seq, error in leaving:
             self._retire(seq, error)
 
+    def _single_step(self, seq: _Sequence) -> None:
+        """One sequence running: the engine's own step (Engine.step), as a batch-1 generation runs it: the proposer's
+        whole tree, accepted inside the graph where the graph can (same random numbers as the host's rule)."""
+        target, before = self.engine.target, self.engine.target.seconds
+        try:
+            record = self.engine.step(self.pool.slot(seq.slot), seq.history, seq.proposer, seq.sampler)
+        except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
+            return self._retire(seq, _message(e))
+        width = len(record.tree)
+        self.steps, self.rows = self.steps + 1, self.rows + width
+        self.widths.append((1, width))
+        if self.rates is not None:
+            self.rates.update(width, record.acceptance.path)
+            self.latency.observe(width, target.seconds - before)
+        seq.stats.record(record)
+        if self._emit(seq, record.acceptance.tokens):
+            self._retire(seq)
+
     def _verify(self, seqs: list[_Sequence], trees: list) -> tuple[dict, object]:
         """The batched target call over the running slots, each tree padded to the widest (a padded row sees only
         itself); returns the outputs and a function giving a sequence its own: its logits rows and what its proposer
@@ -350,7 +372,7 @@ class Scheduler:
         before = target.seconds
         out = target.forward(self.pool.rows(n), ids, positions, mask, np.array(rows, np.int64), want=want)
         self.steps, self.rows = self.steps + 1, self.rows + n * width
-        self.widths.append(width)
+        self.widths.append((n, width))
         if self.latency is not None:
             self.latency.observe(n * width, target.seconds - before)
 
