@@ -17,7 +17,7 @@ from specexport.exporter.export import optimize_graph
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.methods.eagle import write_draft_graph
 from specexport.runtime import tree
-from specexport.runtime.backend import GraphSession
+from specexport.runtime.backends.host import GraphSession
 from specexport.train.eagle import init_draft
 from specexport.tune.measure import median_ms
 

@@ -17,7 +17,7 @@ from specexport.exporter import arch, validate
 from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions
 from specexport.exporter.save import write_graph
 from specexport.runtime import tree
-from specexport.runtime.backend import GraphSession
+from specexport.runtime.backends.host import GraphSession
 
 MAX_CONTEXT = 128
 

@@ -15,9 +15,9 @@ from specexport.errors import UserError
 from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions, _Graph, make_model
 from specexport.exporter.save import write_graph
 from specexport.runtime import tree
-from specexport.runtime.backend import Backend, GraphSession
-from specexport.runtime.device import open_graph
-from specexport.runtime.iobinding import DeviceSession, compact_model
+from specexport.runtime.backends import open_graph
+from specexport.runtime.backends.host import Backend, GraphSession
+from specexport.runtime.backends.iobinding import DeviceSession, compact_model
 
 CAPACITY = 64
 
@@ -71,7 +71,7 @@ def test_the_graph_builds_the_old_bias_from_the_compact_mask(flavour):
 
 
 def test_the_trt_mask_passes_the_lint():
-    from specexport.exporter.trt_lint import lint_model
+    from specexport.exporter.tensorrt.lint import lint_model
 
     assert lint_model(mask_graph("trt", TensorProto.FLOAT16)) == []
 

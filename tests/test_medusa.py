@@ -20,7 +20,7 @@ from specexport.exporter.graph import GraphOptions
 from specexport.exporter.medusa import MedusaHeads, load_heads, save_heads
 from specexport.exporter.medusa_graph import HeadsAtAcceptedRow, build_heads_graph
 from specexport.exporter.save import decoder_builder, save_graph, write_graph
-from specexport.runtime.backend import GraphSession
+from specexport.runtime.backends.host import GraphSession
 from specexport.runtime.generate import Engine
 from specexport.runtime.rank_tree import PRESETS, expected_accept_length, from_accuracy, make, parse
 from specexport.runtime.sampling import SamplingParams

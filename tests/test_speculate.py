@@ -9,7 +9,7 @@ from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.save import write_graph
 from specexport.runtime import tree
-from specexport.runtime.backend import GraphSession
+from specexport.runtime.backends.host import GraphSession
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import SamplingParams, probabilities
 from specexport.runtime.verify import accept_greedy, accept_tree, uniforms_shape

@@ -27,15 +27,15 @@ from specexport.bundle import MANIFEST, load_bundle, write_manifest
 from specexport.bundle.describe import describe
 from specexport.cli import main
 from specexport.errors import UserError
-from specexport.exporter import tensorrt
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.sources import ALIASES
+from specexport.exporter.tensorrt import build as tensorrt
 from specexport.profiles import bundled, load_profile, resolve_profile
 from specexport.profiles import detect as detection
 from specexport.profiles.detect import Found
-from specexport.runtime import device_cache
-from specexport.runtime import tensorrt as trt_runtime
+from specexport.runtime.backends import device_cache
+from specexport.runtime.backends import tensorrt as trt_runtime
 from specexport.runtime.generate import Engine
 from specexport.runtime.kvcache import KVCache
 from specexport.runtime.sampling import SamplingParams
@@ -116,7 +116,7 @@ def trt_accept():
     """The Triton acceptance kernel's module (on CUDA, or in Triton's interpreter without a GPU)."""
     pytest.importorskip("torch")
     pytest.importorskip("triton", reason="needs triton: pip install 'specexport[triton]'")
-    from specexport.exporter import trt_accept
+    from specexport.exporter.tensorrt import accept as trt_accept
 
     return trt_accept
 

@@ -1,4 +1,4 @@
-"""The Triton tree-acceptance kernel (exporter/trt_accept.py) against the pure rules (runtime/verify.py): random
+"""The Triton tree-acceptance kernel (exporter/tensorrt/accept.py) against the pure rules (runtime/verify.py): random
 trees in batches, greedy and every exact sampling mode, with temperature, top-k and top-p (ties included), fed
 the same uniforms. On CUDA when a GPU is here, in Triton's interpreter on CPU tensors otherwise."""
 
@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernel is defined, so before its import
 pytest.importorskip("triton", reason="needs triton: pip install 'specexport[triton]'")
 
-from specexport.exporter.trt_accept import tree_accept, without_hidden_params  # noqa: E402
+from specexport.exporter.tensorrt.accept import tree_accept, without_hidden_params  # noqa: E402
 from specexport.runtime.sampling import SamplingParams, probabilities  # noqa: E402
 from specexport.runtime.verify import accept_greedy, accept_tree, uniforms_shape  # noqa: E402
 
@@ -135,7 +135,7 @@ def test_the_final_draw_is_the_inverse_cdf():
 PTX_CHECK = """
 import re
 from triton.backends.compiler import GPUTarget
-from specexport.exporter.trt_accept import compile_ptx
+from specexport.exporter.tensorrt.accept import compile_ptx
 name, ptx, shared = compile_ptx("fp16", GPUTarget("cuda", 90, 32), ptx_version=87)
 entry = re.search(r"\\.entry " + name + r"\\((.*?)\\)", ptx, re.S).group(1)
 print(len(entry.split(",")), re.search(r"\\.version (\\S+)", ptx).group(1), shared)
@@ -172,7 +172,8 @@ def test_hidden_parameters_are_dropped_only_when_unread():
 
 def test_the_plugin_declares_a_profile_for_each_input_it_adds():
     """The plugin's new network inputs are the kernel's, and each has (min, opt, max) shapes in order."""
-    from specexport.exporter import trt_accept, trt_plugin
+    from specexport.exporter.tensorrt import accept as trt_accept
+    from specexport.exporter.tensorrt import plugin as trt_plugin
 
     shapes = trt_plugin.input_shapes((1, 8, 16), vocab=49152)
     assert tuple(shapes) == trt_plugin.NEW_INPUTS and set(shapes) <= set(trt_accept.INPUTS)
@@ -183,7 +184,7 @@ def test_the_plugin_declares_a_profile_for_each_input_it_adds():
 
 def test_without_triton_the_plugin_says_what_to_install():
     code = ("import sys; sys.modules['triton'] = None\n"
-            "from specexport.exporter.trt_plugin import add_tree_accept\n"
+            "from specexport.exporter.tensorrt.plugin import add_tree_accept\n"
             "from specexport.errors import UserError\n"
             "try:\n    add_tree_accept(None, 'logits')\nexcept UserError as e:\n    print(e)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

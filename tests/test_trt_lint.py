@@ -28,9 +28,9 @@ from specexport.exporter.arch import dims_from_config
 from specexport.exporter.fused import add_accept
 from specexport.exporter.graph import GraphOptions, _Graph, make_model
 from specexport.exporter.save import write_graph
-from specexport.exporter.trt_lint import lint_model, lint_path
+from specexport.exporter.tensorrt.lint import lint_model, lint_path
 from specexport.runtime import tree
-from specexport.runtime.backend import GraphSession
+from specexport.runtime.backends.host import GraphSession
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import SamplingParams
 from specexport.runtime.verify import accept_greedy

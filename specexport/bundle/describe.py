@@ -24,7 +24,7 @@ def describe(bundle: Bundle) -> list[str]:
     for name, g in m["graphs"].items():
         lines.append(f"graph        {name}: {_get(g, 'file')} ({len(_get(g, 'inputs'))} inputs, "
                      f"{len(_get(g, 'outputs'))} outputs)")
-        if isinstance(g.get("engine"), dict):  # a TensorRT plan (exporter/tensorrt.py)
+        if isinstance(g.get("engine"), dict):  # a TensorRT plan (exporter/tensorrt/build.py)
             e = g["engine"]
             tokens = ", ".join(f"{p[0]}-{p[2]}" for p in e.get("profiles", []) if isinstance(p, list) and len(p) == 3)
             lines.append(f"engine       {name}: {_get(e, 'file')} (TensorRT {_get(e, 'tensorrt')}, {_get(e, 'gpu')}, "

@@ -10,9 +10,10 @@ from specexport import profiles
 from specexport.bundle.describe import numerics_lines
 from specexport.cli.common import IntList, SettingOptions, path_option
 from specexport.errors import UserError
-from specexport.exporter import hub, methods, sources, tensorrt
+from specexport.exporter import hub, methods, sources
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import FLAVOURS, PRECISIONS, GraphOptions
+from specexport.exporter.tensorrt import build as tensorrt
 
 BACKENDS = ["onnxruntime", "tensorrt"]
 DEFAULT_CPU_PRECISION = "int8"  # AMX/VNNI DynamicQuantizeMatMul: cheap decode, and cheap wide verify

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from specexport.exporter.trt_lint import DEFAULT_TRT, lint_path
+from specexport.exporter.tensorrt.lint import DEFAULT_TRT, lint_path
 
 
 @click.command("check-trt")

@@ -14,8 +14,8 @@ from specexport.cli.common import PARAM, SettingOptions, path_option
 from specexport.errors import UserError
 from specexport.fsutil import write_json
 from specexport.runtime import methods
+from specexport.runtime.backends import DEVICES
 from specexport.runtime.bench import encode_prompts, read_prompts, run_bench, summary_lines
-from specexport.runtime.device import DEVICES
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import SamplingParams
 

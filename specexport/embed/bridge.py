@@ -13,7 +13,7 @@ import json
 
 from specexport.errors import UserError, first_line
 from specexport.options import fields
-from specexport.runtime import backend
+from specexport.runtime.backends import host as backend
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import SamplingParams
 

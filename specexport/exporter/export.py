@@ -14,12 +14,13 @@ import onnxruntime as ort
 
 from specexport.bundle import staged_bundle, write_manifest
 from specexport.errors import UserError
-from specexport.exporter import arch, methods, sources, tensorrt, validate
+from specexport.exporter import arch, methods, sources, validate
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.methods.plan import Target
 from specexport.exporter.save import ExportContext, write_graph
+from specexport.exporter.tensorrt import build as tensorrt
 from specexport.options import with_given
-from specexport.runtime.backend import session_options
+from specexport.runtime.backends.host import session_options
 
 
 @dataclass

@@ -30,7 +30,7 @@ vocabulary (TopK with k = vocab), and TensorRT's TopK takes k < 3840; cutting to
 drop the tail's mass whenever no top-k <= 3839 is set, and the output would no longer follow the target's
 distribution. The greedy graph has no If, Loop, TopK or CumSum: ArgMax, comparisons, small [n, n] MatMuls and
 one NonZero (the accepted rows, a data-dependent length). A TensorRT build may replace it with the tree acceptance
-plugin, which also samples (`build --backend tensorrt --sampling-accept plugin`, exporter/tensorrt.py); it rewires
+plugin, which also samples (`build --backend tensorrt --sampling-accept plugin`, exporter/tensorrt/build.py); it rewires
 what reads ACCEPTED_ROW.
 """
 

@@ -15,7 +15,7 @@ import numpy as np
 from specexport.exporter.eagle import DraftModule
 from specexport.prompts import AGREEMENT_NEW_TOKENS, AGREEMENT_PROMPTS
 from specexport.runtime import tree
-from specexport.runtime.backend import GraphSession
+from specexport.runtime.backends.host import GraphSession
 from specexport.runtime.verify import accept_greedy
 
 TREE = [-1, 0, 0, 1, 1, 2, 3, 5]  # two branches at the root, a deeper left branch

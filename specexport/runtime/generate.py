@@ -17,8 +17,8 @@ import numpy as np
 from specexport.bundle import Bundle, load_bundle
 from specexport.errors import UserError
 from specexport.runtime import cpu, methods, tree
-from specexport.runtime.backend import Backend, Cache
-from specexport.runtime.device import open_graph
+from specexport.runtime.backends import open_graph
+from specexport.runtime.backends.host import Backend, Cache
 from specexport.runtime.sampling import Sampler, SamplingParams
 from specexport.runtime.tokenizer import StreamDecoder, Tokenizer, find_stop
 from specexport.runtime.tree import AcceptMode, DraftTree

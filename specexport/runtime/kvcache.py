@@ -106,7 +106,7 @@ class KVPool:
 
 
 class SlotRows(CacheRows):
-    """A run of a pool's slots seen as one cache (`Cache` in runtime/backend.py): views of the pool's buffers, bound in
+    """A run of a pool's slots seen as one cache (`Cache` in runtime/backends/host.py): views of the pool's buffers, bound in
     place. Its `length` is the first slot's (what a single slot's calls read and move); `past_lengths` gives each
     slot's, for a batched call, whose rows the scheduler commits slot by slot (`commit_slot`)."""
 

@@ -24,7 +24,7 @@ from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions
 from specexport.exporter.methods.plan import ASSETS, ExportMethod, Plan, Target, settings_dict
 from specexport.exporter.save import ExportContext, save_graph
 from specexport.options import setting
-from specexport.runtime.backend import GraphSession
+from specexport.runtime.backends.host import GraphSession
 from specexport.runtime.methods import eagle
 
 

@@ -15,7 +15,7 @@ from specexport.exporter.medusa_graph import HeadsAtAcceptedRow, build_heads_gra
 from specexport.exporter.methods.plan import ASSETS, ExportMethod, Plan, Target
 from specexport.exporter.save import ExportContext, decoder_builder, save_graph
 from specexport.options import setting
-from specexport.runtime.backend import GraphSession
+from specexport.runtime.backends.host import GraphSession
 from specexport.runtime.methods import medusa
 
 TOP_K = 10  # candidates per head in the graph: any tree with ranks < 10 runs on the bundle

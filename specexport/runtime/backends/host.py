@@ -4,7 +4,7 @@ A `Backend` runs a step graph (the target's, a draft's) one step at a time again
 with a plain call. Implementations: `GraphSession` below (ONNX Runtime, the cache in host numpy buffers bound in
 place: the CPU default), `iobinding.DeviceSession` (ONNX Runtime with the cache and the step's buffers resident on
 the session's device; `--device cuda`, and `cpu-iobinding` to run the same code on CPU), and a TensorRT backend.
-`runtime.device.open_graph` picks one for a device: a new backend implements `Backend` and adds one branch there.
+`runtime.backends.open_graph` picks one for a device: a new backend implements `Backend` and adds one branch there.
 """
 
 from __future__ import annotations

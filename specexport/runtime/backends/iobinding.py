@@ -20,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specexport.errors import UserError
-from specexport.runtime.backend import check_step, load_session, session_options
+from specexport.runtime.backends.host import check_step, load_session, session_options
 from specexport.runtime.kvcache import CacheRows
 from specexport.runtime.verify import greedy_inputs
 

@@ -1,13 +1,13 @@
-"""Which backend runs a bundle's graph on a device (`runtime.backend.Backend`)."""
+"""Which backend runs a bundle's graph on a device (`runtime.backends.host.Backend`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from specexport.errors import UserError
-from specexport.runtime.backend import Backend, GraphSession, providers
-from specexport.runtime.iobinding import DeviceSession
-from specexport.runtime.tensorrt import TensorRTSession
+from specexport.runtime.backends.host import Backend, GraphSession, providers
+from specexport.runtime.backends.iobinding import DeviceSession
+from specexport.runtime.backends.tensorrt import TensorRTSession
 
 DEVICES = ("auto", "cpu", "cuda", "cpu-iobinding")
 
@@ -18,7 +18,7 @@ def open_graph(path: Path, info: dict, threads: int | None = None, device: str =
     engine runs on TensorRT unless the device is a CPU one (its ONNX graph then runs on ONNX Runtime)."""
     if device not in DEVICES:
         raise UserError(f"unknown device '{device}'; choose from {', '.join(DEVICES)}")
-    if info.get("engine") and device not in ("cpu", "cpu-iobinding"):  # a TensorRT plan (exporter/tensorrt.py)
+    if info.get("engine") and device not in ("cpu", "cpu-iobinding"):  # a TensorRT plan (exporter/tensorrt/build.py)
         return TensorRTSession(path, info, threads, device, spin)
     if device == "cpu-iobinding" or "CUDAExecutionProvider" in providers(device):
         return DeviceSession(path, info, threads, "cpu" if device == "cpu-iobinding" else "cuda", spin)

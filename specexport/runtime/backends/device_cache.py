@@ -1,5 +1,5 @@
 """CUDA device memory through NVIDIA's cuda-python (imported lazily): checked runtime calls, and the KV cache of a
-TensorRT engine (runtime/tensorrt.py) in one device allocation, committed with 2-D copies on the device.
+TensorRT engine (runtime/backends/tensorrt.py) in one device allocation, committed with 2-D copies on the device.
 
 Written to cuda-python's documented runtime API (`cuda.bindings.runtime`, or `cuda.cudart` before 12.6); not yet
 run on a GPU.

@@ -7,13 +7,13 @@ and built into a serialized plan with a workspace limit, a timing cache shared b
 back to --timing-cache, and kept in the bundle), and optional hardware/version compatibility. The plan files lie in
 the bundle under its checksums; each graph's manifest entry gains an `engine` section (file, sha256, the TensorRT
 version, the GPU and its compute capability, the profiles) that the runtime checks before deserializing
-(runtime/tensorrt.py).
+(runtime/backends/tensorrt.py).
 
 Sampling acceptance (`--sampling-accept`): the trt flavour's target graph accepts greedily in the graph (ArgMax; a
 top-p over the whole vocabulary would need TopK with k = vocab, which TensorRT caps below 3840), so by default
 (`host`) the runtime accepts sampled steps from the logits (`runtime.verify.accept`). With `plugin` the target's
 engine accepts every step itself, greedy and sampled, with the Triton tree acceptance kernel as a TensorRT plugin
-(exporter/trt_plugin.py) in place of the graph's greedy acceptance: its outputs `accept_rows` (padded with -1),
+(exporter/tensorrt/plugin.py) in place of the graph's greedy acceptance: its outputs `accept_rows` (padded with -1),
 `accept_len` and `bonus_token` are the engine's, the graph's own `accept_rows` and `bonus_token` are unmarked (and
 pruned with the nodes only they read), and what read the graph's accepted row (Medusa's heads) reads the plugin's.
 The engine entry records `sampling_accept = "plugin"`; the runtime then feeds the uniforms and draft distributions
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from specexport.errors import UserError
 from specexport.exporter.fused import ACCEPTED_ROW
-from specexport.runtime import tensorrt as trt_runtime
+from specexport.runtime.backends import tensorrt as trt_runtime
 from specexport.runtime.generate import PREFILL_CHUNK
 
 TIMING_CACHE = "tensorrt.timing.cache"
@@ -89,7 +89,7 @@ def check_plugin(graph, options: EngineOptions) -> None:
     except ImportError:
         raise UserError("--sampling-accept plugin compiles its kernel with triton at build time: pip install "
                         "'specexport[triton]'") from None
-    from specexport.exporter.trt_accept import MAX_ROWS
+    from specexport.exporter.tensorrt.accept import MAX_ROWS
 
     if options.max_tree_tokens > MAX_ROWS:
         raise UserError(f"--sampling-accept plugin accepts trees of at most {MAX_ROWS} tokens and this build verifies "
@@ -131,7 +131,7 @@ def plugin_shapes(tokens: tuple[int, int, int], step: int, vocab: int) -> dict[s
     (trt_plugin.input_shapes), with the draft distributions' rows within a step's (`step`: the tokens-per-step
     profile's max). Sampled drafts come only with steps; prefill calls feed none, so a prefill profile needs no
     [512, vocab] buffer for them."""
-    from specexport.exporter import trt_plugin
+    from specexport.exporter.tensorrt import plugin as trt_plugin
 
     shapes = trt_plugin.input_shapes(tokens, vocab)
     shapes["sample_q"] = tuple((1, min(rows, step), vocab) for _, rows, _ in shapes["sample_q"])
@@ -151,7 +151,7 @@ def engine_entry(plan_file: str, plan: bytes, platform, options: EngineOptions, 
         "profiles": [list(p) for p in profiles],
     }
     if plugin:
-        entry["sampling_accept"] = "plugin"  # runtime/tensorrt.py sampling_in_engine
+        entry["sampling_accept"] = "plugin"  # runtime/backends/tensorrt.py sampling_in_engine
     return entry
 
 
@@ -235,7 +235,7 @@ def _build(trt, builder, logger, config, cache, onnx_path: Path, info: dict, pro
 def _add_plugin(trt, network) -> int:
     """Replace the parsed graph's greedy acceptance with the tree acceptance plugin (see the module docstring);
     returns the vocabulary (the logits' last dim)."""
-    from specexport.exporter import trt_plugin
+    from specexport.exporter.tensorrt import plugin as trt_plugin
 
     given = {network.get_output(i).name: network.get_output(i) for i in range(network.num_outputs)}
     for name in GRAPH_ACCEPT:  # out of the way of the plugin's outputs of the same names

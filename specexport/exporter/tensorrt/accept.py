@@ -1,5 +1,5 @@
 """Tree acceptance as one Triton kernel: `runtime.verify`'s rules on the GPU, for the TensorRT plugin
-(exporter/trt_plugin.py) and for any CUDA host that has the target's logits on the device.
+(exporter/tensorrt/plugin.py) and for any CUDA host that has the target's logits on the device.
 
 Needs triton (`pip install 'specexport[triton]'`); nothing else imports this module at its top, so an install
 without triton never loads it. Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set

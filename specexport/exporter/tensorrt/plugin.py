@@ -1,4 +1,4 @@
-"""The tree acceptance kernel (exporter/trt_accept.py) as a TensorRT plugin: sampled steps accepted inside the
+"""The tree acceptance kernel (exporter/tensorrt/accept.py) as a TensorRT plugin: sampled steps accepted inside the
 engine, so a C++ service needs no Python at inference.
 
 WRITTEN TO THE DOCUMENTED `tensorrt.plugin` API AND NEVER RUN: no GPU or TensorRT was on the machines this was
@@ -13,10 +13,10 @@ Needs TensorRT >= 10.9 (AOT Python plugins) and triton at build time, neither at
 build GPU's architecture (sm_90a on H100/H200), so a plan built with hardware compatibility would not move to
 another architecture with this plugin in it; its PTX ISA is capped at what the build machine's driver loads.
 
-How the engine builder (exporter/tensorrt.py) wires it, after parsing a target graph that has `logits` (the trt
+How the engine builder (exporter/tensorrt/build.py) wires it, after parsing a target graph that has `logits` (the trt
 flavour's greedy graph, exported without fused sampling) and before building:
 
-    from specexport.exporter import trt_plugin       # imports nothing heavy until called
+    from specexport.exporter.tensorrt import plugin as trt_plugin       # imports nothing heavy until called
     outputs = trt_plugin.add_tree_accept(network, "logits")
     # each optimization profile: the plugin's inputs, beside the graph's own
     for name, (lo, opt, hi) in trt_plugin.input_shapes(tokens=(1, opt_t, max_t), vocab=V).items():
@@ -58,7 +58,7 @@ def add_tree_accept(network, logits: str, tokens: str = "input_ids") -> list:
     import tensorrt as trt
     import tensorrt.plugin as trtp
 
-    from specexport.exporter.trt_accept import OUTPUTS
+    from specexport.exporter.tensorrt.accept import OUTPUTS
 
     register()
     given = {network.get_output(i).name: network.get_output(i) for i in range(network.num_outputs)}
@@ -105,7 +105,7 @@ def register() -> None:
     import tensorrt as trt
     import tensorrt.plugin as trtp
 
-    from specexport.exporter import trt_accept
+    from specexport.exporter.tensorrt import accept as trt_accept
 
     dtypes = {trt.float32: "fp32", trt.float16: "fp16", trt.bfloat16: "bf16"}
 

@@ -1,4 +1,4 @@
-"""TensorRT backend: a step graph's serialized engine (built by exporter/tensorrt.py) run with TensorRT's Python API,
+"""TensorRT backend: a step graph's serialized engine (built by exporter/tensorrt/build.py) run with TensorRT's Python API,
 the KV cache and every step buffer in device memory allocated with NVIDIA's cuda-python.
 
 Written to the documented APIs of TensorRT >= 10.15 (`tensorrt`) and cuda-python (`cuda.bindings.runtime`, or
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.runtime.device_cache import Cuda, DeviceCache, load_cudart
+from specexport.runtime.backends.device_cache import Cuda, DeviceCache, load_cudart
 from specexport.runtime.verify import greedy_inputs
 
 MIN_VERSION = (10, 15)  # RMSNormalization, RotaryEmbedding and TensorScatter (KVCacheUpdate) in the ONNX parser
@@ -150,7 +150,7 @@ def read_plan(path: Path, engine: dict) -> bytes:
 
 
 def sampling_in_engine(engine: dict) -> bool:
-    """Whether a plan (its manifest entry) accepts sampled steps itself (exporter/tensorrt.py, --sampling-accept)."""
+    """Whether a plan (its manifest entry) accepts sampled steps itself (exporter/tensorrt/build.py, --sampling-accept)."""
     return engine.get("sampling_accept") == "plugin"
 
 
@@ -163,7 +163,7 @@ def tree_parents(mask: np.ndarray) -> np.ndarray:
 
 
 def plugin_feeds(accept: dict[str, np.ndarray], tree_mask: np.ndarray, rows: int, vocab: int) -> dict[str, np.ndarray]:
-    """The acceptance plugin's inputs (exporter/trt_plugin.py) for a call whose logits are its last `rows` rows:
+    """The acceptance plugin's inputs (exporter/tensorrt/plugin.py) for a call whose logits are its last `rows` rows:
     the fused acceptance's inputs (`verify.fused_inputs`, `greedy_inputs`) with a batch axis, no draft rows as
     [1, 0, vocab], and the tree's parents from the last rows and columns of the call's tree mask [T, K]."""
     q = accept["sample_q"]
@@ -217,7 +217,7 @@ def _from_bf16(bits: np.ndarray) -> np.ndarray:
 
 
 class TensorRTSession:
-    """One graph's TensorRT engine: the runtime's Backend protocol (runtime/backend.py) on an NVIDIA GPU."""
+    """One graph's TensorRT engine: the runtime's Backend protocol (runtime/backends/host.py) on an NVIDIA GPU."""
 
     def __init__(self, graph_path: Path, graph_info: dict, threads: int | None = None, device: str = "auto",
                  spin: bool = True):
