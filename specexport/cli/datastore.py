@@ -34,7 +34,7 @@ def datastore(bundle, output, samples, new_tokens, data, exclude, minutes, seed,
 
     \b
     Examples:
-      specexport datastore smollm2-135m-none-onnxruntime-int8 --output smollm2-135m.npz --samples 800
+      specexport datastore smollm2-plain --output smollm2-135m.npz --samples 800
       specexport build --model smollm2-135m --method suffix --datastore smollm2-135m.npz
     """
     meta = build(bundle, output, samples, new_tokens, data, list(exclude) or None, seed=seed, threads=threads,

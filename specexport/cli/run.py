@@ -60,7 +60,7 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
 
     \b
     Examples:
-      specexport run smollm2-135m-none-onnxruntime-int8 --prompt "Write a haiku about the sea."
+      specexport run smollm2-plain --prompt "Write a haiku about the sea."
       specexport run smol-fp32 --prompt "Tell me a story" --temperature 0.7 --top-p 0.9 --seed 1
       specexport run smol-fp32 --prompt "List three colours" --json
       specexport run smol-fp32 --prompt-ids 1,504,3300 --max-new-tokens 16
@@ -113,7 +113,7 @@ def bench(bundle, prompts_file, max_new_tokens, json_out, compare_hf, threads, b
 
     \b
     Examples:
-      specexport bench smollm2-135m-none-onnxruntime-int8 --prompts prompts.jsonl
+      specexport bench smollm2-plain --prompts prompts.jsonl
       specexport bench smol-fp32 --prompts prompts.jsonl --compare-hf --json results.json
       specexport bench smollm2-135m-hybrid-onnxruntime-int8 --prompts p.jsonl --baseline smollm2-135m-none-onnxruntime-int4
     """
@@ -150,6 +150,6 @@ def info(bundle):
 
     \b
     Examples:
-      specexport info smollm2-135m-none-onnxruntime-int8
+      specexport info smollm2-plain
     """
     click.echo("\n".join(describe(load_bundle(bundle))))

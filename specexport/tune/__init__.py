@@ -132,7 +132,7 @@ def _measured_profile(base, engine: Engine, measured: measure.Measured, tokens: 
              f"{manifest['precision']})")
     return dataclasses.replace(
         base, name=name, path="", measured=True, methods=methods,
-        description=base.description.removesuffix(", measured") + ", measured",
+        description=base.description.removesuffix(", measured"),  # `measured = true` says it (older files said both)
         engine=dataclasses.replace(base.engine, backend="onnxruntime", precision=manifest["precision"],
                                    flavour=manifest["flavour"]),
         source=_source(base, _hardware(), entry),
