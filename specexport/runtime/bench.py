@@ -88,11 +88,12 @@ def run_bench(engine: Engine, prompts: list[dict], max_new_tokens: int = 128, pr
 
 
 def comparable_outputs(engine: Engine, plain: Engine) -> bool:
-    """Whether the method's greedy tokens must equal plain decoding's: the same precision, whose numbers do not depend
-    on the other rows of a call (fp32; int4's MatMulNBits quantizes each row's activations alone; int8's
-    DynamicQuantizeMatMul takes one scale per call, so a verified row and the same row decoded alone round apart)."""
-    precision = engine.bundle.manifest["precision"]
-    return precision == plain.bundle.manifest["precision"] and precision != "int8"
+    """Whether the method's greedy tokens must equal plain decoding's: both fp32. Quantized activations round a tiny
+    difference into a visible one: a row verified with other rows (attention over several query rows) differs from
+    the same row decoded alone in the last bits, and int8's one scale per call or int4's per-block rounding makes
+    that a different logit, so the outputs part at near-ties (measured: suffix int4 3/10 prompts identical to plain
+    int4)."""
+    return engine.bundle.manifest["precision"] == plain.bundle.manifest["precision"] == "fp32"
 
 
 def _totals(engine: Engine, rows: list[dict]) -> dict:
