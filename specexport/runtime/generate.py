@@ -162,6 +162,17 @@ class Engine:
         numbers (older bundles accepted greedily only), except Medusa's lossy typical acceptance."""
         return self.fused_accept and (sampler.params.greedy or (self.target.fused_inputs and mode is not AcceptMode.TYPICAL))
 
+    def request(self, prompt: str | list[int], max_new_tokens: int, stop: tuple[str, ...], chat: bool
+                ) -> tuple[list[int], int]:
+        """A generation's request checked (one line for what is wrong): its prompt ids and its budget of new tokens
+        (max_new_tokens, or what the context leaves)."""
+        if max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not all(isinstance(s, str) and s for s in stop):
+            raise UserError("stop strings must not be empty")
+        ids = self.encode(prompt, chat=chat)
+        return ids, min(max_new_tokens, self.max_context - len(ids))
+
     # -- prompts -----------------------------------------------------------------------------
     def encode(self, prompt: str | list[int], chat: bool = True) -> list[int]:
         """Token ids for a prompt: text goes through the chat template when the tokenizer has one."""
@@ -256,15 +267,10 @@ class Engine:
         streams the text as it is accepted; `on_step(StepRecord)` sees every step. `cancel`: a threading.Event or a
         callable returning True to stop, checked before each step, after the tokens of the previous one (or the
         prefill's token) are all emitted; generation then stops with stop_reason "cancelled" and keeps what it has."""
-        if max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not all(isinstance(s, str) and s for s in stop):
-            raise UserError("stop strings must not be empty")
         cancelled = getattr(cancel, "is_set", cancel) or (lambda: False)
+        ids, budget = self.request(prompt, max_new_tokens, stop, chat)
         sampler = Sampler(sampling or SamplingParams())
         proposer = self.proposer(sampler, plain)
-        ids = self.encode(prompt, chat=chat)
-        budget = min(max_new_tokens, self.max_context - len(ids))
         cache = self.target.new_cache(len(ids) + budget + proposer.max_drafts)
         proposer.start(len(ids), cache.capacity)
         stats = Stats(prompt_tokens=len(ids))

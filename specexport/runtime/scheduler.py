@@ -153,8 +153,7 @@ class Scheduler:
             raise UserError("batched generation runs on ONNX Runtime's host backend (--device cpu) in this version")
         self.engine, self.max_batch, self.prefill_chunk, self.plain = engine, max_batch, prefill_chunk, plain
         self._host = _HostAccepting(engine)
-        method = engine.method if not plain else None
-        self.step_rows = 1 if plain else method.tokens_per_step(engine.settings)
+        self.step_rows = 1 if plain else engine.method.tokens_per_step(engine.settings)
         self.pool = engine.target.new_pool(max_batch, engine.max_context + self.step_rows)
         self.rates = self.latency = None
         if budget and self.step_rows > 1:
@@ -181,16 +180,11 @@ class Scheduler:
                on_text=None) -> Request:
         """Queue a generation; returns its handle at once. A bad request (an empty or too long prompt, a bad
         setting) raises UserError here and never enters the batch."""
-        if max_new_tokens < 1:
-            raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not all(isinstance(s, str) and s for s in stop):
-            raise UserError("stop strings must not be empty")
         engine = self.engine
-        ids = engine.encode(prompt, chat=chat)
+        ids, budget = engine.request(prompt, max_new_tokens, stop, chat)
         sampler = Sampler(sampling or SamplingParams())
         proposer = engine.proposer(sampler, self.plain) if self.plain else \
             engine.method.proposer(self._host, engine.settings, sampler)
-        budget = min(max_new_tokens, engine.max_context - len(ids))
         with self._lock:
             if self._closed:
                 raise UserError("the scheduler is closed")
