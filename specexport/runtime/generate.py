@@ -36,6 +36,7 @@ class Stats:
     seconds: float = 0.0  # whole generation, prefill included
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step (1 for plain decoding)
     drafted: int = 0  # draft tokens verified
+    drafting_steps: int = 0  # steps that verified at least one draft token
 
     @property
     def tokens_per_s(self) -> float:
@@ -59,6 +60,7 @@ class Stats:
         """Count one speculative step."""
         self.steps += 1
         self.drafted += step.tree.drafts
+        self.drafting_steps += step.tree.drafts > 0
         self.accept_lengths.append(step.acceptance.accept_length)
 
     def as_dict(self) -> dict:

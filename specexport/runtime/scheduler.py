@@ -30,6 +30,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -43,13 +44,15 @@ from specexport.runtime.sampling import Sampler, SamplingParams
 from specexport.runtime.verify import accept
 
 _DONE = object()
+WIDTHS_KEPT = 10_000  # target calls whose (sequences, width) the scheduler keeps (a server runs for weeks)
 
 
 class Request:
     """A submitted generation, as its submitter holds it: `stream()` its text, `result()`, `cancel()`. Thread-safe."""
 
-    def __init__(self, rid: int, prompt_tokens: int):
+    def __init__(self, rid: int, prompt_tokens: int, on_end=None):
         self.id, self.prompt_tokens = rid, prompt_tokens
+        self._on_end = on_end
         self.submitted = time.perf_counter()
         self.arrivals: list[tuple[float, int]] = []  # (perf_counter time, tokens) of each step that emitted
         self._events: queue.Queue = queue.Queue()
@@ -100,6 +103,18 @@ class Request:
         self._result, self._error = result, error
         self._finished.set()
         self._events.put(_DONE)
+        if self._on_end is not None:
+            self._on_end(self)
+
+    @property
+    def generation(self) -> Generation | None:
+        """The result once the request has ended (None while it runs, or when it failed)."""
+        return self._result
+
+    @property
+    def error(self) -> str | None:
+        """Why the request failed (None while it runs, or when it did not)."""
+        return self._error
 
 
 @dataclass
@@ -159,7 +174,8 @@ class Scheduler:
         if budget and self.step_rows > 1:
             self.rates = AcceptanceRates(self.step_rows)
             self.latency = LatencyCurve.measure(engine.target, self.pool, min(max_batch * self.step_rows, 512))
-        self.widths: list[tuple[int, int]] = []  # (sequences, width) of each step's target call
+        self.widths: deque[tuple[int, int]] = deque(maxlen=WIDTHS_KEPT)  # (sequences, width) of the last calls
+        self.on_step = None  # called with (sequences, width) after each target call (the scheduler's thread)
         self.running: list[_Sequence] = []  # decoding, slot k = index k
         self.prefilling: _Sequence | None = None  # slot len(running)
         self.waiting: deque[_Sequence] = deque()
@@ -177,9 +193,11 @@ class Scheduler:
     # -- the front end's side ---------------------------------------------------------------------
     def submit(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] | None = None, chat: bool = True,
-               on_text=None) -> Request:
+               on_text=None, on_end=None) -> Request:
         """Queue a generation; returns its handle at once. A bad request (an empty or too long prompt, a bad
-        setting) raises UserError here and never enters the batch."""
+        setting) raises UserError here and never enters the batch. `on_text(piece)` receives the text as it is
+        accepted instead of `Request.stream`; `on_end(request)` is called once the request has ended (both on the
+        scheduler's thread: they must be quick and must not raise)."""
         engine = self.engine
         ids, budget = engine.request(prompt, max_new_tokens, stop, chat)
         sampler = Sampler(sampling or SamplingParams())
@@ -189,7 +207,7 @@ class Scheduler:
             if self._closed:
                 raise UserError("the scheduler is closed")
             self._ids += 1
-            request = Request(self._ids, len(ids))
+            request = Request(self._ids, len(ids), on_end)
             text = on_text if on_text is not None else request._text
             seq = _Sequence(request, ids, Output(engine.tokenizer, stop, stop_ids, max_new_tokens, budget, text),
                             sampler, proposer, engine.prefill_chunks(ids, self.prefill_chunk), Stats(len(ids)))
@@ -211,6 +229,11 @@ class Scheduler:
         self.running, self.prefilling, self.waiting = [], None, deque()
 
     @property
+    def alive(self) -> bool:
+        """Whether steps run: the loop's thread is up (a scheduler without one runs when its owner calls it)."""
+        return self._thread is None or self._thread.is_alive()
+
+    @property
     def active(self) -> int:
         """Requests admitted or waiting."""
         return len(self.running) + (self.prefilling is not None) + len(self.waiting)
@@ -228,7 +251,20 @@ class Scheduler:
                     self._lock.wait()
                 if self._closed:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 - a fault of the step itself: fail what is admitted, go on
+                traceback.print_exc()
+                self._fail_admitted(f"internal error in the batched step: {_message(e)}")
+
+    def _fail_admitted(self, message: str) -> None:
+        """End every admitted request with `message` and free the pool (the waiting ones are untouched)."""
+        seqs = self.running + ([self.prefilling] if self.prefilling is not None else [])
+        self.running, self.prefilling = [], None
+        self.pool.lengths[:] = 0
+        for seq in seqs:
+            if not seq.request.done:
+                self._end(seq, message)
 
     def step(self) -> bool:
         """One scheduler step (the module docstring); returns whether any request is left."""
@@ -335,8 +371,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
             return self._retire(seq, _message(e))
         width = len(record.tree)
-        self.steps, self.rows = self.steps + 1, self.rows + width
-        self.widths.append((1, width))
+        self._count_call(1, width)
         if self.rates is not None:
             self.rates.update(width, record.acceptance.path)
             self.latency.observe(width, target.seconds - before)
@@ -365,8 +400,7 @@ class Scheduler:
         target = self.engine.target
         before = target.seconds
         out = target.forward(self.pool.rows(n), ids, positions, mask, np.array(rows, np.int64), want=want)
-        self.steps, self.rows = self.steps + 1, self.rows + n * width
-        self.widths.append((n, width))
+        self._count_call(n, width)
         if self.latency is not None:
             self.latency.observe(n * width, target.seconds - before)
 
@@ -375,6 +409,12 @@ class Scheduler:
             return {name: out[name][b:b + 1, :t] if name in target.batch_outputs else out[name][start:start + t]
                     for name in ("logits",) + wants[seq.request.id]}
         return out, placed
+
+    def _count_call(self, sequences: int, width: int) -> None:
+        self.steps, self.rows = self.steps + 1, self.rows + sequences * width
+        self.widths.append((sequences, width))
+        if self.on_step is not None:
+            self.on_step(sequences, width)
 
     @staticmethod
     def _emit(seq: _Sequence, tokens: list[int]) -> bool:

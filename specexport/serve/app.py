@@ -1,0 +1,340 @@
+"""The FastAPI application: the OpenAI routes over one Scheduler, health and readiness, metrics, access logs.
+
+Every request gets an id (the `X-Request-Id` header of its response, and its access-log line). Generation requests
+are checked (serve/protocol.py), encoded and submitted to the scheduler; the scheduler's thread hands their text to
+the event loop through an asyncio queue. A client that disconnects cancels its requests (the scheduler drops them at
+its next step). No traceback reaches a client: a fault is a 500 with OpenAI's error object, logged with its id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from specexport.errors import UserError, first_line
+from specexport.runtime.generate import Engine
+from specexport.runtime.scheduler import Request as Submitted
+from specexport.runtime.scheduler import Scheduler
+from specexport.serve import protocol
+from specexport.serve.metrics import CONTENT_TYPE, Metrics
+from specexport.serve.protocol import FINISH, ApiError, Job
+
+log = logging.getLogger("specexport.serve")
+
+
+@dataclass
+class ServeConfig:
+    model_name: str
+    max_queue: int = 64  # requests waiting beyond the batch before new ones get a 429
+    api_key: str | None = None
+    max_body_bytes: int = 4 << 20
+    retry_after_s: int = 1
+
+
+@dataclass
+class ServerState:
+    """What the routes share: the engine and its scheduler, metrics, and the server's phase."""
+
+    engine: Engine
+    scheduler: Scheduler
+    config: ServeConfig
+    metrics: Metrics
+    draining: bool = False  # SIGTERM/SIGINT seen: new requests get a 503
+    stopped: bool = False  # the drain timed out: what still ran was cancelled
+    inflight: set = field(default_factory=set)  # submitted requests not yet ended
+
+    def stop_all(self) -> None:
+        """Cancel every request still running or queued (the end of a drain that timed out)."""
+        self.stopped = True
+        for request in list(self.inflight):
+            request.cancel()
+
+
+def build_app(engine: Engine, scheduler: Scheduler, config: ServeConfig) -> FastAPI:
+    state = ServerState(engine, scheduler, config, Metrics(scheduler, config.model_name))
+    scheduler.on_step = state.metrics.step
+    app = FastAPI(title="specexport", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.serve = state
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        if e.status in (429, 503):
+            state.metrics.reject(e.status)
+        _note(request, error=e.message)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        if e.status_code == 404:
+            message, code = f"unknown path: {request.method} {request.url.path}", "unknown_url"
+        elif e.status_code == 405:
+            message, code = f"{request.method} is not allowed on {request.url.path}", "method_not_allowed"
+        else:
+            message, code = str(e.detail), None
+        _note(request, error=message)
+        return JSONResponse(protocol.error_body(e.status_code, message, code=code), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def fault(request: Request, e: Exception):
+        rid = request.scope.get("state", {}).get("request_id", "-")
+        log.exception("request %s failed", rid)
+        _note(request, error=f"internal error: {first_line(e)}")
+        return JSONResponse(protocol.error_body(500, f"internal server error (request {rid})"), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        if not scheduler.alive:
+            raise ApiError(503, "the engine's scheduler has stopped")
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        if state.draining:
+            raise ApiError(503, "the server is shutting down")
+        return {"status": "ready", "model": config.model_name}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    def model_card() -> dict:
+        return {"id": config.model_name, "object": "model", "created": created, "owned_by": "specexport"}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _authorize(request, config)
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(request: Request, model: str):
+        _authorize(request, config)
+        if model != config.model_name:
+            raise _unknown_model(model)
+        return model_card()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(request, state, protocol.chat_request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, state, protocol.completion_request)
+
+    return app
+
+
+class AccessLog:
+    """Pure ASGI middleware: a request id for every HTTP request (`X-Request-Id` on the response) and one JSON line
+    in the log when it ends (status, time, and what the route noted: tokens, finish reasons, error)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = "req-" + secrets.token_hex(8)
+        scope.setdefault("state", {})
+        scope["state"]["request_id"], scope["state"]["log"] = rid, {}
+        status, start = [0], time.perf_counter()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message["headers"] = list(message.get("headers", [])) + [(b"x-request-id", rid.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            line = {"request_id": rid, "method": scope["method"], "path": scope["path"], "status": status[0],
+                    "ms": round(1e3 * (time.perf_counter() - start), 1), **scope["state"]["log"]}
+            log.info(json.dumps(line, ensure_ascii=False))
+
+
+def _note(request: Request, **fields) -> None:
+    """Add fields to the request's access-log line."""
+    request.scope.setdefault("state", {}).setdefault("log", {}).update(fields)
+
+
+def _authorize(request: Request, config: ServeConfig) -> None:
+    if config.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, key = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), config.api_key.encode()):
+        raise ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key")
+
+
+def _unknown_model(model: str) -> ApiError:
+    return ApiError(404, f"the model {model} does not exist on this server", "model", "model_not_found")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the body has {int(declared)} bytes; this server takes at most {limit}",
+                       code="request_too_large")
+    chunks, size = [], 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size > limit:
+            raise ApiError(413, f"the body is larger than this server's limit of {limit} bytes",
+                           code="request_too_large")
+        chunks.append(piece)
+    return b"".join(chunks)
+
+
+async def _generate(request: Request, state: ServerState, parse) -> Response:
+    """A chat or text completion: checked, queued (429 when the queue is full), then answered whole or streamed."""
+    config, scheduler = state.config, state.scheduler
+    _authorize(request, config)
+    if state.draining:
+        raise ApiError(503, "the server is shutting down")
+    raw = await _read_body(request, config.max_body_bytes)
+    job, prompts = await asyncio.to_thread(_prepare, state, parse, raw, request.headers.get("content-type"))
+    if scheduler.active + len(prompts) > scheduler.max_batch + config.max_queue:
+        raise ApiError(429, f"the server is at capacity ({scheduler.max_batch} running, {config.max_queue} queued); "
+                            f"retry later", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(config.retry_after_s)})
+    rid = request.scope["state"]["request_id"]
+    rid = ("chatcmpl-" if job.chat else "cmpl-") + rid.removeprefix("req-")
+    queue: asyncio.Queue = asyncio.Queue()
+    submitted = _submit(state, job, prompts, queue, asyncio.get_running_loop())
+    _note(request, prompt_tokens=sum(len(p) for p in prompts), stream=job.stream)
+    if job.stream:
+        return StreamingResponse(_stream(request, state, job, rid, submitted, queue), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, submitted))
+    try:
+        ended = 0
+        while ended < len(submitted):
+            _, piece = await queue.get()
+            ended += piece is None
+    finally:
+        watcher.cancel()
+        for r in submitted:
+            r.cancel()  # a no-op for ended requests; stops the rest when this handler is cancelled
+    results = _results(request, state, submitted)
+    return JSONResponse(protocol.completion(job, rid, int(time.time()), state.config.model_name, results))
+
+
+def _prepare(state: ServerState, parse, raw: bytes, content_type: str | None) -> tuple[Job, list[list[int]]]:
+    """The request checked and its prompts encoded (in a worker thread: a long prompt never stalls the streams)."""
+    job: Job = parse(protocol.parse_body(raw, content_type))
+    if job.model is not None and job.model != state.config.model_name:
+        raise _unknown_model(job.model)
+    return job, [protocol.prompt_ids(state.engine, job, p) for p in job.prompts]
+
+
+def _submit(state: ServerState, job: Job, prompts: list[list[int]], queue: asyncio.Queue, loop) -> list[Submitted]:
+    """Submit each prompt; the scheduler's thread posts (index, text) and, at the end, (index, None) to `queue`."""
+    def post(item):
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    def ended(index: int):
+        def on_end(request: Submitted) -> None:
+            state.inflight.discard(request)
+            result = request.generation
+            reason = "error" if result is None else ("abort" if result.stop_reason == "cancelled"
+                                                     else FINISH[result.stop_reason])
+            state.metrics.finished(request, result, reason)
+            post((index, None))
+        return on_end
+
+    submitted = []
+    for index, ids in enumerate(prompts):
+        try:
+            request = state.scheduler.submit(ids, max_new_tokens=job.max_tokens or state.engine.max_context,
+                                             sampling=job.sampling, stop=job.stop, chat=False,
+                                             on_text=lambda piece, index=index: post((index, piece)),
+                                             on_end=ended(index))
+        except UserError as e:
+            for r in submitted:
+                r.cancel()
+            raise protocol.bad(first_line(e)) from None
+        state.inflight.add(request)
+        state.metrics.admitted(len(ids))
+        submitted.append(request)
+    return submitted
+
+
+async def _cancel_on_disconnect(request: Request, submitted: list[Submitted]) -> None:
+    """Wait for the client to go away (the body is read: the next message is the disconnect), then cancel."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            for r in submitted:
+                r.cancel()
+            return
+
+
+def _results(request: Request, state: ServerState, submitted: list[Submitted]) -> list:
+    """The ended requests' generations; an ApiError when one failed or was stopped by the server."""
+    results = [r.generation for r in submitted]
+    _note(request, completion_tokens=sum(r.stats.new_tokens for r in results if r is not None),
+          finish=[FINISH.get(r.stop_reason, r.stop_reason) if r is not None else "error" for r in results])
+    failed = next((r.error for r in submitted if r.error is not None), None)
+    if failed is not None:
+        raise ApiError(500, f"generation failed: {failed}")
+    if any(r.stop_reason == "cancelled" for r in results):
+        raise ApiError(503, "the server shut down before the request finished" if state.stopped else
+                       "the request was cancelled")
+    return results
+
+
+def _sse(data: dict | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+async def _stream(request: Request, state: ServerState, job: Job, rid: str, submitted: list[Submitted],
+                  queue: asyncio.Queue):
+    """Server-sent events as the OpenAI client reads them: the role first (chat), text pieces, a last chunk per
+    choice with its finish reason, the usage chunk when asked, then [DONE]. A failure mid-stream is an error
+    event. Starlette cancels this generator when the client disconnects; the `finally` cancels the requests."""
+    created, model, complete = int(time.time()), state.config.model_name, False
+    try:
+        if job.chat:
+            for index in range(len(submitted)):
+                yield _sse(protocol.chunk(job, rid, created, model, index, role=True))
+        ended = 0
+        while ended < len(submitted):
+            index, piece = await queue.get()
+            if piece is not None:
+                yield _sse(protocol.chunk(job, rid, created, model, index, text=piece))
+                continue
+            ended += 1
+            result = submitted[index].generation
+            if result is not None and result.stop_reason != "cancelled":
+                yield _sse(protocol.chunk(job, rid, created, model, index, finish=FINISH[result.stop_reason]))
+        try:
+            results = _results(request, state, submitted)
+        except ApiError as e:
+            _note(request, error=e.message)
+            yield _sse(e.body())
+            complete = True
+            return
+        if job.include_usage:
+            yield _sse(protocol.usage_chunk(job, rid, created, model, results))
+        yield _sse("[DONE]")
+        complete = True
+    finally:
+        if not complete:
+            _note(request, disconnected=True)
+        for r in submitted:
+            r.cancel()

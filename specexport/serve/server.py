@@ -1,0 +1,97 @@
+"""Run the app on uvicorn: load the bundle, start the scheduler, serve until SIGTERM or SIGINT, then drain.
+
+Draining: the first signal stops admitting (new requests and /ready get a 503), lets the running and queued requests
+finish for at most `drain_timeout` seconds, cancels what is left (those clients get a 503 or an error event), closes
+the listening socket and exits 0. A second SIGINT exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+import uvicorn
+
+from specexport.runtime.generate import Engine
+from specexport.runtime.scheduler import Scheduler
+from specexport.serve.app import AccessLog, ServeConfig, ServerState, build_app
+
+log = logging.getLogger("specexport.serve")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain before its shutdown (uvicorn's own stops listening first, and re-raises the
+    signal after it, so the process would not exit 0)."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float, on_ready=None):
+        super().__init__(config)
+        self.state, self.drain_timeout, self.on_ready = state, drain_timeout, on_ready
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}")
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.state.draining:
+            if sig == signal.SIGINT:
+                self.force_exit = self.should_exit = True
+            return
+        self.state.draining = True
+        log.info('{"event": "draining", "signal": "%s", "requests": %d}', signal.Signals(sig).name,
+                 self.state.scheduler.active)
+        if self.loop is None:  # not started yet
+            self.should_exit = True
+            return
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.drain_timeout
+        while self.state.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.state.inflight:
+            log.info('{"event": "drain timed out", "cancelled": %d}', len(self.state.inflight))
+            self.state.stop_all()
+            while self.state.inflight and time.monotonic() < deadline + 10:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)  # the handlers send their last bytes
+        self.should_exit = True
+
+
+def warm_up(scheduler: Scheduler) -> None:
+    """Two short requests at once before the port opens: the first calls of a graph (alone and batched) allocate,
+    and no client should wait for that."""
+    requests = [scheduler.submit("Hello", max_new_tokens=4, chat=False, stop_ids=())
+                for _ in range(min(2, scheduler.max_batch))]
+    for request in requests:
+        request.result(timeout=600)
+
+
+def serve(bundle, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 64,
+          api_key: str | None = None, model_name: str | None = None, drain_timeout: float = 30.0,
+          threads: int | None = None, prefill_chunk: int | None = None, max_body_bytes: int = 4 << 20,
+          on_ready=None) -> None:
+    """Serve `bundle` until a signal; returns after the drain. `on_ready(url)`: called once the socket listens (port
+    0 takes a free port; the url names it)."""
+    engine = Engine.load(bundle, threads=threads, device="cpu")
+    for warning in engine.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
+    scheduler = Scheduler(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
+    warm_up(scheduler)
+    config = ServeConfig(model_name=model_name or engine.bundle.path.name, max_queue=max_queue, api_key=api_key,
+                         max_body_bytes=max_body_bytes)
+    app = build_app(engine, scheduler, config)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    server = DrainingServer(uvicorn.Config(AccessLog(app), host=host, port=port, log_level="warning",
+                                           access_log=False, timeout_graceful_shutdown=5, lifespan="off"),
+                            app.state.serve, drain_timeout, on_ready)
+    try:
+        server.run()
+    finally:
+        scheduler.close()

