@@ -413,7 +413,8 @@ def test_sigterm_drains_then_exits_0(bundle):
 def test_serve_bad_options_are_one_line(bundle, tmp_path):
     for args, match in [([tmp_path / "missing"], "does not exist"),
                         ([bundle, "--max-batch", "0"], "Invalid value for '--max-batch'"),
-                        ([bundle, "--api-key", " "], "--api-key must not be empty")]:
+                        ([bundle, "--api-key", " "], "--api-key must not be empty"),
+                        ([bundle, "--max-context", "100000"], "the context limit must be in 2..256")]:
         result = subprocess.run([SPECEXPORT, "serve", *map(str, args)], capture_output=True, text=True, timeout=120)
         assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
         assert match in result.stderr.strip().splitlines()[-1], result.stderr

@@ -30,10 +30,13 @@ from specexport.serve.server import serve as run_server
 @click.option("--threads", type=click.IntRange(1), default=None, help="ORT intra-op threads (default: all cores).")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=None,
               help="Prompt tokens fed per step (a long prompt holds the running streams back one chunk per step).")
+@click.option("--max-context", type=click.IntRange(2), default=None,
+              help="Prompt plus new tokens per request (default: the bundle's context). The KV cache holds "
+                   "--max-batch x this many tokens.")
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=4 << 20, show_default=True,
               help="Larger request bodies get a 413.")
 def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, drain_timeout, threads,
-          prefill_chunk, max_body_bytes):
+          prefill_chunk, max_context, max_body_bytes):
     """Serve a bundle behind an OpenAI-compatible API (chat and text completions, streaming, /v1/models), with
     /health, /ready and Prometheus /metrics. Requests are batched on one engine (continuous batching); SIGTERM or
     Ctrl-C drains them and exits 0.
@@ -56,7 +59,7 @@ def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, 
 
     run_server(bundle, host=host, port=port, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
                model_name=served_model_name, drain_timeout=drain_timeout, threads=threads,
-               prefill_chunk=prefill_chunk, max_body_bytes=max_body_bytes, on_ready=ready)
+               prefill_chunk=prefill_chunk, max_context=max_context, max_body_bytes=max_body_bytes, on_ready=ready)
 
 
 def _loopback(host: str) -> bool:

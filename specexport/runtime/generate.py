@@ -133,6 +133,14 @@ class Engine:
         methods.check_given(self.bundle.method, given)
         self.settings = self.method.settings(self.bundle.manifest["method"], given)
 
+    def limit_context(self, tokens: int) -> None:
+        """Take prompts plus new tokens up to `tokens` only (below the bundle's context): a batched engine's KV pool
+        holds this many rows per sequence."""
+        if not 2 <= tokens <= int(self.bundle.manifest["max_context"]):
+            raise UserError(f"the context limit must be in 2..{self.bundle.manifest['max_context']} (the bundle's), "
+                            f"got {tokens}")
+        self.max_context = tokens
+
     def describe(self) -> str:
         """The method and its tree in a few words, for summaries."""
         note = self.method.describe(self.settings)

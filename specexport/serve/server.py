@@ -76,13 +76,19 @@ def warm_up(scheduler: Scheduler) -> None:
 def serve(bundle, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 64,
           api_key: str | None = None, model_name: str | None = None, drain_timeout: float = 30.0,
           threads: int | None = None, prefill_chunk: int | None = None, max_body_bytes: int = 4 << 20,
-          on_ready=None) -> None:
-    """Serve `bundle` until a signal; returns after the drain. `on_ready(url)`: called once the socket listens (port
-    0 takes a free port; the url names it)."""
+          max_context: int | None = None, on_ready=None) -> None:
+    """Serve `bundle` until a signal; returns after the drain. `max_context`: prompt plus new tokens per request (the
+    bundle's by default; the KV pool holds max_batch x max_context rows). `on_ready(url)`: called once the socket
+    listens (port 0 takes a free port; the url names it)."""
     engine = Engine.load(bundle, threads=threads, device="cpu")
     for warning in engine.warnings:
         print(f"warning: {warning}", file=sys.stderr)
+    if max_context is not None:
+        engine.limit_context(max_context)
     scheduler = Scheduler(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
+    pool_gb = sum(b.nbytes for b in scheduler.pool.buffers) / 2**30
+    print(f"KV cache: {max_batch} sequences x {engine.max_context} tokens ({pool_gb:.2f} GiB, held as it fills; "
+          f"--max-batch and --max-context bound it)", file=sys.stderr)
     warm_up(scheduler)
     config = ServeConfig(model_name=model_name or engine.bundle.path.name, max_queue=max_queue, api_key=api_key,
                          max_body_bytes=max_body_bytes)
