@@ -135,7 +135,9 @@ def test_generate_can_be_cancelled(bundles):
 def test_the_bridge_streams_what_generate_returns(bundles, method):
     """The ids and text the C callback gets, joined, are generate's tokens and text: with stop ids and stop strings
     cutting a step short, and sampling."""
-    engine = bridge.open_engine(str(bundles / method), threads=1)
+    embedded = bridge.open_engine(str(bundles / method), threads=1)
+    engine = embedded.engine
+    assert embedded.scheduler is not None  # batched: what the C side gets on the CPU
     for prompt in PROMPTS:
         full = engine.generate(prompt, max_new_tokens=30)
         cases = [dict(), dict(stop_ids=[full.tokens[len(full.tokens) // 2]]), dict(temperature=0.8, seed=3)]
@@ -144,7 +146,7 @@ def test_the_bridge_streams_what_generate_returns(bundles, method):
         cases += [dict(stop=[stop])] if stop else []
         for case in cases:
             chunks = []
-            stats = bridge.generate(engine, prompt, None, False, 30, case.get("temperature", 0.0), 0, 1.0,
+            stats = bridge.generate(embedded, prompt, None, False, 30, case.get("temperature", 0.0), 0, 1.0,
                                     case.get("seed", -1), case.get("stop", []), case.get("stop_ids", []),
                                     lambda ids, text: chunks.append((ids or [], text or "")), lambda: False)
             stop_ids = tuple(sorted(engine.tokenizer.eos_token_ids | set(case.get("stop_ids", []))))
@@ -154,6 +156,34 @@ def test_the_bridge_streams_what_generate_returns(bundles, method):
             assert [t for ids, _ in chunks for t in ids] == want.tokens, (prompt, case)
             assert "".join(text for _, text in chunks) == want.text, (prompt, case)
             assert stats[1] == len(want.tokens) and stats[-1] == bridge.STOP_REASONS[want.stop_reason]
+    embedded.close()
+
+
+def test_concurrent_bridge_generations_share_the_engines_steps(bundles):
+    """Four threads generating on one embedded engine are batched: they share its target calls (fewer calls than their
+    steps together), and each gets its batch-1 tokens (fp32). With max_batch -1 each runs alone."""
+    embedded = bridge.open_engine(str(bundles / "ngram"), threads=1, max_batch=4)
+    engine, results = embedded.engine, {}
+
+    def one(i):
+        results[i] = bridge.generate(embedded, PROMPTS[i % len(PROMPTS)], None, False, 40, 0.0, 0, 1.0, -1, [], [],
+                                     None, lambda: False)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    want = [engine.generate(PROMPTS[i % len(PROMPTS)], max_new_tokens=40) for i in range(4)]
+    assert [results[i][1] for i in range(4)] == [len(w.tokens) for w in want]
+    assert embedded.scheduler.steps < sum(results[i][2] for i in range(4))  # calls shared
+    assert max(n for n, _ in embedded.scheduler.widths) > 1
+    embedded.close()
+    assert not embedded.scheduler.alive
+    alone = bridge.open_engine(str(bundles / "ngram"), threads=1, max_batch=-1)
+    assert alone.scheduler is None
+    with pytest.raises(bridge.EmbedError, match="max_batch must be -1"):
+        bridge.open_engine(str(bundles / "ngram"), threads=1, max_batch=-2)
 
 
 # ---- building and linking ---------------------------------------------------------------------------------
@@ -376,7 +406,10 @@ def test_a_python_host_drives_the_library_through_ctypes(prefix, bundles):
 @pytest.mark.slow
 def test_real_smollm2_cpp_tokens_equal_python_on_every_method(prefix, tmp_path):
     """SmolLM2-135M int8, every method: the C++ service's greedy tokens on the 40 ShareGPT prompts equal the Python
-    engine's (what `specexport run --json` prints), 24 new tokens each. The two run side by side, one core each."""
+    engine's (what `specexport run --json` prints), 24 new tokens each. The two run side by side, one core each. The
+    service runs each generation alone (--max-batch -1): batched, an int8 step's activation scale spans the call's
+    rows, so a near-tie may go the other way (README, "Many requests at once"); test_the_service_gives_pythons_tokens
+    checks batched generations (fp32)."""
     from specexport.exporter.sources import ALIASES
 
     if ALIASES["smollm2-135m"][0].locate() is None:
@@ -389,7 +422,8 @@ def test_real_smollm2_cpp_tokens_equal_python_on_every_method(prefix, tmp_path):
         run([cli, "build", "--model", "smollm2-135m", "--method", method, "--no-validate", "--output", bundle])
         with open(tmp_path / f"{method}.jsonl", "w") as out:
             service = subprocess.Popen([prefix / "bin" / "specexport-service", bundle, "--workers", "1", "--threads",
-                                        "1"], stdin=subprocess.PIPE, stdout=out, stderr=subprocess.PIPE, text=True)
+                                        "1", "--max-batch", "-1"], stdin=subprocess.PIPE, stdout=out,
+                                       stderr=subprocess.PIPE, text=True)
             service.stdin.write("".join(json.dumps({"id": i, "prompt": p, "max_new_tokens": 24}) + "\n"
                                         for i, p in enumerate(prompts)))
             service.stdin.close()

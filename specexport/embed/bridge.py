@@ -10,18 +10,23 @@ from __future__ import annotations
 
 import gc
 import json
+import queue
 
 from specexport.errors import UserError, first_line
 from specexport.options import fields
 from specexport.runtime.backends import host as backend
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import SamplingParams
+from specexport.runtime.scheduler import Scheduler
 
 # specexport_status in include/specexport.h (tests/test_embed.py checks that the values agree)
 OK, INVALID_ARGUMENT, BUNDLE, CLOSED, CALLBACK, NOT_FOUND, PYTHON, RUNTIME = range(8)
 # specexport_stop_reason
 STOP_REASONS = {"eos": 1, "stop_string": 2, "length": 3, "context": 4, "cancelled": 5}
 DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_MAX_BATCH = 8  # specexport_open_options.max_batch 0
+POLL_S = 0.02  # how often a scheduled generation's calling thread checks for its cancellation while it waits
+_END = object()
 
 
 class EmbedError(Exception):
@@ -39,12 +44,29 @@ def _fail(status: int, error: Exception, other: int = RUNTIME) -> EmbedError:
     return EmbedError(other, f"{type(error).__name__}: {first_line(error)}")
 
 
+class Embedded:
+    """An open engine as the C side holds it: the Engine and, where its backend batches (ONNX Runtime's host
+    buffers), the Scheduler its generations share; else (CUDA, TensorRT, max_batch -1) each generation runs alone."""
+
+    def __init__(self, engine: Engine, max_batch: int):
+        self.engine = engine
+        batches = max_batch != -1 and hasattr(engine.target, "new_pool") and not engine.target.info.get("kv_capacity")
+        self.scheduler = Scheduler(engine, max_batch=max_batch or DEFAULT_MAX_BATCH) if batches else None
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+
 def open_engine(path: str, threads: int = 0, device: str | None = None, settings: str | None = None,
-                verify: bool = True) -> Engine:
+                verify: bool = True, max_batch: int = 0) -> Embedded:
     """Load a bundle (every graph now, so that concurrent generations never race to load one) with the method's
-    run-time settings from `settings`, a JSON object of the method's field names."""
+    run-time settings from `settings`, a JSON object of the method's field names; `max_batch`: see Embedded."""
     if threads < 0:
         raise EmbedError(INVALID_ARGUMENT, f"threads must be >= 0 (0: every core), got {threads}")
+    if max_batch < -1:
+        raise EmbedError(INVALID_ARGUMENT, f"max_batch must be -1 (no batching), 0 (the default, "
+                                           f"{DEFAULT_MAX_BATCH}) or more, got {max_batch}")
     device = device or "auto"
     if device not in DEVICES:
         raise EmbedError(INVALID_ARGUMENT, f"device must be one of {', '.join(DEVICES)}, got {device!r:.40}")
@@ -67,9 +89,14 @@ def open_engine(path: str, threads: int = 0, device: str | None = None, settings
                                                f"bundle (its settings: {', '.join(known) or 'none'})")
     try:
         engine.configure(**given)
+        return Embedded(engine, max_batch)
     except Exception as e:  # noqa: BLE001
         raise _fail(INVALID_ARGUMENT, e) from None
-    return engine
+
+
+def close_engine(engine: Embedded) -> None:
+    """Before the C side drops its engine: stop its batching thread (its generations are over by then)."""
+    engine.close()
 
 
 def _settings(text: str | None) -> dict:
@@ -89,12 +116,14 @@ def collect() -> None:
     gc.collect()
 
 
-def generate(engine: Engine, prompt: str | None, prompt_ids: list[int] | None, raw: bool, max_new_tokens: int,
+def generate(engine: Embedded, prompt: str | None, prompt_ids: list[int] | None, raw: bool, max_new_tokens: int,
              temperature: float, top_k: int, top_p: float, seed: int, stop: list[str], stop_ids: list[int],
              stream, cancelled) -> tuple:
     """One generation. `stream(ids, text) -> bool` (or None) receives the tokens and the text as they become final
-    (True: stop); `cancelled() -> bool` is polled before each step. Returns the stats as a tuple (python.c reads
-    it): prompt, new tokens, steps, drafted, accepted, ttft, seconds, tokens/s, tau, stop reason."""
+    (True: stop), on this (the calling) thread; `cancelled() -> bool` is polled before each step (batched: while
+    the thread waits for the next step's tokens). Returns the stats as a tuple (python.c reads it): prompt, new
+    tokens, steps, drafted, accepted, ttft, seconds, tokens/s, tau, stop reason."""
+    embedded, engine = engine, engine.engine
     if (prompt is None) == (prompt_ids is None):
         raise EmbedError(INVALID_ARGUMENT, "give exactly one of prompt and prompt_ids")
     vocab = engine.bundle.manifest["model"]["vocab"]
@@ -105,17 +134,41 @@ def generate(engine: Engine, prompt: str | None, prompt_ids: list[int] | None, r
     out = Stream(stream, cancelled)
     try:
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=None if seed == -1 else seed)
-        result = engine.generate(prompt if prompt is not None else prompt_ids, max_new_tokens=max_new_tokens,
-                                 sampling=sampling, stop=tuple(stop),
-                                 stop_ids=tuple(sorted(engine.tokenizer.eos_token_ids | set(stop_ids))),
-                                 chat=not raw, on_text=out.on_text if stream else None,
-                                 on_step=out.on_step if stream else None, cancel=out.check)
+        request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop),
+                       stop_ids=tuple(sorted(engine.tokenizer.eos_token_ids | set(stop_ids))), chat=not raw)
+        prompt = prompt if prompt is not None else prompt_ids
+        if embedded.scheduler is not None:
+            result = _scheduled(embedded.scheduler, prompt, request, out)
+        else:
+            result = engine.generate(prompt, on_text=out.on_text if stream else None,
+                                     on_step=out.on_step if stream else None, cancel=out.check, **request)
     except Exception as e:  # noqa: BLE001 - every failure is a status and one line
         raise _fail(INVALID_ARGUMENT, e) from None
     out.finish(result.tokens)
     s = result.stats
     return (s.prompt_tokens, s.new_tokens, s.steps, s.drafted, s.accepted, s.ttft_s, s.seconds, s.tokens_per_s,
             s.tau, STOP_REASONS[result.stop_reason])
+
+
+def _scheduled(scheduler: Scheduler, prompt, request: dict, out: "Stream"):
+    """A generation on the engine's scheduler, batched with the others: its text and token ids come through a
+    queue to this thread, which hands them to the callback and checks for cancellation."""
+    events: queue.Queue = queue.Queue()
+    handle = scheduler.submit(prompt, on_text=lambda piece: events.put(piece), on_tokens=lambda ids: events.put(ids),
+                              on_end=lambda _: events.put(_END), **request)
+    while True:
+        try:
+            item = events.get(timeout=POLL_S)
+        except queue.Empty:
+            item = None
+        if isinstance(item, str):
+            out.on_text(item)
+        elif isinstance(item, list):
+            out.step_tokens([int(t) for t in item])
+        elif item is _END:
+            return handle.result()
+        if out.stopped or out.cancelled():
+            handle.cancel()
 
 
 class Stream:
@@ -141,6 +194,10 @@ class Stream:
             self.stepped = True
             self._send([int(record.tree.tokens[0])])
         self.pending = [int(t) for t in record.acceptance.tokens]
+
+    def step_tokens(self, ids: list[int]) -> None:
+        """A batched step's emitted tokens (final: the scheduler cut them at a stop), with the text so far."""
+        self._send(ids)
 
     def check(self) -> bool:
         self._send(self.pending)

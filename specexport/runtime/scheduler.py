@@ -50,9 +50,9 @@ WIDTHS_KEPT = 10_000  # target calls whose (sequences, width) the scheduler keep
 class Request:
     """A submitted generation, as its submitter holds it: `stream()` its text, `result()`, `cancel()`. Thread-safe."""
 
-    def __init__(self, rid: int, prompt_tokens: int, on_end=None):
+    def __init__(self, rid: int, prompt_tokens: int, on_end=None, on_tokens=None):
         self.id, self.prompt_tokens = rid, prompt_tokens
-        self._on_end = on_end
+        self._on_end, self._on_tokens = on_end, on_tokens
         self.submitted = time.perf_counter()
         self.arrivals: list[tuple[float, int]] = []  # (perf_counter time, tokens) of each step that emitted
         self._events: queue.Queue = queue.Queue()
@@ -193,11 +193,12 @@ class Scheduler:
     # -- the front end's side ---------------------------------------------------------------------
     def submit(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] | None = None, chat: bool = True,
-               on_text=None, on_end=None) -> Request:
+               on_text=None, on_end=None, on_tokens=None) -> Request:
         """Queue a generation; returns its handle at once. A bad request (an empty or too long prompt, a bad
         setting) raises UserError here and never enters the batch. `on_text(piece)` receives the text as it is
-        accepted instead of `Request.stream`; `on_end(request)` is called once the request has ended (both on the
-        scheduler's thread: they must be quick and must not raise)."""
+        accepted instead of `Request.stream`; `on_tokens(ids)` the token ids each step emitted (after their text);
+        `on_end(request)` is called once the request has ended (all on the scheduler's thread: they must be quick
+        and must not raise)."""
         engine = self.engine
         ids, budget = engine.request(prompt, max_new_tokens, stop, chat)
         sampler = Sampler(sampling or SamplingParams())
@@ -207,7 +208,7 @@ class Scheduler:
             if self._closed:
                 raise UserError("the scheduler is closed")
             self._ids += 1
-            request = Request(self._ids, len(ids), on_end)
+            request = Request(self._ids, len(ids), on_end, on_tokens)
             text = on_text if on_text is not None else request._text
             seq = _Sequence(request, ids, Output(engine.tokenizer, stop, stop_ids, max_new_tokens, budget, text),
                             sampler, proposer, engine.prefill_chunks(ids, self.prefill_chunk), Stats(len(ids)))
@@ -422,6 +423,8 @@ class Scheduler:
         before = len(seq.output.tokens)
         ended = seq.output.emit(tokens) is not None
         seq.request.arrivals.append((time.perf_counter(), len(seq.output.tokens) - before))
+        if seq.request._on_tokens is not None:
+            seq.request._on_tokens(seq.output.tokens[before:])
         return ended
 
     # -- leaving ----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 // service.cpp: an example service over libspecexport, to copy. It loads a bundle once and answers requests
 // concurrently: newline-delimited JSON on stdin, responses on stdout.
 //
-//   specexport-service BUNDLE [--workers 4] [--threads N] [--settings JSON] < requests.jsonl
+//   specexport-service BUNDLE [--workers 4] [--threads N] [--max-batch 8] [--settings JSON] < requests.jsonl
 //
 // A request per line (an id of any JSON type; "prompt_ids": [1, 2, 3] instead of "prompt"):
 //   {"id": 1, "prompt": "Hello", "max_new_tokens": 64, "temperature": 0.7, "top_k": 40, "top_p": 0.9,
@@ -11,7 +11,8 @@
 //   {"id": 1, "tokens": [504, 3300], "text": ""}          chunks, as tokens and text become final
 //   {"id": 1, "done": true, "stop_reason": "eos", "prompt_tokens": 5, "new_tokens": 42, ..., "wall_s": 0.81}
 //   {"id": 1, "error": "top_p must be in (0, 1], got 0", "status": "SPECEXPORT_E_INVALID_ARGUMENT"}
-// Requests run on a pool of --workers threads sharing the one engine. At the end of stdin the service finishes
+// Requests run on a pool of --workers threads sharing the one engine, which batches them (up to --max-batch in one
+// model call; -1: each alone). At the end of stdin the service finishes
 // what it has and exits.
 #include <algorithm>
 #include <chrono>
@@ -191,7 +192,8 @@ private:
 };
 
 int usage() {
-    std::fprintf(stderr, "usage: specexport-service BUNDLE [--workers N] [--threads N] [--settings JSON]\n");
+    std::fprintf(stderr, "usage: specexport-service BUNDLE [--workers N] [--threads N] [--max-batch N] "
+                         "[--settings JSON]\n");
     return 2;
 }
 
@@ -207,6 +209,7 @@ int main(int argc, char** argv) {
         if (i + 1 >= argc) return usage();
         if (flag == "--workers") workers = std::max(1, std::atoi(argv[i + 1]));
         else if (flag == "--threads") options.threads = std::atoi(argv[i + 1]);
+        else if (flag == "--max-batch") options.max_batch = std::atoi(argv[i + 1]);
         else if (flag == "--settings") options.settings = argv[i + 1];
         else return usage();
     }

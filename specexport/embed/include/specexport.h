@@ -19,8 +19,10 @@
  *
  * Threads
  *   - Every function may be called from any thread. One engine may be shared by many threads: generations on
- *     one engine run concurrently (each has its own KV cache, proposer and random stream; the Python parts of
- *     their steps take turns on the interpreter lock while the model calls overlap).
+ *     one engine run concurrently, batched: one model call per step verifies every running generation's tokens
+ *     (each has its own KV cache rows, proposer and random stream; a seeded generation gives the same tokens
+ *     whatever runs with it). With max_batch -1, or on CUDA/TensorRT, each generation makes its own calls (the
+ *     Python parts of their steps take turns on the interpreter lock while the model calls overlap).
  *   - specexport_cancel may be called from any thread, including a callback.
  *   - specexport_close waits for the engine's running generations to stop (it cancels them first); it must not
  *     be called from one of that engine's callbacks (that is an error, not a deadlock).
@@ -92,6 +94,11 @@ typedef struct specexport_open_options {
                                (ngram, draft), {"depth": 3, "top_k": 2, "total_tokens": 6} (eagle); NULL or ""
                                = the bundle's. A name the bundle's method does not have is an error. */
     int32_t verify;         /* 1 (default): check every file's sha256 at open; 0: sizes only (faster) */
+    /* since 0.2 (a caller built with an older header leaves it out: the default) */
+    int32_t max_batch;      /* the most generations decoded together in one model call (continuous batching;
+                               more wait their turn); 0 (default) = 8; -1 = no batching: each generation makes
+                               its own model calls on its calling thread. CPU bundles batch; on CUDA or TensorRT
+                               each generation runs alone. */
 } specexport_open_options;
 
 SPECEXPORT_API void specexport_open_options_init(specexport_open_options* options);

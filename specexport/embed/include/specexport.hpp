@@ -50,6 +50,7 @@ struct OpenOptions {
     std::string device = "auto";
     std::string settings;      // the method's run-time settings as a JSON object, e.g. {"draft_length": 4}
     bool verify = true;        // sha256 of every file at open
+    int max_batch = 0;         // generations batched in one model call; 0 = 8, -1 = each alone
 };
 
 struct GenerateOptions {
@@ -92,6 +93,7 @@ public:
         o.device = options.device.c_str();
         o.settings = options.settings.empty() ? nullptr : options.settings.c_str();
         o.verify = options.verify ? 1 : 0;
+        o.max_batch = options.max_batch;
         detail::check(specexport_open(bundle.c_str(), &o, &handle_));
     }
     ~Engine() { specexport_close(handle_); }  // waits for this engine's running generations (cancelled)

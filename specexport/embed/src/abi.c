@@ -57,11 +57,12 @@ const char* specexport_status_name(int status) {
 /* ---- versioned structs ---------------------------------------------------------------------------------- */
 
 /* Copy a caller's struct of `size` bytes over `defaults` (which the library's own *_init filled). A smaller
- * struct is an older caller: its missing fields keep their defaults. v1 is the oldest, so today the size must
- * be exact; a larger one comes from a newer header than this library. */
-static specexport_status read_struct(void* defaults, size_t ours, const void* given, const char* name) {
+ * struct is an older caller: its missing fields keep their defaults. `oldest` is the size of the struct's first
+ * version; a larger size than ours comes from a newer header than this library. */
+static specexport_status read_struct(void* defaults, size_t ours, size_t oldest, const void* given,
+                                     const char* name) {
     size_t size = *(const size_t*)given;
-    if (size != ours)
+    if (size < oldest || size > ours)
         return se_fail(SPECEXPORT_E_INVALID_ARGUMENT, "%s.size is %zu, this library expects %zu (set it to sizeof, "
                        "or call %s_init)", name, size, ours, name);
     memcpy(defaults, given, size);
@@ -142,7 +143,8 @@ specexport_status specexport_open(const char* bundle_path, const specexport_open
         return se_fail(SPECEXPORT_E_INVALID_ARGUMENT, "the bundle path is NULL or empty");
     specexport_open_options o;
     specexport_open_options_init(&o);
-    if (options != NULL && read_struct(&o, sizeof o, options, "specexport_open_options") != SPECEXPORT_OK)
+    if (options != NULL && read_struct(&o, sizeof o, offsetof(specexport_open_options, max_batch), options,
+                                       "specexport_open_options") != SPECEXPORT_OK)
         return SPECEXPORT_E_INVALID_ARGUMENT;
     void* py = NULL;
     specexport_status rc = se_py_open(bundle_path, &o, &py);
@@ -208,7 +210,7 @@ specexport_status specexport_generate(specexport_engine* engine, const specexpor
     if (options == NULL) return se_fail(SPECEXPORT_E_INVALID_ARGUMENT, "options is NULL");
     specexport_generate_options o;
     specexport_generate_options_init(&o);
-    if (read_struct(&o, sizeof o, options, "specexport_generate_options") != SPECEXPORT_OK)
+    if (read_struct(&o, sizeof o, sizeof o, options, "specexport_generate_options") != SPECEXPORT_OK)
         return SPECEXPORT_E_INVALID_ARGUMENT;
     if ((o.n_stop > 0 && o.stop == NULL) || (o.n_stop_ids > 0 && o.stop_ids == NULL) ||
         (o.n_prompt_ids > 0 && o.prompt_ids == NULL))

@@ -202,9 +202,9 @@ specexport_status se_py_open(const char* path, const specexport_open_options* o,
     PyGILState_STATE gil = PyGILState_UNLOCKED;
     specexport_status status = enter(&gil);
     if (status != SPECEXPORT_OK) return status;
-    PyObject* kwargs = Py_BuildValue("{s:N,s:i,s:z,s:z,s:O}", "path", PyUnicode_DecodeFSDefault(path),
+    PyObject* kwargs = Py_BuildValue("{s:N,s:i,s:z,s:z,s:O,s:i}", "path", PyUnicode_DecodeFSDefault(path),
                                      "threads", o->threads, "device", o->device, "settings", o->settings,
-                                     "verify", o->verify ? Py_True : Py_False);
+                                     "verify", o->verify ? Py_True : Py_False, "max_batch", o->max_batch);
     if (kwargs == NULL) {
         PyErr_Clear();
         return leave(gil, se_fail(SPECEXPORT_E_INVALID_ARGUMENT, "device and settings must be UTF-8 text"));
@@ -217,6 +217,9 @@ specexport_status se_py_open(const char* path, const specexport_open_options* o,
 
 void se_py_release(void* engine) {
     PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject* closed = call_bridge("close_engine", Py_BuildValue("{s:O}", "engine", (PyObject*)engine));
+    if (closed == NULL) PyErr_Clear(); /* stops its batching thread; nothing else can fail here */
+    Py_XDECREF(closed);
     Py_DECREF((PyObject*)engine);
     PyObject* done = call_bridge("collect", PyDict_New()); /* frees its sessions (and their threads) now */
     if (done == NULL) PyErr_Clear();
