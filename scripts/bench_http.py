@@ -76,10 +76,13 @@ def one_request(server: Server, prompt: str, max_tokens: int) -> dict:
         response = connection.getresponse()
         if response.status != 200:
             return {"error": f"HTTP {response.status}: {response.read()[:200]!r}"}
-        first, tokens, pieces = None, None, 0
+        first, tokens, pieces, done = None, None, 0, False
         for line in response:
             line = line.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if line == "data: [DONE]":
+                done = True
+                break
+            if not line.startswith("data: "):
                 continue
             event = json.loads(line[6:])
             if "error" in event:
@@ -91,6 +94,8 @@ def one_request(server: Server, prompt: str, max_tokens: int) -> dict:
                     first = first or time.perf_counter() - start
                     pieces += 1
         end = time.perf_counter() - start
+        if not done:
+            return {"error": "the stream ended without [DONE]"}
     except OSError as e:
         return {"error": str(e)}
     finally:
@@ -159,7 +164,8 @@ def main() -> None:
         servers.append(Server("llama.cpp", [args.llama_python, "-m", "llama_cpp.server", "--model", str(args.gguf),
                                             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "2048",
                                             "--n_threads", str(os.cpu_count()), "--model_alias", "gguf",
-                                            "--chat_format", "chatml"], port, "gguf"))
+                                            "--interrupt_requests", "False"],  # queue requests, never cut one short
+                                   port, "gguf"))  # the GGUF's own chat template
     rows = []
     try:
         for server in servers:

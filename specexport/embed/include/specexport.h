@@ -94,7 +94,7 @@ typedef struct specexport_open_options {
                                (ngram, draft), {"depth": 3, "top_k": 2, "total_tokens": 6} (eagle); NULL or ""
                                = the bundle's. A name the bundle's method does not have is an error. */
     int32_t verify;         /* 1 (default): check every file's sha256 at open; 0: sizes only (faster) */
-    /* since 0.2 (a caller built with an older header leaves it out: the default) */
+    /* added after the fields above (a caller built with an older header leaves it out: the default) */
     int32_t max_batch;      /* the most generations decoded together in one model call (continuous batching;
                                more wait their turn); 0 (default) = 8; -1 = no batching: each generation makes
                                its own model calls on its calling thread. CPU bundles batch; on CUDA or TensorRT
