@@ -193,6 +193,8 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     axes[2].plot(t, [r["rss_mb"] for r in rows])
     axes[2].set_ylabel("server RSS (MB)")
     axes[2].set_xlabel("seconds")
+    for ax in axes:
+        ax.set_ylim(bottom=0)
     axes[0].set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
