@@ -378,6 +378,36 @@ def test_a_disconnected_client_cancels_its_request(bundle):
         assert served.stop() == 0
 
 
+def test_a_stream_left_before_its_first_event_is_cancelled(bundle):
+    """One slot: a long stream runs; a second stream waits in the queue and its client leaves before any event.
+    The waiting request is dropped (never generates), the first one completes."""
+    engine = Engine.load(bundle, threads=1)
+    want = engine.generate(PROMPTS[1], max_new_tokens=200, chat=False)
+    with Served(bundle, "--max-batch", "1", "--threads", "1") as served:
+        first = {}
+        reader = threading.Thread(target=lambda: first.update(stream_some(served, PROMPTS[1], 200)))
+        reader.start()
+        deadline = time.monotonic() + 30
+        while not metric(metrics(served), "specexport:num_requests_running") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        parts = urlsplit(served.url)
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        connection.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "max_tokens": 200,
+                                                                        "stream": True}),
+                           headers={"Content-Type": "application/json"})
+        while not metric(metrics(served), "specexport:num_requests_waiting") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        connection.sock.close()  # gone while queued: no event was sent
+        reader.join(timeout=120)
+        time.sleep(0.3)
+        samples = metrics(served)
+        assert first["done"] and first["text"] == want.text
+        assert metric(samples, "specexport:request_success_total", finished_reason="abort") == 1
+        assert metric(samples, "specexport:generation_tokens_total") == len(want.tokens)
+        assert metric(samples, "specexport:num_requests_waiting") == 0
+        assert served.stop() == 0
+
+
 def test_sigterm_drains_then_exits_0(bundle):
     """SIGTERM with six streams on one slot (one running, five queued): they all finish with all their tokens, a new
     request and /ready get a 503, the process exits 0. With --drain-timeout 0, what has not finished is stopped (an

@@ -214,8 +214,7 @@ async def _generate(request: Request, state: ServerState, parse) -> Response:
     submitted = _submit(state, job, prompts, queue, asyncio.get_running_loop())
     _note(request, prompt_tokens=sum(len(p) for p in prompts), stream=job.stream)
     if job.stream:
-        return StreamingResponse(_stream(request, state, job, rid, submitted, queue), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _EventStream(_stream(request, state, job, rid, submitted, queue), submitted)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, submitted))
     try:
         ended = 0
@@ -297,6 +296,22 @@ def _results(request: Request, state: ServerState, submitted: list[Submitted]) -
     return results
 
 
+class _EventStream(StreamingResponse):
+    """The server-sent events of `submitted`, which are cancelled however the response ends: a client gone before
+    the first event (the generator never started, so its own cleanup never runs), a fault, or the end."""
+
+    def __init__(self, events, submitted: list[Submitted]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.submitted = submitted
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for r in self.submitted:
+                r.cancel()  # a no-op for ended requests
+
+
 def _sse(data: dict | str) -> bytes:
     text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
     return f"data: {text}\n\n".encode()
@@ -306,7 +321,7 @@ async def _stream(request: Request, state: ServerState, job: Job, rid: str, subm
                   queue: asyncio.Queue):
     """Server-sent events as the OpenAI client reads them: the role first (chat), text pieces, a last chunk per
     choice with its finish reason, the usage chunk when asked, then [DONE]. A failure mid-stream is an error
-    event. Starlette cancels this generator when the client disconnects; the `finally` cancels the requests."""
+    event. Starlette cancels this generator when the client disconnects (_EventStream then cancels the requests)."""
     created, model, complete = int(time.time()), state.config.model_name, False
     try:
         if job.chat:
@@ -336,5 +351,3 @@ async def _stream(request: Request, state: ServerState, job: Job, rid: str, subm
     finally:
         if not complete:
             _note(request, disconnected=True)
-        for r in submitted:
-            r.cancel()
