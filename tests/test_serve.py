@@ -410,8 +410,8 @@ def test_a_stream_left_before_its_first_event_is_cancelled(bundle):
 
 def test_sigterm_drains_then_exits_0(bundle):
     """SIGTERM with six streams on one slot (one running, five queued): they all finish with all their tokens, a new
-    request and /ready get a 503, the process exits 0. With --drain-timeout 0, what has not finished is stopped (an
-    error event ends its stream), still exit 0."""
+    request and /ready get a 503, the process exits 0. SIGINT with --drain-timeout 0: what has not finished is
+    stopped (an error event ends its stream), still exit 0."""
     engine = Engine.load(bundle, threads=1)
     want = engine.generate(PROMPTS[1], max_new_tokens=200, chat=False)
     for timeout, finishes in ((60, True), (0, False)):
@@ -424,7 +424,7 @@ def test_sigterm_drains_then_exits_0(bundle):
             deadline = time.monotonic() + 30
             while not metric(metrics(served), "specexport:generation_tokens_total") and time.monotonic() < deadline:
                 time.sleep(0.01)
-            served.process.send_signal(signal.SIGTERM)
+            served.process.send_signal(signal.SIGTERM if finishes else signal.SIGINT)  # Ctrl-C drains alike
             time.sleep(0.05)
             if finishes:
                 status, _, body = post(served, "/v1/completions", {"prompt": "x", "max_tokens": 2})
