@@ -16,9 +16,9 @@ SPECEXPORT = Path(sys.executable).parent / "specexport"
 
 
 class Served:
-    def __init__(self, bundle, *options, command=None, env=None, start_timeout=180.0):
+    def __init__(self, bundle, *options, command=None, env=None, start_timeout=180.0, port=0):
         argv = command or [str(SPECEXPORT)]
-        self.process = subprocess.Popen([*argv, "serve", str(bundle), "--port", "0", *map(str, options)],
+        self.process = subprocess.Popen([*argv, "serve", str(bundle), "--port", str(port), *map(str, options)],
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                         env={**os.environ, **(env or {})})
         self.lines: list[str] = []

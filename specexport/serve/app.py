@@ -9,10 +9,13 @@ its next step). No traceback reaches a client: a fault is a 500 with OpenAI's er
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
+import os
 import secrets
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -62,7 +65,14 @@ class ServerState:
 def build_app(engine: Engine, scheduler: Scheduler, config: ServeConfig) -> FastAPI:
     state = ServerState(engine, scheduler, config, Metrics(scheduler, config.model_name))
     scheduler.on_step = state.metrics.step
-    app = FastAPI(title="specexport", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        scheduler.close()  # the server (uvicorn, a Ray replica) is shutting down
+
+    app = FastAPI(title="specexport", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(AccessLog)
     app.state.serve = state
     created = int(time.time())
 
@@ -135,11 +145,13 @@ def build_app(engine: Engine, scheduler: Scheduler, config: ServeConfig) -> Fast
 
 
 class AccessLog:
-    """Pure ASGI middleware: a request id for every HTTP request (`X-Request-Id` on the response) and one JSON line
-    in the log when it ends (status, time, and what the route noted: tokens, finish reasons, error)."""
+    """Pure ASGI middleware: a request id for every HTTP request (`X-Request-Id` on the response, with
+    `X-Served-By`: the host and process that answered, one of several replicas behind Ray) and one JSON line in the
+    log when it ends (status, time, and what the route noted: tokens, finish reasons, error)."""
 
     def __init__(self, app):
         self.app = app
+        self.served_by = f"{socket.gethostname()}/{os.getpid()}".encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -152,7 +164,8 @@ class AccessLog:
         async def send_with_id(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
-                message["headers"] = list(message.get("headers", [])) + [(b"x-request-id", rid.encode())]
+                message["headers"] = list(message.get("headers", [])) + [(b"x-request-id", rid.encode()),
+                                                                          (b"x-served-by", self.served_by)]
             await send(message)
 
         try:

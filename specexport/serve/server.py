@@ -17,7 +17,7 @@ import uvicorn
 
 from specexport.runtime.generate import Engine
 from specexport.runtime.scheduler import Scheduler
-from specexport.serve.app import AccessLog, ServeConfig, ServerState, build_app
+from specexport.serve.app import ServeConfig, ServerState, build_app
 
 log = logging.getLogger("specexport.serve")
 
@@ -73,13 +73,12 @@ def warm_up(scheduler: Scheduler) -> None:
         request.result(timeout=600)
 
 
-def serve(bundle, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8, max_queue: int = 64,
-          api_key: str | None = None, model_name: str | None = None, drain_timeout: float = 30.0,
-          threads: int | None = None, prefill_chunk: int | None = None, max_body_bytes: int = 4 << 20,
-          max_context: int | None = None, on_ready=None) -> None:
-    """Serve `bundle` until a signal; returns after the drain. `max_context`: prompt plus new tokens per request (the
-    bundle's by default; the KV pool holds max_batch x max_context rows). `on_ready(url)`: called once the socket
-    listens (port 0 takes a free port; the url names it)."""
+def open_app(bundle, max_batch: int = 8, max_queue: int = 64, api_key: str | None = None,
+             model_name: str | None = None, threads: int | None = None, prefill_chunk: int | None = None,
+             max_body_bytes: int = 4 << 20, max_context: int | None = None):
+    """The app over `bundle`, ready: the engine loaded, its scheduler started and warmed up. `max_context`: prompt
+    plus new tokens per request (the bundle's by default; the KV pool holds max_batch x max_context rows)."""
+    log.setLevel(logging.INFO)  # the access log, wherever the app runs (uvicorn here, a Ray replica)
     engine = Engine.load(bundle, threads=threads, device="cpu")
     for warning in engine.warnings:
         print(f"warning: {warning}", file=sys.stderr)
@@ -92,12 +91,19 @@ def serve(bundle, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 8,
     warm_up(scheduler)
     config = ServeConfig(model_name=model_name or engine.bundle.path.name, max_queue=max_queue, api_key=api_key,
                          max_body_bytes=max_body_bytes)
-    app = build_app(engine, scheduler, config)
+    return build_app(engine, scheduler, config)
+
+
+def serve(bundle, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0, on_ready=None,
+          **app_options) -> None:
+    """Serve open_app(bundle, **app_options) until a signal; returns after the drain. `on_ready(url)`: called once
+    the socket listens (port 0 takes a free port; the url names it)."""
+    app = open_app(bundle, **app_options)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    server = DrainingServer(uvicorn.Config(AccessLog(app), host=host, port=port, log_level="warning",
-                                           access_log=False, timeout_graceful_shutdown=5, lifespan="off"),
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                           timeout_graceful_shutdown=5, lifespan="on"),
                             app.state.serve, drain_timeout, on_ready)
     try:
         server.run()
     finally:
-        scheduler.close()
+        app.state.serve.scheduler.close()

@@ -1,0 +1,114 @@
+"""The OpenAI server on Ray Serve: replicas, each a whole `specexport serve` app over its own batched engine, behind
+Ray's HTTP proxy (the `ray` extra).
+
+`build_app(bundle, ...)` gives a `ray.serve.Application` for users composing their own Serve applications; `run`
+starts (or joins) a Ray instance, deploys it, and serves until SIGTERM or SIGINT. The proxy routes each request to
+a replica with a short queue (Ray's power-of-two-choices router, which compares the replicas' ongoing requests);
+autoscaling targets `max_batch` ongoing requests per replica. Every replica reads the bundle from the same path, so
+on a cluster it must be on storage every node sees.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from ray import serve
+
+from specexport.errors import UserError
+
+DEPLOYMENT = "specexport"
+
+
+def build_app(bundle, replicas: int = 1, autoscale: tuple[int, int] | None = None, num_cpus: float | None = None,
+              max_batch: int = 8, max_queue: int = 64, api_key: str | None = None, model_name: str | None = None,
+              threads: int | None = None, max_context: int | None = None, prefill_chunk: int | None = None,
+              max_body_bytes: int = 4 << 20) -> serve.Application:
+    """The Serve application: `replicas` copies (or `autoscale` = (min, max) on ongoing requests), each loading
+    `bundle` with these server settings (specexport serve's) and `num_cpus` cores (default: its threads, or 1)."""
+    path = str(Path(bundle).resolve())
+    settings = dict(max_batch=max_batch, max_queue=max_queue, api_key=api_key,
+                    model_name=model_name or Path(path).name, threads=threads, max_context=max_context,
+                    prefill_chunk=prefill_chunk, max_body_bytes=max_body_bytes)
+
+    def replica_app():
+        from specexport.serve.server import open_app  # on the replica
+
+        return open_app(path, **settings)
+
+    options = dict(name=DEPLOYMENT, max_ongoing_requests=max_batch + max_queue,
+                   ray_actor_options={"num_cpus": num_cpus if num_cpus is not None else (threads or 1)},
+                   graceful_shutdown_timeout_s=60)
+    if autoscale is not None:
+        low, high = autoscale
+        options["autoscaling_config"] = {"min_replicas": low, "initial_replicas": low, "max_replicas": high,
+                                         "target_ongoing_requests": max_batch, "upscale_delay_s": 2,
+                                         "downscale_delay_s": 10}
+    else:
+        options["num_replicas"] = replicas
+
+    @serve.deployment(**options)
+    @serve.ingress(replica_app)
+    class Replica:
+        pass
+
+    return Replica.bind()
+
+
+def deploy(app: serve.Application, timeout: float) -> None:
+    """serve.run with a deadline: replicas that cannot be placed (more CPUs than the cluster has) or that fail to
+    start are one line (run() then removes the application: nothing half-deployed is left)."""
+    failure: list[BaseException] = []
+    runner = threading.Thread(target=lambda: _run_into(app, failure), daemon=True)
+    runner.start()
+    runner.join(timeout)
+    if runner.is_alive() or failure:
+        why = f"not running after {timeout:g} s (are there enough CPUs for every replica?)" if not failure else \
+            str(failure[0]).strip().splitlines()[-1][:300]
+        raise UserError(f"the Ray deployment failed: {why}")
+
+
+def _run_into(app, failure: list) -> None:
+    try:
+        serve.run(app, name=DEPLOYMENT, route_prefix="/")
+    except Exception as e:  # noqa: BLE001 - reported by deploy()
+        failure.append(e)
+
+
+def run(bundle, host: str, port: int, address: str | None, on_ready, start_timeout: float = 300,
+        **app_options) -> None:
+    """Deploy build_app(bundle, ...) on Ray (a local instance on this machine unless `address` names a cluster) with
+    the proxy on host:port; block until SIGTERM/SIGINT, then shut Serve down (Ray drains the replicas)."""
+    import ray
+
+    for name in ("ray", "ray.serve"):  # Ray's progress lines stay in its logs; the CLI says what matters
+        logging.getLogger(name).setLevel(logging.ERROR)
+    if address is None:  # a private local instance, on loopback only (and no token written to ~/.ray)
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
+                 num_cpus=os.cpu_count(), logging_level=logging.ERROR)
+    else:
+        ray.init(address=address, log_to_driver=False, logging_level=logging.ERROR)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        deploy(build_app(bundle, **app_options), start_timeout)
+        on_ready(f"http://{host}:{port}")
+        stop.wait()
+        print("draining: Ray shuts the replicas down after their requests", file=sys.stderr)
+    finally:
+        if address is None:  # our own instance: all of it goes
+            serve.shutdown()
+        else:  # a shared cluster: only our application
+            try:
+                serve.delete(DEPLOYMENT)
+            except Exception as e:  # noqa: BLE001
+                print(f"warning: the application {DEPLOYMENT} may be left on the cluster: {e}", file=sys.stderr)
+        ray.shutdown()

@@ -1,0 +1,83 @@
+"""`specexport serve --ray`: a real local Ray instance (on loopback) running replicas of the OpenAI app behind Ray
+Serve's proxy, driven by the official `openai` client. Skipped where the ray extra is not installed."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import threading
+
+import pytest
+from conftest import method_export
+from served import SPECEXPORT, Served
+
+from specexport.exporter.export import ExportOptions, export_bundle
+from specexport.runtime.generate import Engine
+
+pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+PROMPTS = ["the cat sat on the mat, the cat sat on", "hello there hello there", "abcabcabc abc",
+           "a prompt about ships and the sea and the wind"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ray") / "tiny-ngram"
+    options = ExportOptions(max_context=256, validate=False, **method_export("ngram", draft_length=4, max_matches=2))
+    export_bundle(str(tiny_folder), out, options, quiet=True)
+    return out
+
+
+def test_two_replicas_behind_one_endpoint(bundle):
+    """Two replicas (half a CPU each) behind Ray's proxy: concurrent greedy requests, streamed and not, each equal
+    to the engine's batch-1 output, answered by both replicas (X-Served-By); SIGTERM shuts it all down, exit 0."""
+    engine = Engine.load(bundle, threads=1)
+    with Served(bundle, "--ray", "--replicas", "2", "--num-cpus", "0.5", "--threads", "1", port=free_port(),
+                start_timeout=300) as served:
+        api = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        answers, served_by = {}, []
+
+        def ask(i):
+            prompt = PROMPTS[i % len(PROMPTS)]
+            raw = api.completions.with_raw_response.create(model="tiny-ngram", prompt=prompt, max_tokens=24,
+                                                           temperature=0)
+            served_by.append(raw.headers["x-served-by"])
+            answers[i] = (prompt, raw.parse().choices[0].text)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        for prompt, text in answers.values():
+            assert text == engine.generate(prompt, max_new_tokens=24, chat=False).text
+        assert len(answers) == 12 and len(set(served_by)) == 2, served_by
+        streamed = "".join(e.choices[0].delta.content or "" for e in api.chat.completions.create(
+            model="tiny-ngram", messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=24, temperature=0,
+            stream=True))
+        assert streamed == engine.generate(PROMPTS[0], max_new_tokens=24).text
+        with pytest.raises(openai.BadRequestError, match="n is not supported"):
+            api.completions.create(model="tiny-ngram", prompt="x", n=2)
+        assert served.stop(timeout=120) == 0
+
+
+def test_ray_options_and_placement_are_one_line(bundle):
+    for args, match in [(["--replicas", "2"], "--replicas need --ray"),
+                        (["--ray", "--replicas", "2", "--autoscale", "1:2"], "give --replicas or --autoscale"),
+                        (["--ray", "--autoscale", "3:1"], "--autoscale takes MIN:MAX")]:
+        result = subprocess.run([SPECEXPORT, "serve", bundle, *args], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 1 and match in result.stderr.strip().splitlines()[-1], result.stderr
+    # more CPUs per replica than this machine has: refused after --start-timeout, nothing left running
+    result = subprocess.run([SPECEXPORT, "serve", bundle, "--ray", "--replicas", "2", "--num-cpus", "64",
+                             "--port", str(free_port()), "--start-timeout", "20"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("Error: the Ray deployment failed: not running after 20 s")
