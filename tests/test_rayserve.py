@@ -3,8 +3,11 @@ Serve's proxy, driven by the official `openai` client. Skipped where the ray ext
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import threading
 
 import pytest
@@ -14,6 +17,8 @@ from served import SPECEXPORT, Served
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.runtime.generate import Engine
 
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # this process's Ray nodes on loopback (read at import)
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -67,6 +72,44 @@ def test_two_replicas_behind_one_endpoint(bundle):
         with pytest.raises(openai.BadRequestError, match="n is not supported"):
             api.completions.create(model="tiny-ngram", prompt="x", n=2)
         assert served.stop(timeout=120) == 0
+
+
+def test_a_two_node_cluster_serves_from_both_nodes(bundle, monkeypatch):
+    """A simulated cluster of two nodes on this machine (loopback, one CPU each): `--address` joins it, one replica
+    lands on each node, and requests through the single endpoint are answered by both nodes."""
+    from ray.cluster_utils import Cluster
+
+    short = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay under 107 bytes
+    monkeypatch.setenv("RAY_TMPDIR", short)
+    monkeypatch.setenv("RAY_SERVE_PROXY_PREFER_LOCAL_NODE_ROUTING", "0")  # the head's proxy spreads over both nodes
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                            "node_ip_address": "127.0.0.1"})
+    try:
+        cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        engine = Engine.load(bundle, threads=1)
+        with Served(bundle, "--ray", "--replicas", "2", "--num-cpus", "1", "--threads", "1", "--address",
+                    cluster.address, port=free_port(), start_timeout=300) as served:
+            api = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=120)
+            nodes, texts = [], []
+
+            def ask(i):
+                raw = api.completions.with_raw_response.create(model="tiny-ngram", prompt=PROMPTS[i % 4],
+                                                               max_tokens=16, temperature=0)
+                nodes.append(raw.headers["x-served-by"].split("/")[0])
+                texts.append((PROMPTS[i % 4], raw.parse().choices[0].text))
+
+            threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=300)
+            assert len(texts) == 16 and all(text == engine.generate(p, max_new_tokens=16, chat=False).text
+                                            for p, text in texts)
+            assert len(set(nodes)) == 2, nodes  # both nodes answered
+            assert served.stop(timeout=120) == 0
+    finally:
+        cluster.shutdown()
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def test_ray_options_and_placement_are_one_line(bundle):

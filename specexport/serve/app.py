@@ -41,6 +41,7 @@ class ServeConfig:
     api_key: str | None = None
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 1
+    served_by: str = field(default_factory=lambda: f"{socket.gethostname()}/{os.getpid()}")  # X-Served-By
 
 
 @dataclass
@@ -72,7 +73,7 @@ def build_app(engine: Engine, scheduler: Scheduler, config: ServeConfig) -> Fast
         scheduler.close()  # the server (uvicorn, a Ray replica) is shutting down
 
     app = FastAPI(title="specexport", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
-    app.add_middleware(AccessLog)
+    app.add_middleware(AccessLog, served_by=config.served_by)
     app.state.serve = state
     created = int(time.time())
 
@@ -149,9 +150,8 @@ class AccessLog:
     `X-Served-By`: the host and process that answered, one of several replicas behind Ray) and one JSON line in the
     log when it ends (status, time, and what the route noted: tokens, finish reasons, error)."""
 
-    def __init__(self, app):
-        self.app = app
-        self.served_by = f"{socket.gethostname()}/{os.getpid()}".encode()
+    def __init__(self, app, served_by: str):
+        self.app, self.served_by = app, served_by.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

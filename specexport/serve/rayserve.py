@@ -17,8 +17,6 @@ import sys
 import threading
 from pathlib import Path
 
-from ray import serve
-
 from specexport.errors import UserError
 
 DEPLOYMENT = "specexport"
@@ -27,18 +25,24 @@ DEPLOYMENT = "specexport"
 def build_app(bundle, replicas: int = 1, autoscale: tuple[int, int] | None = None, num_cpus: float | None = None,
               max_batch: int = 8, max_queue: int = 64, api_key: str | None = None, model_name: str | None = None,
               threads: int | None = None, max_context: int | None = None, prefill_chunk: int | None = None,
-              max_body_bytes: int = 4 << 20) -> serve.Application:
-    """The Serve application: `replicas` copies (or `autoscale` = (min, max) on ongoing requests), each loading
-    `bundle` with these server settings (specexport serve's) and `num_cpus` cores (default: its threads, or 1)."""
+              max_body_bytes: int = 4 << 20):
+    """The Serve application (a `ray.serve.Application`): `replicas` copies (or `autoscale` = (min, max) on ongoing
+    requests), each loading `bundle` with these server settings (specexport serve's) and `num_cpus` cores (default:
+    its threads, or 1)."""
+    from ray import serve
+
     path = str(Path(bundle).resolve())
     settings = dict(max_batch=max_batch, max_queue=max_queue, api_key=api_key,
                     model_name=model_name or Path(path).name, threads=threads, max_context=max_context,
                     prefill_chunk=prefill_chunk, max_body_bytes=max_body_bytes)
 
     def replica_app():
+        import ray
+
         from specexport.serve.server import open_app  # on the replica
 
-        return open_app(path, **settings)
+        node = ray.get_runtime_context().get_node_id()[:12]
+        return open_app(path, served_by=f"{node}/{os.getpid()}", **settings)
 
     options = dict(name=DEPLOYMENT, max_ongoing_requests=max_batch + max_queue,
                    ray_actor_options={"num_cpus": num_cpus if num_cpus is not None else (threads or 1)},
@@ -59,9 +63,10 @@ def build_app(bundle, replicas: int = 1, autoscale: tuple[int, int] | None = Non
     return Replica.bind()
 
 
-def deploy(app: serve.Application, timeout: float) -> None:
+def deploy(app, timeout: float) -> None:
     """serve.run with a deadline: replicas that cannot be placed (more CPUs than the cluster has) or that fail to
     start are one line (run() then removes the application: nothing half-deployed is left)."""
+
     failure: list[BaseException] = []
     runner = threading.Thread(target=lambda: _run_into(app, failure), daemon=True)
     runner.start()
@@ -73,6 +78,8 @@ def deploy(app: serve.Application, timeout: float) -> None:
 
 
 def _run_into(app, failure: list) -> None:
+    from ray import serve
+
     try:
         serve.run(app, name=DEPLOYMENT, route_prefix="/")
     except Exception as e:  # noqa: BLE001 - reported by deploy()
@@ -83,13 +90,15 @@ def run(bundle, host: str, port: int, address: str | None, on_ready, start_timeo
         **app_options) -> None:
     """Deploy build_app(bundle, ...) on Ray (a local instance on this machine unless `address` names a cluster) with
     the proxy on host:port; block until SIGTERM/SIGINT, then shut Serve down (Ray drains the replicas)."""
+    if address is None:  # a private local instance on loopback only (read when ray is imported), no token in ~/.ray
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
+    from ray import serve
 
     for name in ("ray", "ray.serve"):  # Ray's progress lines stay in its logs; the CLI says what matters
         logging.getLogger(name).setLevel(logging.ERROR)
-    if address is None:  # a private local instance, on loopback only (and no token written to ~/.ray)
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if address is None:
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, log_to_driver=False,
                  num_cpus=os.cpu_count(), logging_level=logging.ERROR)
     else:
@@ -98,7 +107,7 @@ def run(bundle, host: str, port: int, address: str | None, on_ready, start_timeo
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})  # one endpoint
         deploy(build_app(bundle, **app_options), start_timeout)
         on_ready(f"http://{host}:{port}")
         stop.wait()

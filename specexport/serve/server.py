@@ -75,9 +75,10 @@ def warm_up(scheduler: Scheduler) -> None:
 
 def open_app(bundle, max_batch: int = 8, max_queue: int = 64, api_key: str | None = None,
              model_name: str | None = None, threads: int | None = None, prefill_chunk: int | None = None,
-             max_body_bytes: int = 4 << 20, max_context: int | None = None):
+             max_body_bytes: int = 4 << 20, max_context: int | None = None, served_by: str | None = None):
     """The app over `bundle`, ready: the engine loaded, its scheduler started and warmed up. `max_context`: prompt
-    plus new tokens per request (the bundle's by default; the KV pool holds max_batch x max_context rows)."""
+    plus new tokens per request (the bundle's by default; the KV pool holds max_batch x max_context rows);
+    `served_by`: what X-Served-By names (default host/pid)."""
     log.setLevel(logging.INFO)  # the access log, wherever the app runs (uvicorn here, a Ray replica)
     engine = Engine.load(bundle, threads=threads, device="cpu")
     for warning in engine.warnings:
@@ -90,7 +91,7 @@ def open_app(bundle, max_batch: int = 8, max_queue: int = 64, api_key: str | Non
           f"--max-batch and --max-context bound it)", file=sys.stderr)
     warm_up(scheduler)
     config = ServeConfig(model_name=model_name or engine.bundle.path.name, max_queue=max_queue, api_key=api_key,
-                         max_body_bytes=max_body_bytes)
+                         max_body_bytes=max_body_bytes, **({"served_by": served_by} if served_by else {}))
     return build_app(engine, scheduler, config)
 
 
