@@ -9,6 +9,7 @@ import socket
 import subprocess
 import tempfile
 import threading
+import time
 
 import pytest
 from conftest import method_export
@@ -110,6 +111,37 @@ def test_a_two_node_cluster_serves_from_both_nodes(bundle, monkeypatch):
     finally:
         cluster.shutdown()
         shutil.rmtree(short, ignore_errors=True)
+
+
+def test_autoscaling_from_one_replica_to_two_and_back(bundle):
+    """--autoscale 1:2 with one sequence per replica: a burst of concurrent requests is answered by two replicas;
+    after the burst, idle past the downscale delay, requests come from one replica again."""
+    with Served(bundle, "--ray", "--autoscale", "1:2", "--max-batch", "1", "--num-cpus", "0.5", "--threads", "1",
+                port=free_port(), start_timeout=300) as served:
+        api = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        def served_by():
+            raw = api.completions.with_raw_response.create(model="tiny-ngram", prompt=PROMPTS[1], max_tokens=200,
+                                                           temperature=0)
+            return raw.headers["x-served-by"]
+
+        assert len({served_by() for _ in range(3)}) == 1  # one replica to start with
+        seen, deadline = set(), time.monotonic() + 120
+        while len(seen) < 2 and time.monotonic() < deadline:  # bursts of 8 until a second replica answers
+            burst = []
+            threads = [threading.Thread(target=lambda: burst.append(served_by())) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=300)
+            seen |= set(burst)
+        assert len(seen) == 2, seen
+        time.sleep(25)  # idle past the downscale delay (10 s) and Ray's look-back window
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and len({served_by() for _ in range(6)}) > 1:
+            time.sleep(5)
+        assert len({served_by() for _ in range(6)}) == 1
+        assert served.stop(timeout=120) == 0
 
 
 def test_ray_options_and_placement_are_one_line(bundle):
