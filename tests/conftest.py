@@ -100,6 +100,18 @@ def tiny_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_ngram_bundle(tiny_folder, tmp_path_factory):
+    """A tiny n-gram bundle named tiny-ngram (the model name its server serves; speculative, so its metrics count
+    drafts), fp32, 256 tokens of context: what the server's tests serve."""
+    from specexport.exporter.export import ExportOptions, export_bundle
+
+    out = tmp_path_factory.mktemp("served") / "tiny-ngram"
+    options = ExportOptions(max_context=256, validate=False, **method_export("ngram", draft_length=4, max_matches=2))
+    export_bundle(str(tiny_folder), out, options, quiet=True)
+    return out
+
+
+@pytest.fixture(scope="session")
 def sharegpt(tmp_path_factory):
     """A small ShareGPT file for the trainers' tests (60 training conversations)."""
     from helpers import write_sharegpt

@@ -12,10 +12,8 @@ import threading
 import time
 
 import pytest
-from conftest import method_export
 from served import SPECEXPORT, Served
 
-from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.runtime.generate import Engine
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # this process's Ray nodes on loopback (read at import)
@@ -35,11 +33,8 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def bundle(tiny_folder, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ray") / "tiny-ngram"
-    options = ExportOptions(max_context=256, validate=False, **method_export("ngram", draft_length=4, max_matches=2))
-    export_bundle(str(tiny_folder), out, options, quiet=True)
-    return out
+def bundle(tiny_ngram_bundle):
+    return tiny_ngram_bundle
 
 
 def test_two_replicas_behind_one_endpoint(bundle):

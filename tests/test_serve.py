@@ -14,10 +14,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
-from conftest import method_export
 from served import SPECEXPORT, Served
 
-from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import SamplingParams
 from specexport.serve import protocol
@@ -30,12 +28,8 @@ PROMPTS = ["the cat sat on the mat, the cat sat on", "hello there hello there", 
 
 
 @pytest.fixture(scope="module")
-def bundle(tiny_folder, tmp_path_factory):
-    """A tiny n-gram bundle (speculative: its metrics count drafts), fp32, 256 tokens of context."""
-    out = tmp_path_factory.mktemp("serve") / "tiny-ngram"
-    options = ExportOptions(max_context=256, validate=False, **method_export("ngram", draft_length=4, max_matches=2))
-    export_bundle(str(tiny_folder), out, options, quiet=True)
-    return out
+def bundle(tiny_ngram_bundle):
+    return tiny_ngram_bundle
 
 
 @pytest.fixture(scope="module")
