@@ -261,10 +261,7 @@ def _submit(state: ServerState, job: Job, prompts: list[list[int]], queue: async
     def ended(index: int):
         def on_end(request: Submitted) -> None:
             state.inflight.discard(request)
-            result = request.generation
-            reason = "error" if result is None else ("abort" if result.stop_reason == "cancelled"
-                                                     else FINISH[result.stop_reason])
-            state.metrics.finished(request, result, reason)
+            state.metrics.finished(request, request.generation, protocol.outcome(request.generation))
             post((index, None))
         return on_end
 
@@ -299,7 +296,7 @@ def _results(request: Request, state: ServerState, submitted: list[Submitted]) -
     """The ended requests' generations; an ApiError when one failed or was stopped by the server."""
     results = [r.generation for r in submitted]
     _note(request, completion_tokens=sum(r.stats.new_tokens for r in results if r is not None),
-          finish=[FINISH.get(r.stop_reason, r.stop_reason) if r is not None else "error" for r in results])
+          finish=[protocol.outcome(r) for r in results])
     failed = next((r.error for r in submitted if r.error is not None), None)
     if failed is not None:
         raise ApiError(500, f"generation failed: {failed}")

@@ -304,6 +304,13 @@ def prompt_ids(engine: Engine, job: Job, prompt) -> list[int]:
 
 
 # -- responses ---------------------------------------------------------------------------------------
+def outcome(result: Generation | None) -> str:
+    """How a request ended, as metrics and logs name it: stop, length, abort (cancelled) or error (no result)."""
+    if result is None:
+        return "error"
+    return "abort" if result.stop_reason == "cancelled" else FINISH[result.stop_reason]
+
+
 def usage(results: list[Generation]) -> dict:
     """OpenAI's usage, with the speculation's figures under EXTRAS_KEY: target steps, tokens per step (tau),
     draft tokens verified and accepted."""
