@@ -1,5 +1,6 @@
 """Throughput and latency over HTTP: `specexport serve` on each bundle (and llama.cpp's OpenAI-compatible server on
-the same GGUF, where llama-cpp-python[server] is installed) under the same closed-loop load, side by side.
+the same GGUF, where llama-cpp-python[server] is installed; and `serve --ray` with N replicas, each on its own
+private Ray instance, where --ray-replicas is given) under the same closed-loop load, side by side.
 
 Every server is started on loopback at once; then for each concurrency C, each server in turn gets C clients that
 each send their next streamed chat request as soon as the last one ends (requests per client fixed, greedy, the
@@ -8,6 +9,7 @@ same prompts for all). Printed per server and C: aggregate tokens/s, time to fir
 
     python scripts/bench_http.py --bundle smollm2-best --bundle smollm2-plain \
         --llama-python /path/to/venv/bin/python --gguf SmolLM2-135M-Instruct.Q4_1.gguf
+    python scripts/bench_http.py --bundle smollm2-best --ray-replicas 1,2 --concurrency 1,4,8
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -148,6 +151,8 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--ray-replicas", default="", help="Also serve each bundle with serve --ray and this many "
+                                                             "replicas (comma-separated; the cores split among them).")
     parser.add_argument("--json", type=Path, default=None, help="Also write the rows here.")
     args = parser.parse_args()
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
@@ -159,6 +164,14 @@ def main() -> None:
         servers.append(Server(bundle.name, [str(specexport), "serve", str(bundle), "--port", str(port),
                                             "--max-batch", str(args.max_batch), "--max-queue", "1000"],
                               port, bundle.name))
+        cores = os.cpu_count() or 1
+        for n in [int(n) for n in args.ray_replicas.split(",") if n]:
+            port = free_port()
+            servers.append(Server(f"{bundle.name}-ray{n}", [
+                str(specexport), "serve", str(bundle), "--ray", "--replicas", str(n), "--num-cpus", f"{cores / n:g}",
+                "--threads", str(max(1, cores // n)), "--port", str(port), "--max-batch", str(args.max_batch),
+                "--max-queue", "1000"], port, bundle.name,
+                env={"RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp")}))  # one private instance each
     if args.gguf is not None and args.llama_python is not None:
         port = free_port()
         servers.append(Server("llama.cpp", [args.llama_python, "-m", "llama_cpp.server", "--model", str(args.gguf),

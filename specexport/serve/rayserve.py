@@ -6,6 +6,11 @@ starts (or joins) a Ray instance, deploys it, and serves until SIGTERM or SIGINT
 a replica with a short queue (Ray's power-of-two-choices router, which compares the replicas' ongoing requests);
 autoscaling targets `max_batch` ongoing requests per replica. Every replica reads the bundle from the same path, so
 on a cluster it must be on storage every node sees.
+
+Metrics: `/metrics` through the proxy reaches whichever replica the proxy picks. Every replica also mirrors its
+Prometheus registry into Ray's metrics every few seconds (`RayMetrics`), tagged with the replica: each node's Ray
+metrics agent exports them as `ray_specexport_*` (with Ray's own `ray_serve_*`), so a Prometheus scraping every node
+sums the replicas (`sum by (finished_reason) (ray_specexport_request_success_total)`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,36 @@ from pathlib import Path
 from specexport.errors import UserError
 
 DEPLOYMENT = "specexport"
+MIRROR_PERIOD_S = 5.0
+
+
+class RayMetrics:
+    """A replica's Prometheus registry mirrored into Ray's metrics (gauges holding each sample's value, counters'
+    and histograms' cumulative ones included), tagged with the replica, every `period` seconds on a thread."""
+
+    def __init__(self, registry, replica: str, period: float = MIRROR_PERIOD_S):
+        from ray.util import metrics
+
+        self.registry, self.replica, self.period, self.gauge_type = registry, replica, period, metrics.Gauge
+        self.gauges: dict = {}
+        self.stopped = threading.Event()
+        threading.Thread(target=self._loop, name="specexport-ray-metrics", daemon=True).start()
+
+    def mirror(self) -> None:
+        for family in self.registry.collect():
+            for sample in family.samples:
+                name = sample.name.replace(":", "_")
+                if name not in self.gauges:
+                    self.gauges[name] = self.gauge_type(name, family.documentation or name,
+                                                        tag_keys=(*sorted(sample.labels), "replica"))
+                self.gauges[name].set(sample.value, tags={**sample.labels, "replica": self.replica})
+
+    def _loop(self) -> None:
+        while not self.stopped.wait(self.period):
+            try:
+                self.mirror()
+            except Exception as e:  # noqa: BLE001 - metrics never take a replica down
+                logging.getLogger("specexport.serve").warning("Ray metrics not mirrored: %s", e)
 
 
 def build_app(bundle, replicas: int = 1, autoscale: tuple[int, int] | None = None, num_cpus: float | None = None,
@@ -42,7 +77,9 @@ def build_app(bundle, replicas: int = 1, autoscale: tuple[int, int] | None = Non
         from specexport.serve.server import open_app  # on the replica
 
         node = ray.get_runtime_context().get_node_id()[:12]
-        return open_app(path, served_by=f"{node}/{os.getpid()}", **settings)
+        app = open_app(path, served_by=f"{node}/{os.getpid()}", **settings)
+        app.state.ray_metrics = RayMetrics(app.state.serve.metrics.registry, f"{node}/{os.getpid()}")
+        return app
 
     options = dict(name=DEPLOYMENT, max_ongoing_requests=max_batch + max_queue,
                    ray_actor_options={"num_cpus": num_cpus if num_cpus is not None else (threads or 1)},
@@ -109,6 +146,10 @@ def run(bundle, host: str, port: int, address: str | None, on_ready, start_timeo
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})  # one endpoint
         deploy(build_app(bundle, **app_options), start_timeout)
+        exports = sorted({f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in ray.nodes()
+                          if n.get("Alive") and n.get("MetricsExportPort")})
+        print(f"Ray's metrics (every replica's as ray_specexport_*, Ray Serve's as ray_serve_*): {' '.join(exports)}",
+              file=sys.stderr)
         on_ready(f"http://{host}:{port}")
         stop.wait()
         print("draining: Ray shuts the replicas down after their requests", file=sys.stderr)

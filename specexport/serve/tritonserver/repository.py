@@ -1,0 +1,103 @@
+"""`specexport triton BUNDLE --output REPO`: a Triton Inference Server model repository over a bundle.
+
+    REPO/NAME/config.pbtxt     Python backend, decoupled; the inputs and outputs of tritonserver/__init__.py;
+                               instance_group; parameters: the bundle, its manifest's sha256, the engine's settings
+    REPO/NAME/1/model.py       imports specexport.serve.tritonserver.model (specexport must be importable by the
+                               server's Python backend: installed in its environment)
+    REPO/NAME/1/bundle/        with --copy: the bundle itself (its files' sha256 checked at load); otherwise the
+                               config names the bundle's absolute path, which every node running the model must see
+
+The repository is written whole or not at all (fsutil.staged_output); --overwrite replaces only a repository this
+command wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from specexport.bundle import load_bundle
+from specexport.errors import UserError
+from specexport.fsutil import staged_output
+from specexport.serve.tritonserver import INPUTS, OUTPUTS
+from specexport.serve.tritonserver.model import manifest_sha256
+
+MODEL_PY = '''\
+# Written by `specexport triton`: Triton's Python backend loads this file; the model is specexport's own.
+import os
+import site
+import sys
+
+# `specexport triton-serve` names its environment's site folders here (the backend's interpreter ignores PYTHONPATH);
+# under another tritonserver, specexport is installed in the backend's own environment.
+_before = list(sys.path)
+for _folder in filter(None, os.environ.get("SPECEXPORT_SITE", "").split(os.pathsep)):
+    site.addsitedir(_folder)
+sys.path[:] = [p for p in sys.path if p not in _before] + _before
+
+from specexport.serve.tritonserver.model import TritonPythonModel  # noqa: E402,F401
+'''
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
+def write_repository(bundle, output, name: str | None = None, copy: bool = False, instances: int = 1,
+                     max_batch: int = 8, threads: int | None = None, max_context: int | None = None,
+                     prefill_chunk: int | None = None, overwrite: bool = False) -> Path:
+    """Write the repository; returns the model's folder. `instances`: model instances (each its own process,
+    engine and KV pool; the cores are shared among them: `threads` defaults to cores / instances)."""
+    loaded = load_bundle(bundle)
+    if loaded.manifest["flavour"] != "ort":
+        raise UserError(f"bundle {bundle} is a {loaded.manifest['flavour']} bundle: the Triton model runs the batched "
+                        "engine, which runs ONNX Runtime bundles (flavour ort) in this version")
+    name = name or Path(bundle).resolve().name
+    if not NAME.fullmatch(name):
+        raise UserError(f"model name {name!r}: use letters, digits, '_', '.' and '-' (at most 128, not starting "
+                        "with '.' or '-')")
+    if instances < 1 or max_batch < 1:
+        raise UserError("--instances and --max-batch must be >= 1")
+    threads = threads or max(1, (os.cpu_count() or 1) // instances)
+    source = Path(bundle).resolve()
+    with staged_output(Path(output), overwrite, "a Triton model repository written by specexport triton",
+                       is_repository) as repo:
+        version = repo / name / "1"
+        version.mkdir(parents=True)
+        (version / "model.py").write_text(MODEL_PY)
+        if copy:
+            shutil.copytree(source, version / "bundle")
+            load_bundle(version / "bundle")  # every file's sha256 against the manifest
+        parameters = {"bundle": "bundle" if copy else str(source), "manifest_sha256": manifest_sha256(source),
+                      "max_batch": max_batch, "threads": threads, "max_context": max_context or "",
+                      "prefill_chunk": prefill_chunk or ""}
+        (repo / name / "config.pbtxt").write_text(config_pbtxt(name, instances, parameters))
+    return Path(output) / name
+
+
+def config_pbtxt(name: str, instances: int, parameters: dict) -> str:
+    def tensor(entry, optional):
+        tname, dtype, dims = entry
+        return (f"  {{ name: {_quote(tname)} data_type: {dtype} dims: {dims}" + (" optional: true" if optional else "")
+                + " }")
+
+    lines = ["# Written by `specexport triton`: the bundle's batched engine behind Triton's Python backend.",
+             f"name: {_quote(name)}", 'backend: "python"', "max_batch_size: 0  # the model batches by itself",
+             "model_transaction_policy { decoupled: true }",
+             "input [", ",\n".join(tensor(e, True) for e in INPUTS), "]",
+             "output [", ",\n".join(tensor(e, False) for e in OUTPUTS), "]",
+             f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]"]
+    lines += [f"parameters {{ key: {_quote(k)} value {{ string_value: {_quote(str(v))} }} }}"
+              for k, v in parameters.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _quote(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def is_repository(folder: Path) -> bool:
+    """A repository `specexport triton` wrote: every entry a model folder whose model.py is ours."""
+    entries = list(folder.iterdir())
+    return bool(entries) and all((e / "1" / "model.py").is_file() and (e / "1" / "model.py").read_text(
+        errors="replace") == MODEL_PY for e in entries)

@@ -1,0 +1,109 @@
+"""`specexport triton`: the model repository it writes, and the Triton model's request parsing (no server here; the
+real tritonserver runs in test_tritonserver.py)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+from served import SPECEXPORT
+
+from specexport.errors import UserError
+from specexport.runtime.sampling import SamplingParams
+from specexport.serve.tritonserver import INPUTS, OUTPUTS, launch
+from specexport.serve.tritonserver.model import Job, manifest_sha256, parse
+from specexport.serve.tritonserver.repository import MODEL_PY, write_repository
+
+
+def text(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=np.object_)
+
+
+def test_parse_takes_text_or_ids_and_every_setting():
+    job = parse({"text_input": text("Hi!"), "max_tokens": np.array([7], np.int32),
+                 "temperature": np.array([0.5], np.float32), "top_p": np.array([0.9], np.float32),
+                 "top_k": np.array([3], np.int32), "seed": np.array([11], np.int64),
+                 "stop": np.array([b"\n", b"END"], dtype=np.object_), "raw": np.array([True]),
+                 "stream": np.array([True])})
+    assert job == Job("Hi!", 7, SamplingParams(temperature=0.5, top_k=3, top_p=np.float32(0.9), seed=11),
+                      ("\n", "END"), chat=False, stream=True)
+    job = parse({"input_ids": np.array([5, 6, 7], np.int32)})
+    assert job == Job([5, 6, 7], 128, SamplingParams(), (), chat=True, stream=False)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({}, "text_input or as input_ids"),
+    ({"text_input": text("a"), "input_ids": np.array([1], np.int32)}, "one of them"),
+    ({"text_input": text("")}, "text_input is empty"),
+    ({"text_input": np.array([b"\xff\xfe"], dtype=np.object_)}, "not UTF-8"),
+    ({"text_input": np.array([b"a", b"b"], dtype=np.object_)}, "one value"),
+    ({"input_ids": np.zeros((0,), np.int32)}, "non-empty"),
+    ({"text_input": text("a"), "top_p": np.array([0.0], np.float32)}, "top_p"),
+    ({"text_input": text("a"), "temperature": np.array([np.nan], np.float32)}, "finite"),
+    ({"text_input": text("a"), "seed": np.array([-2], np.int64)}, "seed"),
+    ({"text_input": text("a"), "prompt": text("b")}, "unknown input 'prompt'"),
+])
+def test_parse_names_what_is_wrong(values, message):
+    with pytest.raises(UserError, match=message):
+        parse(values)
+
+
+def test_the_repository_names_the_bundle_and_its_checksum(tiny_ngram_bundle, tmp_path):
+    model = write_repository(tiny_ngram_bundle, tmp_path / "repo", name="tiny", max_batch=4, threads=1)
+    config = (model / "config.pbtxt").read_text()
+    assert (model / "1" / "model.py").read_text() == MODEL_PY
+    assert 'backend: "python"' in config and "decoupled: true" in config and 'name: "tiny"' in config
+    for name, dtype, dims in INPUTS:
+        assert f'{{ name: "{name}" data_type: {dtype} dims: {dims} optional: true }}' in config
+    for name, dtype, dims in OUTPUTS:
+        assert f'{{ name: "{name}" data_type: {dtype} dims: {dims} }}' in config
+    assert f'key: "bundle" value {{ string_value: "{tiny_ngram_bundle.resolve()}" }}' in config
+    assert f'string_value: "{manifest_sha256(tiny_ngram_bundle)}"' in config
+    assert 'key: "max_batch" value { string_value: "4" }' in config
+
+
+def test_copy_puts_the_bundle_inside_and_overwrite_replaces_only_a_repository(tiny_ngram_bundle, tmp_path):
+    repo = tmp_path / "repo"
+    model = write_repository(tiny_ngram_bundle, repo, copy=True)
+    assert model.name == tiny_ngram_bundle.name
+    assert (model / "1" / "bundle" / "manifest.json").read_bytes() == (tiny_ngram_bundle / "manifest.json").read_bytes()
+    assert 'key: "bundle" value { string_value: "bundle" }' in (model / "config.pbtxt").read_text()
+    with pytest.raises(UserError, match="already exists"):
+        write_repository(tiny_ngram_bundle, repo)
+    write_repository(tiny_ngram_bundle, repo, name="again", overwrite=True)
+    assert sorted(p.name for p in repo.iterdir()) == ["again"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not a Triton model repository"):
+        write_repository(tiny_ngram_bundle, other, overwrite=True)
+    assert (other / "notes.txt").read_text() == "mine"
+    with pytest.raises(UserError, match="model name"):
+        write_repository(tiny_ngram_bundle, tmp_path / "r2", name="../x")
+    assert not (tmp_path / "r2").exists()
+
+
+def test_cli_bad_inputs_are_one_line(tiny_ngram_bundle, tmp_path):
+    def run(*args):
+        return subprocess.run([SPECEXPORT, *map(str, args)], capture_output=True, text=True, timeout=120)
+
+    missing = run("triton", tmp_path / "nothing", "--output", tmp_path / "repo")
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1 and "does not exist" in missing.stderr
+    assert not (tmp_path / "repo").exists()
+    ok = run("triton", tiny_ngram_bundle, "--output", tmp_path / "repo")
+    assert ok.returncode == 0, ok.stderr
+    again = run("triton", tiny_ngram_bundle, "--output", tmp_path / "repo")
+    assert again.returncode == 1 and "--overwrite" in again.stderr and again.stderr.count("\n") == 1
+    not_repo = run("triton-serve", tmp_path / "nothing")
+    assert not_repo.returncode == 1 and "not a Triton model repository" in not_repo.stderr
+    assert not_repo.stderr.count("\n") == 1
+
+
+def test_the_launcher_names_what_is_missing(monkeypatch, tmp_path):
+    monkeypatch.setattr(launch.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(UserError, match=r"specexport\[tritonserver\]"):
+        launch.pytriton_dir()
+    monkeypatch.setattr(launch.np, "__version__", "2.1.0")
+    with pytest.raises(UserError, match="numpy<2"):
+        launch.command(tmp_path, tmp_path / "ws", "127.0.0.1", 1, 2, 3)
