@@ -278,3 +278,22 @@ def test_every_replica_s_metrics_reach_ray_s_export(bundle):
             time.sleep(3)
         assert per_replica == {r: served_by.count(r) for r in set(served_by)}, (per_replica, served_by)
         assert served.stop(timeout=120) == 0
+
+
+def test_a_replica_reserves_what_its_bundle_was_built_for(bundle, tmp_path):
+    import json
+
+    from specexport.serve.rayserve import replica_resources
+
+    assert replica_resources(str(bundle), None, None) == {"num_cpus": 1}  # no profile
+    assert replica_resources(str(bundle), 0.5, 2) == {"num_cpus": 0.5}
+    assert replica_resources(str(bundle), None, 2) == {"num_cpus": 2}
+    copy = tmp_path / "profiled"
+    shutil.copytree(bundle, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["profile"] = {"hardware": {"kind": "cpu"}, "detected": {"kind": "cpu", "cores": 4}}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert replica_resources(str(copy), None, None) == {"num_cpus": 4}
+    manifest["profile"] = {"hardware": {"kind": "gpu"}, "detected": {"kind": "gpu", "cores": 32}}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert replica_resources(str(copy), None, None) == {"num_cpus": 1, "num_gpus": 1}

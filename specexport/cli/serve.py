@@ -43,7 +43,8 @@ from specexport.serve.server import serve as run_server
               help="--ray: between MIN and MAX replicas, scaled on ongoing requests (--max-batch per replica).")
 @click.option("--address", default=None, help="--ray: a Ray cluster to join (default: a local instance).")
 @click.option("--num-cpus", type=click.FloatRange(0, min_open=True), default=None,
-              help="--ray: CPUs each replica reserves (default: --threads, or 1).")
+              help="--ray: CPUs each replica reserves (default: --threads, else the cores of the machine the "
+                   "bundle's profile was chosen for, else 1).")
 @click.option("--start-timeout", type=click.FloatRange(1), default=300.0, show_default=True,
               help="--ray: seconds for every replica to start before the deployment is given up.")
 def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, drain_timeout, threads,

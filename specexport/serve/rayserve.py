@@ -63,7 +63,7 @@ def build_app(bundle, replicas: int = 1, autoscale: tuple[int, int] | None = Non
               max_body_bytes: int = 4 << 20):
     """The Serve application (a `ray.serve.Application`): `replicas` copies (or `autoscale` = (min, max) on ongoing
     requests), each loading `bundle` with these server settings (specexport serve's) and `num_cpus` cores (default:
-    its threads, or 1)."""
+    `replica_resources`)."""
     from ray import serve
 
     path = str(Path(bundle).resolve())
@@ -82,7 +82,7 @@ def build_app(bundle, replicas: int = 1, autoscale: tuple[int, int] | None = Non
         return app
 
     options = dict(name=DEPLOYMENT, max_ongoing_requests=max_batch + max_queue,
-                   ray_actor_options={"num_cpus": num_cpus if num_cpus is not None else (threads or 1)},
+                   ray_actor_options=replica_resources(path, num_cpus, threads),
                    graceful_shutdown_timeout_s=60)
     if autoscale is not None:
         low, high = autoscale
@@ -98,6 +98,21 @@ def build_app(bundle, replicas: int = 1, autoscale: tuple[int, int] | None = Non
         pass
 
     return Replica.bind()
+
+
+def replica_resources(bundle: str, num_cpus: float | None, threads: int | None) -> dict:
+    """What a replica reserves: `num_cpus` if given, else its `threads`, else the cores of the machine the bundle was
+    built for (its profile's detected hardware: its tree and settings were chosen for that many), else 1; a bundle
+    built for a GPU profile also a GPU."""
+    from specexport.bundle import load_bundle
+
+    profile = load_bundle(bundle, verify=False).manifest.get("profile") or {}
+    kind = (profile.get("hardware") or {}).get("kind")
+    cores = (profile.get("detected") or {}).get("cores") if kind == "cpu" else None
+    resources = {"num_cpus": num_cpus if num_cpus is not None else threads or cores or 1}
+    if kind == "gpu":
+        resources["num_gpus"] = 1
+    return resources
 
 
 def deploy(app, timeout: float) -> None:
