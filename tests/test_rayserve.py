@@ -142,7 +142,9 @@ def test_autoscaling_from_one_replica_to_two_and_back(bundle):
 def test_ray_options_and_placement_are_one_line(bundle):
     for args, match in [(["--replicas", "2"], "--replicas need --ray"),
                         (["--ray", "--replicas", "2", "--autoscale", "1:2"], "give --replicas or --autoscale"),
-                        (["--ray", "--autoscale", "3:1"], "--autoscale takes MIN:MAX")]:
+                        (["--ray", "--autoscale", "3:1"], "--autoscale takes MIN:MAX"),
+                        (["--detach"], "--detach need --ray"),
+                        (["--ray", "--detach"], "--detach needs --address")]:
         result = subprocess.run([SPECEXPORT, "serve", bundle, *args], capture_output=True, text=True, timeout=120)
         assert result.returncode == 1 and match in result.stderr.strip().splitlines()[-1], result.stderr
     # more CPUs per replica than this machine has: refused after --start-timeout, nothing left running
@@ -297,3 +299,76 @@ def test_a_replica_reserves_what_its_bundle_was_built_for(bundle, tmp_path):
     manifest["profile"] = {"hardware": {"kind": "gpu"}, "detected": {"kind": "gpu", "cores": 32}}
     (copy / "manifest.json").write_text(json.dumps(manifest))
     assert replica_resources(str(copy), None, None) == {"num_cpus": 1, "num_gpus": 1}
+
+
+def test_a_new_bundle_rolls_out_without_dropping_requests(bundle, tmp_path, monkeypatch):
+    """`--detach` on a cluster leaves the application running; deploying a new bundle version the same way while
+    clients stream is Ray's rolling update: every request completes with its batch-1 text, and afterwards only new
+    replicas answer."""
+    import ray
+    from ray import serve
+    from ray.cluster_utils import Cluster
+
+    short = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    monkeypatch.setenv("RAY_TMPDIR", short)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False,
+                                                            "node_ip_address": "127.0.0.1"})
+    v2 = tmp_path / "tiny-ngram-v2"
+    shutil.copytree(bundle, v2)
+    port = free_port()
+    engine = Engine.load(bundle, threads=1)
+    expected = {p: engine.generate(p, max_new_tokens=24, chat=False).text for p in PROMPTS}
+
+    def deploy(path) -> subprocess.CompletedProcess:
+        return subprocess.run([SPECEXPORT, "serve", path, "--ray", "--address", cluster.address, "--detach",
+                               "--replicas", "2", "--num-cpus", "0.5", "--threads", "1", "--port", str(port),
+                               "--served-model-name", "tiny-ngram"], capture_output=True, text=True, timeout=300)
+
+    try:
+        first = deploy(bundle)
+        assert first.returncode == 0 and "deployed the application" in first.stderr, first.stderr
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+
+        def ask(prompt, stream):
+            if stream:
+                return "".join(e.choices[0].text if e.choices else "" for e in api.completions.create(
+                    model="tiny-ngram", prompt=prompt, max_tokens=24, temperature=0, stream=True)), None
+            raw = api.completions.with_raw_response.create(model="tiny-ngram", prompt=prompt, max_tokens=24,
+                                                           temperature=0)
+            return raw.parse().choices[0].text, raw.headers["x-served-by"]
+
+        old = {ask(PROMPTS[0], False)[1] for _ in range(8)}
+        assert len(old) == 2
+        results, stop = [], threading.Event()
+
+        def client(k):
+            i = 0
+            while not stop.is_set():
+                prompt = PROMPTS[(k + i) % len(PROMPTS)]
+                try:
+                    text, _ = ask(prompt, stream=bool(i % 2))
+                    results.append(text == expected[prompt])
+                except Exception as e:  # noqa: BLE001
+                    results.append(repr(e))
+                i += 1
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        time.sleep(2)
+        second = deploy(v2)
+        time.sleep(3)
+        stop.set()
+        for t in threads:
+            t.join(timeout=300)
+        assert second.returncode == 0 and "updated the application" in second.stderr, second.stderr
+        assert len(results) > 8 and all(r is True for r in results), [r for r in results if r is not True][:3]
+        new = {ask(PROMPTS[1], False)[1] for _ in range(8)}
+        print(f"rollout: {len(results)} requests during it, all complete; replicas {sorted(old)} -> {sorted(new)}")
+        assert new and not new & old, (old, new)
+    finally:
+        ray.init(address=cluster.address, logging_level="ERROR")
+        serve.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(short, ignore_errors=True)

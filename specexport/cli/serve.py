@@ -45,10 +45,14 @@ from specexport.serve.server import serve as run_server
 @click.option("--num-cpus", type=click.FloatRange(0, min_open=True), default=None,
               help="--ray: CPUs each replica reserves (default: --threads, else the cores of the machine the "
                    "bundle's profile was chosen for, else 1).")
+@click.option("--detach", is_flag=True, help="--ray --address: leave the application on the cluster and exit once it "
+                                             "runs; deploying again is a rolling update (a new bundle replaces the "
+                                             "replicas without dropping requests).")
 @click.option("--start-timeout", type=click.FloatRange(1), default=300.0, show_default=True,
               help="--ray: seconds for every replica to start before the deployment is given up.")
 def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, drain_timeout, threads,
-          prefill_chunk, max_context, max_body_bytes, on_ray, replicas, autoscale, address, num_cpus, start_timeout):
+          prefill_chunk, max_context, max_body_bytes, on_ray, replicas, autoscale, address, num_cpus, detach,
+          start_timeout):
     """Serve a bundle behind an OpenAI-compatible API (chat and text completions, streaming, /v1/models), with
     /health, /ready and Prometheus /metrics. Requests are batched on one engine (continuous batching); SIGTERM or
     Ctrl-C drains them and exits 0.
@@ -71,7 +75,8 @@ def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, 
 
     options = dict(max_batch=max_batch, max_queue=max_queue, api_key=api_key, model_name=served_model_name,
                    threads=threads, prefill_chunk=prefill_chunk, max_context=max_context, max_body_bytes=max_body_bytes)
-    ray_only = {"--replicas": replicas, "--autoscale": autoscale, "--address": address, "--num-cpus": num_cpus}
+    ray_only = {"--replicas": replicas, "--autoscale": autoscale, "--address": address, "--num-cpus": num_cpus,
+                "--detach": detach or None}
     if not on_ray:
         given = [name for name, value in ray_only.items() if value is not None]
         if given:
@@ -86,6 +91,7 @@ def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, 
         needs_extra("serve --ray", "ray", e)
     rayserve.run(bundle, host=host, port=port or 8000, address=address, on_ready=ready, replicas=replicas or 1,
                  autoscale=_range(autoscale) if autoscale else None, num_cpus=num_cpus, start_timeout=start_timeout,
+                 detach=detach,
                  **options)
 
 

@@ -139,9 +139,16 @@ def _run_into(app, failure: list) -> None:
 
 
 def run(bundle, host: str, port: int, address: str | None, on_ready, start_timeout: float = 300,
-        **app_options) -> None:
+        detach: bool = False, **app_options) -> None:
     """Deploy build_app(bundle, ...) on Ray (a local instance on this machine unless `address` names a cluster) with
-    the proxy on host:port; block until SIGTERM/SIGINT, then shut Serve down (Ray drains the replicas)."""
+    the proxy on host:port; block until SIGTERM/SIGINT, then shut Serve down (Ray drains the replicas).
+
+    `detach` (a cluster only): return once deployed, leaving the application on the cluster. Deploying again (a new
+    bundle, other settings) is Ray's rolling update: new replicas start, the proxy moves to them as they become
+    ready, and the old ones finish their requests before they stop (up to 60 s); a failed update leaves the running
+    replicas alone. Ray's own `serve shutdown` removes it."""
+    if detach and address is None:
+        raise UserError("--detach needs --address: a private local instance ends with this process")
     if address is None:  # a private local instance on loopback only (read when ray is imported), no token in ~/.ray
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -158,18 +165,28 @@ def run(bundle, host: str, port: int, address: str | None, on_ready, start_timeo
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    leave = False  # whether the application stays on the cluster when this returns
     try:
         serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})  # one endpoint
+        running = DEPLOYMENT in serve.status().applications
+        leave = detach and running  # a failed update leaves the replicas that run
         deploy(build_app(bundle, **app_options), start_timeout)
+        leave = detach
         exports = sorted({f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics" for n in ray.nodes()
                           if n.get("Alive") and n.get("MetricsExportPort")})
         print(f"Ray's metrics (every replica's as ray_specexport_*, Ray Serve's as ray_serve_*): {' '.join(exports)}",
               file=sys.stderr)
         on_ready(f"http://{host}:{port}")
+        if detach:
+            print(f"{'updated' if running else 'deployed'} the application {DEPLOYMENT!r} on {address}; it stays "
+                  f"there (remove it with: serve shutdown --address ...)", file=sys.stderr)
+            return
         stop.wait()
         print("draining: Ray shuts the replicas down after their requests", file=sys.stderr)
     finally:
-        if address is None:  # our own instance: all of it goes
+        if leave:
+            pass
+        elif address is None:  # our own instance: all of it goes
             serve.shutdown()
         else:  # a shared cluster: only our application
             try:
