@@ -107,3 +107,50 @@ def test_the_launcher_names_what_is_missing(monkeypatch, tmp_path):
     monkeypatch.setattr(launch.np, "__version__", "2.1.0")
     with pytest.raises(UserError, match="numpy<2"):
         launch.command(tmp_path, tmp_path / "ws", "127.0.0.1", 1, 2, 3)
+
+
+def test_serial_runs_requests_one_at_a_time_as_batch_one(tiny_ngram_bundle):
+    """The runner of TensorRT bundles (and --no-batching): each request equals Engine.generate, its ids streamed
+    per step add up to its tokens, a cancelled one stops, a bad one raises at submit."""
+    import threading
+
+    from specexport.runtime.generate import Engine
+    from specexport.serve.tritonserver.model import Serial
+
+    engine = Engine.load(tiny_ngram_bundle, threads=1)
+    prompts = ["the cat sat on the mat, the cat sat on", "hello there hello there", "abcabcabc abc"]
+    want = [engine.generate(p, max_new_tokens=20, chat=False) for p in prompts]
+    serial = Serial(engine)
+    try:
+        streamed = [[] for _ in prompts]
+        ended = threading.Semaphore(0)
+        requests = [serial.submit(p, max_new_tokens=20, chat=False, on_tokens=streamed[i].extend,
+                                  on_end=lambda r: ended.release()) for i, p in enumerate(prompts)]
+        for r, w, ids in zip(requests, want, streamed):
+            got = r.result(timeout=120)
+            assert (got.tokens, got.text, got.stop_reason) == (w.tokens, w.text, w.stop_reason) and ids == w.tokens
+        for _ in prompts:
+            assert ended.acquire(timeout=10)
+        with pytest.raises(UserError, match="max_new_tokens"):
+            serial.submit("x", max_new_tokens=0)
+        slow = serial.submit(prompts[0], max_new_tokens=200, chat=False, on_tokens=lambda ids: slow.cancel())
+        assert slow.result(timeout=120).stop_reason == "cancelled"
+    finally:
+        serial.close()
+
+
+def test_a_tensorrt_bundle_gets_a_gpu_per_instance_and_no_batching(tiny_ngram_bundle, tmp_path):
+    import json
+    import shutil
+
+    copy = tmp_path / "trt-like"
+    shutil.copytree(tiny_ngram_bundle, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["flavour"] = "trt"  # what the repository reads of it (the engines themselves need a GPU)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    model = write_repository(copy, tmp_path / "repo", instances=2)
+    config = (model / "config.pbtxt").read_text()
+    assert "instance_group [ { count: 2 kind: KIND_GPU } ]" in config
+    assert 'key: "batching" value { string_value: "false" }' in config
+    model = write_repository(tiny_ngram_bundle, tmp_path / "repo2", batching=False)
+    assert 'key: "batching" value { string_value: "false" }' in (model / "config.pbtxt").read_text()

@@ -72,9 +72,10 @@ class Triton:
         except urllib.error.HTTPError as e:
             return e.code, e.read()
 
-    def counters(self) -> dict[str, float]:
+    def counters(self, model: str = MODEL) -> dict[str, float]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10).read().decode()
-        return {m[0]: float(m[1]) for m in re.findall(r"^(specexport_\w+)\{[^}]*\} (\S+)$", text, re.M)}
+        return {m[0]: float(m[2]) for m in re.findall(r"^(specexport_\w+)\{([^}]*)\} (\S+)$", text, re.M)
+                if f'model="{model}"' in m[1]}
 
     def stop(self) -> int:
         self.process.send_signal(signal.SIGTERM)
@@ -97,6 +98,11 @@ def server(tiny_ngram_bundle, tmp_path_factory):
     made = subprocess.run([SPECEXPORT, "triton", tiny_ngram_bundle, "--output", repo, "--name", MODEL, "--copy",
                            "--max-batch", "4", "--threads", "1"], capture_output=True, text=True, timeout=120)
     assert made.returncode == 0, made.stderr
+    serial = repo.parent / "serial"  # a second model beside it: the same bundle, requests one at a time
+    made = subprocess.run([SPECEXPORT, "triton", tiny_ngram_bundle, "--output", serial, "--name", "tiny-serial",
+                           "--no-batching", "--threads", "1"], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    (serial / "tiny-serial").rename(repo / "tiny-serial")
     triton = Triton(repo)
     yield triton
     assert triton.stop() == 0  # SIGTERM: Triton unloads the model (its scheduler closes) and exits 0
@@ -299,3 +305,24 @@ def test_real_smollm2_on_triton_equals_specexport_run(real_smol_ngram, tmp_path)
             assert "".join(e["text_output"] for e in events) == run["text"]
     finally:
         assert triton.stop() == 0
+
+
+def test_a_model_without_batching_serves_streams_one_at_a_time(server, engine):
+    """--no-batching (what a bundle of TensorRT engines gets): concurrent gRPC streams each equal batch 1, every
+    target call carries one sequence."""
+    url, before = f"127.0.0.1:{server.grpc}", server.counters("tiny-serial")
+    outs = [None] * 3
+
+    def one(k):
+        outs[k] = grpc_stream(url, PROMPTS[k], 16, model="tiny-serial")
+
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    for prompt, out in zip(PROMPTS, outs):
+        assert (out["ids"], out["text"], out["finish"]) == expected(engine, prompt, 16), out
+    after = server.counters("tiny-serial")
+    calls = after["specexport_target_calls_total"] - before.get("specexport_target_calls_total", 0)
+    assert calls > 0 and after["specexport_sequences_total"] - before.get("specexport_sequences_total", 0) == calls

@@ -26,8 +26,11 @@ from specexport.serve.tritonserver.repository import write_repository
 @click.option("--max-context", type=click.IntRange(2), default=None,
               help="Prompt plus new tokens per request (default: the bundle's); the KV cache holds --max-batch x this.")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=None, help="Prompt tokens fed per step.")
+@click.option("--no-batching", is_flag=True, help="Run an instance's requests one at a time (always so for a bundle of "
+                                                  "TensorRT engines, batch 1 in this version).")
 @click.option("--overwrite", is_flag=True, help="Replace a repository this command wrote before.")
-def triton(bundle, output, name, copy, instances, max_batch, threads, max_context, prefill_chunk, overwrite):
+def triton(bundle, output, name, copy, instances, max_batch, threads, max_context, prefill_chunk, no_batching,
+           overwrite):
     """Write a Triton Inference Server model repository serving BUNDLE: a decoupled Python-backend model with the
     batched engine inside (text or token ids in; text, ids, finish reason and tau out; streamed with stream=true).
 
@@ -39,7 +42,7 @@ def triton(bundle, output, name, copy, instances, max_batch, threads, max_contex
     """
     model = write_repository(bundle, output, name=name, copy=copy, instances=instances, max_batch=max_batch,
                              threads=threads, max_context=max_context, prefill_chunk=prefill_chunk,
-                             overwrite=overwrite)
+                             batching=not no_batching, overwrite=overwrite)
     click.echo(f"wrote {model} (model {model.name}); serve it with: specexport triton-serve {output}")
 
 

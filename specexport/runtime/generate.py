@@ -272,9 +272,10 @@ class Engine:
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] | None = None, chat: bool = True,
-                 on_text=None, plain: bool = False, on_step=None, cancel=None) -> Generation:
+                 on_text=None, plain: bool = False, on_step=None, cancel=None, on_tokens=None) -> Generation:
         """Generate up to `max_new_tokens` with the bundle's method (`plain`: plain decoding). `on_text(text)`
-        streams the text as it is accepted; `on_step(StepRecord)` sees every step. `cancel`: a threading.Event or a
+        streams the text as it is accepted, `on_tokens(ids)` the token ids each step emitted (after their text);
+        `on_step(StepRecord)` sees every step. `cancel`: a threading.Event or a
         callable returning True to stop, checked before each step, after the tokens of the previous one (or the
         prefill's token) are all emitted; generation then stops with stop_reason "cancelled" and keeps what it has."""
         cancelled = getattr(cancel, "is_set", cancel) or (lambda: False)
@@ -286,10 +287,17 @@ class Engine:
         stats = Stats(prompt_tokens=len(ids))
         output = Output(self.tokenizer, stop, stop_ids, max_new_tokens, budget, on_text)
 
+        def emit(tokens) -> bool:
+            before = len(output.tokens)
+            ended = output.emit(tokens) is not None
+            if on_tokens is not None:
+                on_tokens(output.tokens[before:])
+            return ended
+
         start = time.perf_counter()
         pending = [sampler(self.prefill(cache, ids, proposer))]
         stats.ttft_s = time.perf_counter() - start
-        while not output.emit(pending):
+        while not emit(pending):
             if cancelled():
                 output.reason = "cancelled"
                 break

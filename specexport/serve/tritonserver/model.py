@@ -1,7 +1,8 @@
 """The Python-backend model Triton Inference Server runs for a bundle (a repository's `1/model.py` imports it).
 
 Decoupled: `execute` submits each request to the model instance's scheduler (runtime/scheduler.py: continuous
-batching, so concurrent requests share target calls) and returns at once; the scheduler's thread sends the responses.
+batching, so concurrent requests share target calls; `Serial` for TensorRT engines, batch 1 in this version, or a
+repository written with --no-batching) and returns at once; the scheduler's thread sends the responses.
 With `stream` true a response goes out per step that emitted tokens (its text piece and ids), then a last one with
 the finish reason and tau; otherwise one response holds everything. Each request's last response carries
 TRITONSERVER_RESPONSE_COMPLETE_FINAL. A bad request gets a Triton error (INVALID_ARG) and harms no other; a request
@@ -9,14 +10,17 @@ whose client has gone (a cancelled gRPC stream) is cancelled at its next step.
 
 The repository's config.pbtxt parameters say what to load: `bundle` (a path, relative to the model's version
 folder when copied), `manifest_sha256` (the manifest the repository was written for: a bundle rebuilt at the same
-path is refused), and the engine's `max_batch`, `threads`, `max_context`, `prefill_chunk`.
+path is refused), `batching`, and the engine's `max_batch`, `threads`, `max_context`, `prefill_chunk`. A bundle of
+TensorRT engines loads on the GPU (written to the TensorRT backend's API; not run here, where there is no GPU).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import queue
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,17 +125,25 @@ class TritonPythonModel:
         def setting(name):
             return int(params[name]) if params.get(name) else None
 
-        self.engine = Engine.load(bundle, threads=setting("threads"), device="cpu")
+        device = "cpu" if self.engine_flavour(bundle) == "ort" else "auto"  # TensorRT engines: the GPU
+        self.engine = Engine.load(bundle, threads=setting("threads"), device=device)
         for warning in self.engine.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         if setting("max_context"):
             self.engine.limit_context(setting("max_context"))
-        self.scheduler = Scheduler(self.engine, max_batch=setting("max_batch") or 8,
-                                   prefill_chunk=setting("prefill_chunk"))
+        if params.get("batching", "true") == "true" and hasattr(self.engine.target, "new_pool"):
+            self.scheduler = Scheduler(self.engine, max_batch=setting("max_batch") or 8,
+                                       prefill_chunk=setting("prefill_chunk"))
+        else:  # TensorRT engines (batch 1), or a repository written with --no-batching
+            self.scheduler = Serial(self.engine)
         for request in [self.scheduler.submit("Hello", max_new_tokens=4, chat=False, stop_ids=()) for _ in range(2)]:
             request.result(timeout=600)  # the first calls (alone, batched) allocate before any client waits
         self.metrics = _Metrics(pb_utils, self.scheduler, {"model": args["model_name"],
                                                            "instance": args["model_instance_name"]})
+
+    @staticmethod
+    def engine_flavour(bundle: Path) -> str:
+        return json.loads((bundle / "manifest.json").read_text())["flavour"]
 
     def execute(self, requests):
         for request in requests:
@@ -155,12 +167,81 @@ class TritonPythonModel:
         sender.send(self.pb.InferenceResponse(error=error), flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
+class Serial:
+    """Requests one at a time on `Engine.generate`, on a thread of its own, behind the scheduler's `submit` (as far as
+    the model uses it): for bundles the batched scheduler does not run (TensorRT engines, batch 1 in this version)
+    and repositories written with --no-batching. Later requests wait their turn."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.on_step = engine, None
+        self.running: list[SerialRequest] = []
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name="specexport-serial", daemon=True)
+        self.thread.start()
+
+    @property
+    def active(self) -> int:
+        return self.queue.qsize() + len(self.running)
+
+    def submit(self, prompt, max_new_tokens: int = 128, sampling: SamplingParams | None = None,
+               stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] | None = None, chat: bool = True,
+               on_text=None, on_end=None, on_tokens=None) -> "SerialRequest":
+        self.engine.request(prompt, max_new_tokens, stop, chat)  # a bad request raises here, never queued
+        request = SerialRequest(on_end)
+        self.queue.put((request, dict(prompt=prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop,
+                                      stop_ids=stop_ids, chat=chat, on_text=on_text, on_tokens=on_tokens)))
+        return request
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+        while not self.queue.empty():
+            item = self.queue.get()
+            if item is not None:
+                item[0].finish(None, "the model is unloading")
+
+    def _loop(self) -> None:
+        while (item := self.queue.get()) is not None:
+            request, job = item
+            self.running.append(request)
+            try:
+                on_step = (lambda record: self.on_step(1, len(record.tree))) if self.on_step else None
+                request.finish(self.engine.generate(**job, cancel=request.cancelled, on_step=on_step))
+            except Exception as e:  # noqa: BLE001 - a failure ends its request only
+                request.finish(None, first_line(e))
+            finally:
+                self.running.clear()
+
+
+class SerialRequest:
+    """A request of `Serial`: cancel(), result(), and what `on_end` reads (generation, error)."""
+
+    def __init__(self, on_end=None):
+        self.on_end, self.cancelled, self.ended = on_end, threading.Event(), threading.Event()
+        self.generation: Generation | None = None
+        self.error: str | None = None
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def finish(self, generation: Generation | None, error: str | None = None) -> None:
+        self.generation, self.error = generation, error
+        self.ended.set()
+        if self.on_end is not None:
+            self.on_end(self)
+
+    def result(self, timeout: float | None = None) -> Generation:
+        if not self.ended.wait(timeout) or self.error is not None:
+            raise UserError(self.error or f"no result after {timeout} s")
+        return self.generation
+
+
 class _Metrics:
     """The engine's own figures on Triton's /metrics (next to Triton's nv_inference_*): requests running and waiting
     (a queue metric to scale on), target calls, the sequences and rows they computed (sequences / calls: how many
     requests shared a call), and the tokens generated."""
 
-    def __init__(self, pb_utils, scheduler: Scheduler, labels: dict):
+    def __init__(self, pb_utils, scheduler: Scheduler | Serial, labels: dict):
         self.families = []  # kept while their metrics live (Triton refuses a metric whose family is gone)
 
         def metric(name, kind, description):

@@ -1,7 +1,8 @@
 """`specexport triton BUNDLE --output REPO`: a Triton Inference Server model repository over a bundle.
 
     REPO/NAME/config.pbtxt     Python backend, decoupled; the inputs and outputs of tritonserver/__init__.py;
-                               instance_group; parameters: the bundle, its manifest's sha256, the engine's settings
+                               instance_group (CPU; a GPU each for a bundle of TensorRT engines); parameters: the
+                               bundle, its manifest's sha256, batching, the engine's settings
     REPO/NAME/1/model.py       imports specexport.serve.tritonserver.model (specexport must be importable by the
                                server's Python backend: installed in its environment)
     REPO/NAME/1/bundle/        with --copy: the bundle itself (its files' sha256 checked at load); otherwise the
@@ -45,13 +46,13 @@ NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
 def write_repository(bundle, output, name: str | None = None, copy: bool = False, instances: int = 1,
                      max_batch: int = 8, threads: int | None = None, max_context: int | None = None,
-                     prefill_chunk: int | None = None, overwrite: bool = False) -> Path:
+                     prefill_chunk: int | None = None, batching: bool = True, overwrite: bool = False) -> Path:
     """Write the repository; returns the model's folder. `instances`: model instances (each its own process,
-    engine and KV pool; the cores are shared among them: `threads` defaults to cores / instances)."""
+    engine and KV pool; the cores are shared among them: `threads` defaults to cores / instances). `batching`:
+    concurrent requests share target calls (the batched scheduler, ONNX Runtime bundles); else, and always for a
+    bundle of TensorRT engines (one GPU per instance), an instance runs its requests one at a time."""
     loaded = load_bundle(bundle)
-    if loaded.manifest["flavour"] != "ort":
-        raise UserError(f"bundle {bundle} is a {loaded.manifest['flavour']} bundle: the Triton model runs the batched "
-                        "engine, which runs ONNX Runtime bundles (flavour ort) in this version")
+    on_gpu = loaded.manifest["flavour"] != "ort"  # TensorRT engines: a GPU per instance, requests one at a time
     name = name or Path(bundle).resolve().name
     if not NAME.fullmatch(name):
         raise UserError(f"model name {name!r}: use letters, digits, '_', '.' and '-' (at most 128, not starting "
@@ -69,13 +70,15 @@ def write_repository(bundle, output, name: str | None = None, copy: bool = False
             shutil.copytree(source, version / "bundle")
             load_bundle(version / "bundle")  # every file's sha256 against the manifest
         parameters = {"bundle": "bundle" if copy else str(source), "manifest_sha256": manifest_sha256(source),
-                      "max_batch": max_batch, "threads": threads, "max_context": max_context or "",
+                      "batching": str(batching and not on_gpu).lower(), "max_batch": max_batch, "threads": threads,
+                      "max_context": max_context or "",
                       "prefill_chunk": prefill_chunk or ""}
-        (repo / name / "config.pbtxt").write_text(config_pbtxt(name, instances, parameters))
+        (repo / name / "config.pbtxt").write_text(config_pbtxt(name, instances, parameters,
+                                                               "KIND_GPU" if on_gpu else "KIND_CPU"))
     return Path(output) / name
 
 
-def config_pbtxt(name: str, instances: int, parameters: dict) -> str:
+def config_pbtxt(name: str, instances: int, parameters: dict, kind: str = "KIND_CPU") -> str:
     def tensor(entry, optional):
         tname, dtype, dims = entry
         return (f"  {{ name: {_quote(tname)} data_type: {dtype} dims: {dims}" + (" optional: true" if optional else "")
@@ -86,7 +89,7 @@ def config_pbtxt(name: str, instances: int, parameters: dict) -> str:
              "model_transaction_policy { decoupled: true }",
              "input [", ",\n".join(tensor(e, True) for e in INPUTS), "]",
              "output [", ",\n".join(tensor(e, False) for e in OUTPUTS), "]",
-             f"instance_group [ {{ count: {instances} kind: KIND_CPU }} ]"]
+             f"instance_group [ {{ count: {instances} kind: {kind} }} ]"]
     lines += [f"parameters {{ key: {_quote(k)} value {{ string_value: {_quote(str(v))} }} }}"
               for k, v in parameters.items()]
     return "\n".join(lines) + "\n"
