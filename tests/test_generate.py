@@ -239,3 +239,22 @@ def test_prefill_logits_match_transformers(engine, hf_model):
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0, -1].numpy()
     np.testing.assert_allclose(logits, ref, atol=1e-4)
+
+
+def test_plain_bundles_verify_chains_only_and_accept_on_the_host(bundle, tmp_path):
+    """Plain decoding's target graph (ort) is chain-only with the acceptance left to the runtime (the tests above
+    show it equals transformers); a manifest that pairs such a graph with a speculative method is refused."""
+    import json
+    import shutil
+
+    from specexport.bundle import load_bundle
+
+    target = load_bundle(bundle).manifest["graphs"]["target"]
+    assert target["chain_only"] and not target["fused_accept"]
+    copy = tmp_path / "mislabelled"
+    shutil.copytree(bundle, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["method"] = {"name": "ngram", "draft_length": 4, "max_ngram": 3, "min_ngram": 2, "max_matches": 1}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="verifies chains only"):
+        Engine.load(copy, threads=1, verify=False)

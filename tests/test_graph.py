@@ -71,6 +71,22 @@ def test_fp32_matches_transformers(kind, flavour, tmp_path):
     check_report(report, max_diff=1e-4, min_top1=1.0)
 
 
+@pytest.mark.parametrize("kind", list(ARCHS))
+def test_a_chain_only_graph_matches_transformers_on_chains(kind, tmp_path):
+    """Plain decoding's graph (GQA's causal path, no tree bias): exact on prefill, decode, chains with and without
+    past, and a batch of two with per-row pasts; its prelude has no tree-mask nodes (Where, GatherElements, Pad)."""
+    s = session(model(kind), tmp_path, chain_only=True)
+    report = validate.compare(model(kind), s, chain_only=True)
+    assert set(report) == {"prefill_32+decode", "chain_no_past", "chain_after_past", "batch_2"}
+    assert max(case["max_abs_diff"] for case in report.values()) < 1e-4, report
+    import onnx
+
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "target.onnx"), load_external_data=False).graph.node}
+    assert not ops & {"GatherElements", "Pad", "Where"}, ops
+    with pytest.raises(UserError, match="chain-only"):
+        GraphOptions(flavour="onnx", chain_only=True).check(arch.dims_from_config(model(kind).config))
+
+
 # Measured on these tiny models (logit std ~1; max |diff| / mean top-1): int8 ort 0.16 / 98%, onnx 0.11 / 97%
 # (ort's DynamicQuantizeMatMul also quantizes activations; onnx's DequantizeLinear is weight-only);
 # int4 0.98 / 59% (both flavours); fp16 6e-3 / 100%. Bounds: (max |diff|, mean top-1 floor).

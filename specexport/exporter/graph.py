@@ -55,6 +55,9 @@ class GraphOptions:
     flavour: str = "ort"
     aux_layers: tuple[int, ...] = ()  # export the input of these layers (EAGLE-3 features)
     fused_accept: bool = False  # verify in the graph: greedy or sampling acceptance of the step's tree (exporter/fused.py)
+    # plain decoding's graph (ort): every step is a chain (prefill chunks, one token), so GroupQueryAttention's own
+    # causal path replaces the tree mask's bias: the graph reads only tree_mask's shape (~15 nodes fewer per step)
+    chain_only: bool = False
     # int8 weights of the ort flavour: 7 bits where this CPU's int8 kernels saturate (runtime/cpu.py)
     int8_bits: int = field(default_factory=cpu.int8_weight_bits)
 
@@ -63,6 +66,8 @@ class GraphOptions:
             raise UserError(f"unknown precision '{self.precision}'; choose from {', '.join(PRECISIONS)}")
         if self.flavour not in FLAVOURS:
             raise UserError(f"unknown graph flavour '{self.flavour}'; choose from {', '.join(FLAVOURS)}")
+        if self.chain_only and self.flavour != "ort":
+            raise UserError("chain-only step graphs are for the ort flavour (GroupQueryAttention's causal path)")
         if self.flavour == "trt" and self.precision not in TRT_PRECISIONS:
             raise UserError(f"the trt flavour takes precision fp16, bf16 or int4 (fp32 for validation), not "
                             f"{self.precision}")
@@ -341,7 +346,8 @@ class DecoderGraphBuilder:
         i when c < start, or when 0 <= c - start < K and tree_mask[i, c - start]. W: past + T (ort's GQA, which
         ignores a row's columns past its own end), the cache capacity otherwise (static for trt), where the
         columns past the row's end are hidden. One GatherElements over [visible | mask rows (| hidden)] at each
-        column's clipped offset, standard ops only: a step pays ~20 small nodes for it, not one per layer."""
+        column's clipped offset, standard ops only: a step pays ~20 small nodes for it, not one per layer. A
+        chain-only graph (plain decoding) builds no bias: the bias is "" and GQA masks causally by itself."""
         g = self.g
         ints = TensorProto.INT32 if self.ort else TensorProto.INT64  # GQA's lengths are int32
         num = lambda name, v: g.const(f"mask.{name}", np.array(v, np.int32 if self.ort else np.int64))  # noqa: E731
@@ -364,6 +370,10 @@ class DecoderGraphBuilder:
             width = g.op("Gather", [g.op("Shape", ["past_key_values.0.key"]), i64("two", 2)], axis=0)
             lengths = {"write_at": past, "kv_len": end}
         lengths["seq"] = seq64
+        cos = g.const("rope.cos", self.rope[0], compute=True)
+        sin = g.const("rope.sin", self.rope[1], compute=True)
+        if self.opt.chain_only:  # GQA's causal path: row i sees the past and the step's rows up to i, no bias
+            return cos, sin, "", lengths
         before = g.op("Sub", [end, g.op("Add", [cols, one])])  # [B]: start - 1
         rel = g.op("Sub", [g.op("Range", [zero, width, one]), g.op("Unsqueeze", [before, i64("axis1", [1])])])
         last = cols if self.ort else g.op("Add", [cols, one])  # the hidden column (ort: any, GQA ignores them)
@@ -377,8 +387,6 @@ class DecoderGraphBuilder:
         if not self.ort:
             ext = g.op("Pad", [ext, i64("pad_after", [0, 0, 0, 0, 0, 1]), hidden])
         bias = g.op("Unsqueeze", [g.op("GatherElements", [ext, index], axis=2), i64("axis1", [1])])
-        cos = g.const("rope.cos", self.rope[0], compute=True)
-        sin = g.const("rope.sin", self.rope[1], compute=True)
         return cos, sin, bias, lengths
 
     def lm_head(self, rows: str) -> str:

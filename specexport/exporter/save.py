@@ -61,6 +61,7 @@ def save_graph(proto, name: str, graph: GraphOptions, dims, folder: Path) -> dic
         "kv_capacity": _static_capacity(proto),  # the trt flavour's fixed cache length; None: any capacity
         "aux_layers": list(graph.aux_layers),
         "fused_accept": graph.fused_accept,
+        "chain_only": graph.chain_only,
         "inputs": _io(proto.graph.input),
         "outputs": _io(proto.graph.output),
     }

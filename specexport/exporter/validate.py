@@ -27,17 +27,21 @@ class Step:
     parents: list[int]  # tree of the T new tokens
 
 
-def cases(vocab: int, seed: int = 0) -> dict[str, list[Step]]:
+def cases(vocab: int, seed: int = 0, chain_only: bool = False) -> dict[str, list[Step]]:
+    """The shape classes; a chain-only graph (plain decoding) gets chains where the others get trees."""
     rng = np.random.default_rng(seed)
+    shape = tree.chain(len(TREE)).tolist() if chain_only else TREE
+    kind = "chain" if chain_only else "tree"
 
     def ids(b, t):
         return rng.integers(3, vocab, size=(b, t))
 
     return {
         "prefill_32+decode": [Step(ids(1, 32), tree.chain(32).tolist()), Step(ids(1, 1), [-1])],
-        "tree_no_past": [Step(ids(1, len(TREE)), TREE)],
-        "tree_after_past": [Step(ids(1, 20), tree.chain(20).tolist()), Step(ids(1, len(TREE)), TREE)],
-        "batch_2": [Step(ids(2, 12), tree.chain(12).tolist()), Step(ids(2, 4), [-1, 0, 0, 1])],
+        f"{kind}_no_past": [Step(ids(1, len(shape)), shape)],
+        f"{kind}_after_past": [Step(ids(1, 20), tree.chain(20).tolist()), Step(ids(1, len(shape)), shape)],
+        "batch_2": [Step(ids(2, 12), tree.chain(12).tolist()),
+                    Step(ids(2, 4), tree.chain(4).tolist() if chain_only else [-1, 0, 0, 1])],
     }
 
 
@@ -79,10 +83,10 @@ def graph_steps(session, steps: list[Step]) -> list[np.ndarray]:
     return out
 
 
-def compare(model, session, seed: int = 0) -> dict[str, dict]:
+def compare(model, session, seed: int = 0, chain_only: bool = False) -> dict[str, dict]:
     """Per case: max abs logit difference and top-1 agreement over all rows."""
     report = {}
-    for name, steps in cases(model.config.vocab_size, seed).items():
+    for name, steps in cases(model.config.vocab_size, seed, chain_only).items():
         ref, got = reference_steps(model, steps), graph_steps(session, steps)
         diff = max(float(np.abs(r - g).max()) for r, g in zip(ref, got))
         agree = np.mean(np.concatenate([(r.argmax(-1) == g.argmax(-1)).ravel() for r, g in zip(ref, got)]))
@@ -95,7 +99,7 @@ def check_graph(model, tokenizer, folder, graph_info: dict, precision: str, agre
     `agreement`, top-1 agreement with fp32 on generated text (a quantized graph)."""
     model.config._attn_implementation = "eager"  # the literal reference: the bias is added to the scores
     session = GraphSession(folder / graph_info["file"], graph_info)
-    report = {"cases": compare(model, session)}
+    report = {"cases": compare(model, session, chain_only=bool(graph_info.get("chain_only")))}
     report["max_abs_diff"] = max(case["max_abs_diff"] for case in report["cases"].values())
     if agreement:
         sequences = reference_sequences(model, tokenizer, AGREEMENT_PROMPTS, AGREEMENT_NEW_TOKENS)

@@ -120,6 +120,9 @@ class Engine:
         self.fused_accept = "accept_rows" in self.target.outputs  # greedy and sampling acceptance inside the graph
         self.method = methods.get(bundle.method)
         self.settings = self.method.settings(bundle.manifest["method"], {})
+        if bundle.manifest["graphs"]["target"].get("chain_only") and bundle.method != "none":
+            raise UserError(f"bundle {bundle.path}: its target graph verifies chains only (plain decoding's), and its "
+                            f"method is {bundle.method}: rebuild it")
         self._graphs: dict[str, Backend] = {}
 
     @classmethod

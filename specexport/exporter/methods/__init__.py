@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from specexport.errors import UserError
 from specexport.exporter.methods import draft, eagle, hybrid, medusa, suffix
-from specexport.exporter.methods.plan import ExportMethod, NoOptions, Plan
+from specexport.exporter.methods.plan import ExportMethod, NoOptions, PlainPlan, Plan
 from specexport.runtime import methods as runtime_methods
 
 METHODS: dict[str, ExportMethod] = {
-    "none": ExportMethod(NoOptions, runtime_methods.METHODS["none"], Plan),
+    "none": ExportMethod(NoOptions, runtime_methods.METHODS["none"], PlainPlan),
     "ngram": ExportMethod(NoOptions, runtime_methods.METHODS["ngram"], Plan),
     "draft": draft.METHOD,
     "medusa": medusa.METHOD,

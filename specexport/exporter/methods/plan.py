@@ -5,7 +5,7 @@ numerics and its manifest section."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specexport.exporter.graph import GraphOptions
@@ -51,6 +51,15 @@ class Plan:
     def manifest(self) -> dict:
         """Its manifest section (the name is added by the export): the run-time settings, and what it was made of."""
         return settings_dict(self.settings)
+
+
+class PlainPlan(Plan):
+    """Plain decoding: every step is a chain and greedy acceptance is one argmax, so the ort flavour's target graph
+    is chain-only (GQA's causal path, no tree bias) and leaves the acceptance to the runtime (the fused one's If
+    costs more than a host argmax over one row)."""
+
+    def graph_options(self, graph: GraphOptions) -> GraphOptions:
+        return replace(graph, chain_only=True, fused_accept=False) if graph.flavour == "ort" else graph
 
 
 def settings_dict(settings) -> dict:
