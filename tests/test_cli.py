@@ -121,7 +121,7 @@ def test_info(bundle):
     assert f"bundle       {bundle}" in out
     assert "model        tiny-llama (llama, 2 layers, hidden 64, heads 4/2, vocab 259)" in out
     assert "precision    fp32 (ort ops), context 256" in out
-    assert "checksums ok" in out and "numerics" in out and "tree_after_past" in out
+    assert "checksums ok" in out and "numerics" in out and "chain_after_past" in out  # plain: a chain-only graph
 
 
 def test_run_streams_text_then_stats(bundle):

@@ -258,3 +258,13 @@ def test_serve_runs_on_a_runtime_only_install(bundles):
     assert result.returncode == 1 and result.stderr.strip().splitlines() == [
         "Error: specexport serve needs the serve extra: pip install 'specexport[serve]' (fastapi is not installed)"], \
         result.stderr
+    result = blocked("serve", root / "none", "--ray", block=NO_EXTRAS + ",ray")
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        "Error: specexport serve --ray needs the ray extra: pip install 'specexport[ray]' (ray is not installed)"], \
+        result.stderr
+    repo = root.parent / "triton-repo"
+    assert blocked("triton", root / "none", "--output", repo).returncode == 0  # writing one needs no extra
+    result = blocked("triton-serve", repo, block=NO_EXTRAS + ",pytriton")
+    assert result.returncode == 1 and result.stderr.strip().splitlines() == [
+        "Error: specexport triton-serve needs the tritonserver extra: pip install 'specexport[tritonserver]' "
+        "(nvidia-pytriton is not installed)"], result.stderr

@@ -88,11 +88,13 @@ def test_a_two_node_cluster_serves_from_both_nodes(bundle, monkeypatch):
             api = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=120)
             nodes, texts = [], []
 
-            def ask(i):
+            def ask(i):  # every other request streamed
                 raw = api.completions.with_raw_response.create(model="tiny-ngram", prompt=PROMPTS[i % 4],
-                                                               max_tokens=16, temperature=0)
+                                                               max_tokens=16, temperature=0, stream=bool(i % 2))
                 nodes.append(raw.headers["x-served-by"].split("/")[0])
-                texts.append((PROMPTS[i % 4], raw.parse().choices[0].text))
+                parsed = raw.parse()
+                text = "".join(e.choices[0].text for e in parsed if e.choices) if i % 2 else parsed.choices[0].text
+                texts.append((PROMPTS[i % 4], text))
 
             threads = [threading.Thread(target=ask, args=(i,)) for i in range(16)]
             for t in threads:
@@ -102,6 +104,7 @@ def test_a_two_node_cluster_serves_from_both_nodes(bundle, monkeypatch):
             assert len(texts) == 16 and all(text == engine.generate(p, max_new_tokens=16, chat=False).text
                                             for p, text in texts)
             assert len(set(nodes)) == 2, nodes  # both nodes answered
+            print(f"two nodes: {dict((n, nodes.count(n)) for n in sorted(set(nodes)))} of 16 requests")
             assert served.stop(timeout=120) == 0
     finally:
         cluster.shutdown()

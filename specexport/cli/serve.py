@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 from pathlib import Path
 
@@ -87,6 +88,9 @@ def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, 
         raise UserError("give --replicas or --autoscale, not both")
     try:
         from specexport.serve import rayserve
+
+        if importlib.util.find_spec("ray") is None:  # not imported here: rayserve sets Ray's environment first
+            raise ModuleNotFoundError("No module named 'ray'", name="ray")
     except ModuleNotFoundError as e:
         needs_extra("serve --ray", "ray", e)
     rayserve.run(bundle, host=host, port=port or 8000, address=address, on_ready=ready, replicas=replicas or 1,

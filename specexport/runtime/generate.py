@@ -120,9 +120,9 @@ class Engine:
         self.fused_accept = "accept_rows" in self.target.outputs  # greedy and sampling acceptance inside the graph
         self.method = methods.get(bundle.method)
         self.settings = self.method.settings(bundle.manifest["method"], {})
-        if bundle.manifest["graphs"]["target"].get("chain_only") and bundle.method != "none":
+        if bundle.manifest["graphs"]["target"].get("chain_only") and self.method.tokens_per_step(self.settings) > 1:
             raise UserError(f"bundle {bundle.path}: its target graph verifies chains only (plain decoding's), and its "
-                            f"method is {bundle.method}: rebuild it")
+                            f"method ({bundle.method}) verifies trees: rebuild it")
         self._graphs: dict[str, Backend] = {}
 
     @classmethod

@@ -28,7 +28,10 @@ from specexport.errors import UserError
 
 
 def pytriton_dir() -> Path:
-    spec = importlib.util.find_spec("pytriton")
+    try:
+        spec = importlib.util.find_spec("pytriton")
+    except ModuleNotFoundError:  # an import hook that refuses it
+        spec = None
     if spec is None or spec.origin is None:
         raise UserError("specexport triton-serve needs the tritonserver extra: pip install 'specexport[tritonserver]' "
                         "(nvidia-pytriton is not installed)")
