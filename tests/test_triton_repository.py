@@ -154,3 +154,20 @@ def test_a_tensorrt_bundle_gets_a_gpu_per_instance_and_no_batching(tiny_ngram_bu
     assert 'key: "batching" value { string_value: "false" }' in config
     model = write_repository(tiny_ngram_bundle, tmp_path / "repo2", batching=False)
     assert 'key: "batching" value { string_value: "false" }' in (model / "config.pbtxt").read_text()
+
+
+def test_instances_default_to_one_per_group_of_the_profile_s_cores(tiny_ngram_bundle, tmp_path, monkeypatch):
+    import json
+    import os
+    import shutil
+
+    copy = tmp_path / "profiled"
+    shutil.copytree(tiny_ngram_bundle, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["profile"] = {"hardware": {"kind": "cpu"}, "detected": {"kind": "cpu", "cores": 2}}
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    config = (write_repository(copy, tmp_path / "r1") / "config.pbtxt").read_text()
+    assert "count: 8 kind: KIND_CPU" in config and 'key: "threads" value { string_value: "2" }' in config
+    config = (write_repository(tiny_ngram_bundle, tmp_path / "r2") / "config.pbtxt").read_text()  # no profile
+    assert "count: 1 kind: KIND_CPU" in config and 'key: "threads" value { string_value: "16" }' in config

@@ -176,19 +176,24 @@ def grpc_stream(url: str, prompt: str, n: int, seed: int | None = None, model: s
         client.close()
 
 
-def test_grpc_streams_at_once_are_batched_and_each_equals_batch_one(server, engine):
-    url = f"127.0.0.1:{server.grpc}"
-    before = server.counters()
-    outs = [None] * len(PROMPTS)
+def streams_at_once(server: Triton, prompts: list[str], n: int, model: str = MODEL) -> list[dict]:
+    """One gRPC stream per prompt, all at once; what each received."""
+    outs = [None] * len(prompts)
 
     def one(k):
-        outs[k] = grpc_stream(url, PROMPTS[k], 24)
+        outs[k] = grpc_stream(f"127.0.0.1:{server.grpc}", prompts[k], n, model=model)
 
-    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(PROMPTS))]
+    threads = [threading.Thread(target=one, args=(k,)) for k in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(180)
+    return outs
+
+
+def test_grpc_streams_at_once_are_batched_and_each_equals_batch_one(server, engine):
+    before = server.counters()
+    outs = streams_at_once(server, PROMPTS, 24)
     for prompt, out in zip(PROMPTS, outs):
         assert (out["ids"], out["text"], out["finish"]) == expected(engine, prompt, 24), out
         assert out["responses"] > 2
@@ -310,17 +315,8 @@ def test_real_smollm2_on_triton_equals_specexport_run(real_smol_ngram, tmp_path)
 def test_a_model_without_batching_serves_streams_one_at_a_time(server, engine):
     """--no-batching (what a bundle of TensorRT engines gets): concurrent gRPC streams each equal batch 1, every
     target call carries one sequence."""
-    url, before = f"127.0.0.1:{server.grpc}", server.counters("tiny-serial")
-    outs = [None] * 3
-
-    def one(k):
-        outs[k] = grpc_stream(url, PROMPTS[k], 16, model="tiny-serial")
-
-    threads = [threading.Thread(target=one, args=(k,)) for k in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
+    before = server.counters("tiny-serial")
+    outs = streams_at_once(server, PROMPTS[:3], 16, model="tiny-serial")
     for prompt, out in zip(PROMPTS, outs):
         assert (out["ids"], out["text"], out["finish"]) == expected(engine, prompt, 16), out
     after = server.counters("tiny-serial")

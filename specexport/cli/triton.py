@@ -17,8 +17,9 @@ from specexport.serve.tritonserver.repository import write_repository
 @click.option("--name", default=None, help="The model's name in Triton (default: the bundle's folder name).")
 @click.option("--copy", is_flag=True, help="Copy the bundle into the repository (default: name its absolute path, "
                                            "which every node running the model must see).")
-@click.option("--instances", type=click.IntRange(1), default=1, show_default=True,
-              help="Model instances (processes), each with its own batched engine; they share the cores.")
+@click.option("--instances", type=click.IntRange(1), default=None,
+              help="Model instances (processes), each with its own batched engine; they share the cores (default: "
+                   "one per group of the cores the bundle's profile was chosen for; one per GPU for TensorRT).")
 @click.option("--max-batch", type=click.IntRange(1, 256), default=8, show_default=True,
               help="The most requests one instance decodes together in one target call.")
 @click.option("--threads", type=click.IntRange(1), default=None,

@@ -44,11 +44,13 @@ from specexport.serve.tritonserver.model import TritonPythonModel  # noqa: E402,
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
 
 
-def write_repository(bundle, output, name: str | None = None, copy: bool = False, instances: int = 1,
+def write_repository(bundle, output, name: str | None = None, copy: bool = False, instances: int | None = None,
                      max_batch: int = 8, threads: int | None = None, max_context: int | None = None,
                      prefill_chunk: int | None = None, batching: bool = True, overwrite: bool = False) -> Path:
     """Write the repository; returns the model's folder. `instances`: model instances (each its own process,
-    engine and KV pool; the cores are shared among them: `threads` defaults to cores / instances). `batching`:
+    engine and KV pool), by default one per group of as many cores as the bundle's profile was chosen for (one in
+    all without a profile; one per GPU for TensorRT engines); `threads` defaults to this machine's cores / instances
+    (the machine that writes the repository is taken to be the one that serves it). `batching`:
     concurrent requests share target calls (the batched scheduler, ONNX Runtime bundles); else, and always for a
     bundle of TensorRT engines (one GPU per instance), an instance runs its requests one at a time."""
     loaded = load_bundle(bundle)
@@ -57,9 +59,15 @@ def write_repository(bundle, output, name: str | None = None, copy: bool = False
     if not NAME.fullmatch(name):
         raise UserError(f"model name {name!r}: use letters, digits, '_', '.' and '-' (at most 128, not starting "
                         "with '.' or '-')")
+    cores = os.cpu_count() or 1
+    if instances is None:
+        profile = loaded.manifest.get("profile") or {}
+        group = (profile.get("detected") or {}).get("cores") if (profile.get("hardware") or {}).get("kind") == "cpu" \
+            else None
+        instances = max(1, cores // group) if group and not on_gpu else 1
     if instances < 1 or max_batch < 1:
         raise UserError("--instances and --max-batch must be >= 1")
-    threads = threads or max(1, (os.cpu_count() or 1) // instances)
+    threads = threads or max(1, cores // instances)
     source = Path(bundle).resolve()
     with staged_output(Path(output), overwrite, "a Triton model repository written by specexport triton",
                        is_repository) as repo:
