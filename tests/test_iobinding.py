@@ -33,7 +33,8 @@ def mask_graph(flavour: str, elem_type=TensorProto.FLOAT):
     """The graph's step prelude alone (DecoderGraphBuilder.step_attention), output `bias` [B, 1, T, W]."""
     g = _Graph(elem_type)
     rope = (np.zeros((CAPACITY, 1), np.float32),) * 2
-    builder = SimpleNamespace(g=g, ort=flavour == "ort", trt=flavour == "trt", capacity=CAPACITY, rope=rope)
+    builder = SimpleNamespace(g=g, ort=flavour == "ort", trt=flavour == "trt", capacity=CAPACITY, rope=rope,
+                              opt=GraphOptions(flavour=flavour))
     _, _, bias, _ = DecoderGraphBuilder.step_attention(builder)
     g.op("Identity", [bias], outputs=["bias"])
     inputs = [helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, ["batch", "seq", "cols"]),
