@@ -65,6 +65,18 @@ class Bundle:
     def graphs(self) -> dict:
         return self.manifest["graphs"]
 
+    @property
+    def profile_kind(self) -> str | None:
+        """The kind of hardware ("cpu", "gpu") the bundle's profile was chosen for; None without a profile."""
+        return ((self.manifest.get("profile") or {}).get("hardware") or {}).get("kind")
+
+    @property
+    def profile_cores(self) -> int | None:
+        """The cores of the CPU the bundle's profile was chosen for (its tree and settings suit that many); None for
+        a GPU profile or none."""
+        detected = (self.manifest.get("profile") or {}).get("detected") or {}
+        return detected.get("cores") if self.profile_kind == "cpu" else None
+
     def file(self, rel) -> Path:
         """Path of a file inside the bundle; `rel` is relative and may not leave the folder."""
         if Path(rel).is_absolute() or ".." in Path(rel).parts:

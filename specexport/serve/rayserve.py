@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from specexport.errors import UserError
@@ -37,7 +38,6 @@ class RayMetrics:
 
         self.registry, self.replica, self.period, self.gauge_type = registry, replica, period, metrics.Gauge
         self.gauges: dict = {}
-        self.stopped = threading.Event()
         threading.Thread(target=self._loop, name="specexport-ray-metrics", daemon=True).start()
 
     def mirror(self) -> None:
@@ -50,7 +50,8 @@ class RayMetrics:
                 self.gauges[name].set(sample.value, tags={**sample.labels, "replica": self.replica})
 
     def _loop(self) -> None:
-        while not self.stopped.wait(self.period):
+        while True:  # for the replica's life (a daemon thread)
+            time.sleep(self.period)
             try:
                 self.mirror()
             except Exception as e:  # noqa: BLE001 - metrics never take a replica down
@@ -76,9 +77,9 @@ def build_app(bundle, replicas: int = 1, autoscale: tuple[int, int] | None = Non
 
         from specexport.serve.server import open_app  # on the replica
 
-        node = ray.get_runtime_context().get_node_id()[:12]
-        app = open_app(path, served_by=f"{node}/{os.getpid()}", **settings)
-        app.state.ray_metrics = RayMetrics(app.state.serve.metrics.registry, f"{node}/{os.getpid()}")
+        replica = f"{ray.get_runtime_context().get_node_id()[:12]}/{os.getpid()}"
+        app = open_app(path, served_by=replica, **settings)
+        app.state.ray_metrics = RayMetrics(app.state.serve.metrics.registry, replica)
         return app
 
     options = dict(name=DEPLOYMENT, max_ongoing_requests=max_batch + max_queue,
@@ -106,11 +107,9 @@ def replica_resources(bundle: str, num_cpus: float | None, threads: int | None) 
     built for a GPU profile also a GPU."""
     from specexport.bundle import load_bundle
 
-    profile = load_bundle(bundle, verify=False).manifest.get("profile") or {}
-    kind = (profile.get("hardware") or {}).get("kind")
-    cores = (profile.get("detected") or {}).get("cores") if kind == "cpu" else None
-    resources = {"num_cpus": num_cpus if num_cpus is not None else threads or cores or 1}
-    if kind == "gpu":
+    loaded = load_bundle(bundle, verify=False)
+    resources = {"num_cpus": num_cpus if num_cpus is not None else threads or loaded.profile_cores or 1}
+    if loaded.profile_kind == "gpu":
         resources["num_gpus"] = 1
     return resources
 

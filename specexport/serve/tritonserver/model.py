@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from specexport.bundle import load_bundle
 from specexport.errors import UserError, first_line
 from specexport.runtime.generate import Engine, Generation
 from specexport.runtime.sampling import SamplingParams
@@ -125,8 +126,9 @@ class TritonPythonModel:
         def setting(name):
             return int(params[name]) if params.get(name) else None
 
-        device = "cpu" if self.engine_flavour(bundle) == "ort" else "auto"  # TensorRT engines: the GPU
-        self.engine = Engine.load(bundle, threads=setting("threads"), device=device)
+        loaded = load_bundle(bundle)  # every file's sha256 against the manifest
+        device = "cpu" if loaded.manifest["flavour"] == "ort" else "auto"  # TensorRT engines: the GPU
+        self.engine = Engine(loaded, threads=setting("threads"), device=device)
         for warning in self.engine.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         if setting("max_context"):
@@ -140,10 +142,6 @@ class TritonPythonModel:
             request.result(timeout=600)  # the first calls (alone, batched) allocate before any client waits
         self.metrics = _Metrics(pb_utils, self.scheduler, {"model": args["model_name"],
                                                            "instance": args["model_instance_name"]})
-
-    @staticmethod
-    def engine_flavour(bundle: Path) -> str:
-        return json.loads((bundle / "manifest.json").read_text())["flavour"]
 
     def execute(self, requests):
         for request in requests:

@@ -61,9 +61,7 @@ def write_repository(bundle, output, name: str | None = None, copy: bool = False
                         "with '.' or '-')")
     cores = os.cpu_count() or 1
     if instances is None:
-        profile = loaded.manifest.get("profile") or {}
-        group = (profile.get("detected") or {}).get("cores") if (profile.get("hardware") or {}).get("kind") == "cpu" \
-            else None
+        group = loaded.profile_cores
         instances = max(1, cores // group) if group and not on_gpu else 1
     if instances < 1 or max_batch < 1:
         raise UserError("--instances and --max-batch must be >= 1")
