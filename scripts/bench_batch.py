@@ -5,7 +5,13 @@ one finishes, `--requests` each), C = 1, 2, 4, 8, 16, for each configuration:
 - `batch-1`: today's engine, one generation at a time (`Engine.generate`; C = 1 only, the reference);
 - `plain`: plain decoding, batched (runtime/scheduler.py) on the plain bundle;
 - `fixed`: the speculative bundle's method, batched, every tree as its proposer made it;
-- `budget`: the same with one tree budget for the batch (runtime/budget.py).
+- `budget`: the same with one tree budget for the batch (runtime/budget.py);
+- `genai`: with `--genai CACHE`, onnxruntime-genai's `og.Engine` on its own build of the same weights (the plain
+  bundle's precision; its venv and model folders made as scripts/bench_plain.py makes them, in CACHE), the same
+  prompt ids, greedy, EOS masked for exactly --new-tokens. On CPU genai 0.18 batches statically
+  (`engine.static_batching.max_batch_size` = C): its continuous `dynamic_batching` needs a PagedAttention model,
+  which its builder makes for CUDA only. Its closed loop runs in its own process, in the Engine's one thread (a
+  finished request's client sends its next prompt at once).
 
 Printed per configuration and C: aggregate tokens/s (all new tokens / wall time), time to first token p50/p99
 (submit to first token: queueing and prefill included), time between tokens p50/p99 (the gap before each step's
@@ -14,7 +20,7 @@ scheduler's time outside the graph calls per step. Configurations alternate at e
 machine. Greedy, EOS suppressed (every request emits exactly --new-tokens).
 
     python scripts/bench_batch.py --plain BUNDLE --method BUNDLE [--prompts bench/sharegpt40.jsonl]
-        [--concurrency 1,2,4,8,16] [--requests 2] [--new-tokens 128] [--threads N] [--json OUT]
+        [--concurrency 1,2,4,8,16] [--requests 2] [--new-tokens 128] [--threads N] [--genai CACHE] [--json OUT]
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -84,6 +91,69 @@ class BatchOne:
         return request
 
 
+# onnxruntime-genai's Engine, in genai's venv: one closed loop per process, printed as one JSON line
+GENAI_ENGINE_WORKER = r"""
+import json, sys, time
+import numpy as np, onnxruntime_genai as og
+
+folder, job = sys.argv[1], json.loads(sys.argv[2])
+prompts, clients, new = job["prompts"], job["clients"], job["new_tokens"]
+config = og.Config(folder)
+config.overlay(json.dumps({"engine": {"static_batching": {"max_batch_size": clients}}}))
+engine = og.Engine(og.Model(config))
+buffer = engine.create_event_buffer(256)
+todo, live, done = list(range(clients * job["per_client"])), {}, []
+
+def start(k):
+    request = engine.create_request()
+    turn = og.TurnOptions(request)
+    turn.set_do_sample(False)
+    turn.set_max_generated_tokens(new)
+    turn.set_min_generated_tokens(new)
+    live[id(request)] = {"request": request, "submitted": time.perf_counter(), "times": []}
+    request.begin_turn(np.array(prompts[k % len(prompts)], np.int32), turn)
+
+begin = time.perf_counter()
+for _ in range(clients):
+    start(todo.pop(0))
+while live:
+    events = engine.run(buffer)
+    now = time.perf_counter()
+    for event in events:
+        record = live.get(id(event.request))
+        if record is None:
+            continue
+        if event.flags & og.EngineEventFlags.FAILED:
+            sys.exit(f"genai's request failed: {event.error_code}")
+        if event.flags & og.EngineEventFlags.TOKEN:
+            record["times"].append(now)
+        if event.flags & og.EngineEventFlags.TURN_FINISHED:
+            del live[id(event.request)]
+            event.request.close()
+            done.append(record)
+            if todo:
+                start(todo.pop(0))
+wall = time.perf_counter() - begin
+print(json.dumps({"wall_s": wall, "tokens": sum(len(r["times"]) for r in done), "requests": len(done),
+                  "ttft": [r["times"][0] - r["submitted"] for r in done],
+                  "tbt": [b - a for r in done for a, b in zip(r["times"], r["times"][1:])]}), flush=True)
+"""
+
+
+def genai_closed_loop(python: Path, worker: Path, folder: Path, prompt_ids: list[list[int]], clients: int,
+                      per_client: int, new_tokens: int) -> dict:
+    """The same closed loop on onnxruntime-genai's Engine (GENAI_ENGINE_WORKER in its venv)."""
+    job = {"prompts": prompt_ids, "clients": clients, "per_client": per_client, "new_tokens": new_tokens}
+    done = subprocess.run([str(python), str(worker), str(folder), json.dumps(job)], stdout=subprocess.PIPE, text=True)
+    if done.returncode:
+        sys.exit(f"onnxruntime-genai's engine failed at C={clients} (exit {done.returncode}); its error is above")
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"tokens_per_s": r["tokens"] / r["wall_s"], "ttft_p50_ms": 1e3 * pct(r["ttft"], 50),
+            "ttft_p99_ms": 1e3 * pct(r["ttft"], 99), "tbt_p50_ms": 1e3 * pct(r["tbt"], 50),
+            "tbt_p99_ms": 1e3 * pct(r["tbt"], 99), "requests": r["requests"], "tokens": r["tokens"],
+            "wall_s": r["wall_s"]}
+
+
 class _Done:
     def __init__(self):
         self.arrivals, self.generation = [], None
@@ -101,6 +171,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--genai", type=Path, default=None, metavar="CACHE",
+                    help="add onnxruntime-genai's og.Engine (its venv and models in CACHE, as bench_plain.py makes them)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
@@ -112,6 +184,16 @@ def main() -> None:
         schedulers["fixed"] = Scheduler(method, max_batch=max(levels), budget=False)
         schedulers["budget"] = Scheduler(method, max_batch=max(levels))
     new = args.new_tokens
+    genai = None
+    if args.genai is not None:
+        from bench_plain import ensure_genai  # this folder's script: genai's venv and model folders
+
+        precision = plain.bundle.precision if plain.bundle.precision in ("fp32", "int4") else "int4"
+        python, folders = ensure_genai(args.genai, [precision])
+        worker = args.genai / "genai_engine_worker.py"
+        worker.write_text(GENAI_ENGINE_WORKER)
+        genai = (python, worker, folders[precision], [plain.encode(p) for p in prompts])
+        print(f"genai: onnxruntime-genai's og.Engine, {precision} (static batching)", file=sys.stderr)
 
     def submitter(name):
         if name == "batch-1":
@@ -126,12 +208,16 @@ def main() -> None:
     results = []
     try:
         for c in levels:
-            names = (["batch-1"] if c == 1 else []) + list(schedulers)
+            names = (["batch-1"] if c == 1 else []) + list(schedulers) + (["genai"] if genai else [])
             for name in names:
                 scheduler = schedulers.get(name)
                 before = (scheduler.steps, scheduler.rows, scheduler.overhead_s, width_sums[name]) if scheduler \
                     else (0, 0, 0.0, 0)
-                row = {"config": name, "concurrency": c, **closed_loop(submitter(name), prompts, c, args.requests)}
+                if name == "genai":
+                    loop = genai_closed_loop(*genai[:3], genai[3], c, args.requests, new)
+                else:
+                    loop = closed_loop(submitter(name), prompts, c, args.requests)
+                row = {"config": name, "concurrency": c, **loop}
                 if scheduler:
                     steps = scheduler.steps - before[0]
                     row["rows_per_call"] = (scheduler.rows - before[1]) / max(steps, 1)
@@ -156,6 +242,9 @@ def main() -> None:
         print(f"plain batched C={max(levels)} / C=1: {by[('plain', max(levels))] / by[('plain', 1)]:.2f}x (target >= 3x)")
     if ("batch-1", 1) in by:
         print(f"plain batched C=1 / batch-1 engine: {by[('plain', 1)] / by[('batch-1', 1)]:.2f}x")
+    if genai:
+        print("plain batched / onnxruntime-genai's og.Engine, per C: " + ", ".join(
+            f"C={c} {by[('plain', c)] / by[('genai', c)]:.2f}x" for c in levels))
     if args.method is not None:
         print("budget / the better of plain and fixed, per C: " + ", ".join(
             f"C={c} {by[('budget', c)] / max(by[('plain', c)], by[('fixed', c)]):.2f}x" for c in levels))

@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from specexport.exporter.fused import INPUTS, _argmax_rows, add_accept
+from specexport.exporter.fused import INPUTS, _argmax_rows, add_accept, add_batch_accept
 from specexport.exporter.graph import _Graph, make_model
 from specexport.runtime import tree
 from specexport.runtime.sampling import SamplingParams, probabilities
@@ -111,3 +111,51 @@ def test_blocked_argmax_is_the_first_maximum(vocab):
     x[4, -1] = 7.0  # the very last token
     x[5] = np.round(x[5])  # many ties
     assert session.run(None, {"x": x})[0].tolist() == np.argmax(x, axis=1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [None, V], ids=["argmax", "blocked-argmax"])
+def test_the_batched_greedy_acceptance_is_the_pure_rule_for_every_sequence(vocab):
+    """add_batch_accept: B sequences' trees padded to the widest (a padded row sees only itself and is not
+    selected by logits_indices), each accepted as accept_greedy accepts it alone, in both flavours' argmax."""
+    g = _Graph(TensorProto.FLOAT)
+    seq = g.op("Gather", [g.op("Shape", ["input_ids"]), g.const("one_i64", np.array(1, np.int64))], axis=0)
+    add_batch_accept(g, add_accept(g, "logits", seq, sampling=False, vocab_size=vocab)[3])
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
+              helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, ["batch", "seq", "seq"]),
+              helper.make_tensor_value_info("logits_indices", TensorProto.INT64, ["rows"]),
+              helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["rows", V])]
+    outputs = [helper.make_tensor_value_info("batch_accept_mask", TensorProto.BOOL, ["batch", "seq"]),
+               helper.make_tensor_value_info("batch_accept_len", TensorProto.INT64, ["batch"]),
+               helper.make_tensor_value_info("batch_bonus", TensorProto.INT64, ["batch"])]
+    model = make_model(helper.make_graph(g.nodes, "accept", inputs, outputs, initializer=g.initializers))
+    onnx.checker.check_model(model, full_check=True)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(7)
+    lengths = set()
+    for trial in range(60):
+        b = int(rng.integers(1, 6))
+        sizes = [int(rng.integers(1, 9)) for _ in range(b)]
+        width = max(sizes)
+        ids, mask = np.zeros((b, width), np.int64), np.broadcast_to(np.eye(width, dtype=bool), (b, width, width)).copy()
+        rows, refs, logits = [], [], []
+        for k, t in enumerate(sizes):
+            parents = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
+            z = rng.normal(size=(t, V)).astype(np.float32) * 2
+            tokens = rng.integers(0, V, t)
+            for i in range(1, t):  # many right guesses, and some repeats of an earlier sibling
+                if rng.random() < 0.6:
+                    tokens[i] = int(np.argmax(z[parents[i]]))
+                elif siblings := [j for j in range(1, i) if parents[j] == parents[i]]:
+                    tokens[i] = tokens[siblings[0]]
+            ids[k, :t], mask[k, :t, :t] = tokens, tree.ancestor_mask(parents)
+            rows += range(k * width, k * width + t)
+            logits.append(z)
+            refs.append(accept_greedy(tokens.tolist(), parents, z.argmax(-1)))
+        got_mask, got_len, got_bonus = session.run(None, {
+            "input_ids": ids, "tree_mask": mask, "logits_indices": np.array(rows, np.int64),
+            "logits": np.concatenate(logits)})
+        for k, ref in enumerate(refs):
+            assert np.flatnonzero(got_mask[k]).tolist() == ref.path, (trial, k)
+            assert got_len[k] == len(ref.path) and got_bonus[k] == ref.tokens[-1], (trial, k)
+            lengths.add(len(ref.path))
+    assert max(lengths) >= 3

@@ -12,6 +12,8 @@ from specexport.errors import UserError
 from specexport.profiles import bundled, dump, load_profile, names, parse
 from specexport.profiles import detect as detection
 from specexport.profiles.detect import Found, auto_profile
+from specexport.runtime.generate import Engine
+from specexport.runtime.scheduler import profiled_latency
 
 GOOD = (bundled()[0]).read_text()
 
@@ -134,14 +136,23 @@ def test_profile_command_measures_chooses_and_reports(tiny_folder, tmp_path):
     assert profile.engine.precision == "fp32" and "measured by specexport profile" in profile.source
     report = (tmp_path / "measured-report" / "report.md").read_text()
     assert "## Verification latency (ms)" in report and "## Trees side by side" in report
+    m = profile.measurements  # the batched call by sequences (default --max-batch 16) and width (to --max-tokens)
+    assert m.batch_sequences == (1, 2, 4, 8, 16) and m.batch_widths == (1, 2, 4, 8) and m.batch_context == 16
+    assert len(m.batch_ms) == 5 and all(len(row) == 4 and min(row) > 0 for row in m.batch_ms)
+    assert "## Batched verification latency (ms)" in report
     for png in ("latency.png", "accept_lengths.png", "predicted_vs_measured.png"):
         assert (tmp_path / "measured-report" / png).read_bytes()[:4] == b"\x89PNG"
     # the measured profile builds: its explicit tree becomes the bundle's
     built = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--method", "medusa", "--heads", str(heads),
-                                      "--profile", str(out), "--output", str(tmp_path / "c"), "--no-validate"])
+                                      "--profile", str(out), "--output", str(tmp_path / "c"), "--no-validate",
+                                      "--precision", "fp32"])
     assert built.exit_code == 0, built.output
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
     assert manifest["method"]["tree"] == chosen
+    # ... and carries the batched table, which the batched engine's tree budget reads instead of measuring (it was
+    # measured on an fp32 bundle: another precision's kernels scale otherwise, and the scheduler would measure)
+    table = profiled_latency(Engine.load(tmp_path / "c", threads=1))
+    assert table is not None and table.as_ms() == [list(row) for row in m.batch_ms]
     again = CliRunner().invoke(main, ["profile", str(tmp_path / "b"), "--output", str(out)])
     assert again.exit_code == 1 and "already exists" in again.output
 

@@ -10,7 +10,7 @@ from specexport import chisquare
 from specexport.errors import UserError
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
-from specexport.runtime.budget import AcceptanceRates, LatencyCurve, choose_width
+from specexport.runtime.budget import AcceptanceRates, BatchLatency, choose_width
 from specexport.runtime.generate import Engine
 from specexport.runtime.kvcache import KVPool
 from specexport.runtime.sampling import SamplingParams
@@ -38,14 +38,19 @@ def batch_one(engine, prompts, lengths, **kw):
     return [engine.generate(p, max_new_tokens=n, stop_ids=(), **kw) for p, n in zip(prompts, lengths)]
 
 
-@pytest.mark.parametrize("name", ["none", "ngram", "self1-tree"])
-def test_batched_greedy_equals_batch_one(engines, name):
+@pytest.mark.parametrize("name, in_graph", [("none", False), ("ngram", True), ("ngram", False),
+                                            ("self1-tree", True), ("self1-tree", False)])
+def test_batched_greedy_equals_batch_one(engines, name, in_graph):
     """Six requests of different lengths on four slots, prompts fed 5 tokens per step: requests wait, finish at
-    different steps, their slots are refilled by moves, and every request emits its batch-1 tokens."""
+    different steps, their slots are refilled by moves, and every request emits its batch-1 tokens; greedy steps
+    accepted by the graph's batched acceptance (speculative graphs have it; plain decoding's chain-only graph has
+    not), or on the host from one argmax over the call's rows."""
     engine = engines[name]
     lengths = [20, 7, 33, 12, 25, 3]
     want = batch_one(engine, PROMPTS, lengths)
     scheduler = Scheduler(engine, max_batch=4, prefill_chunk=5, background=False)
+    assert scheduler.batch_accept == (name != "none")
+    scheduler.batch_accept = in_graph
     requests = [scheduler.submit(p, max_new_tokens=n, stop_ids=()) for p, n in zip(PROMPTS, lengths)]
     scheduler.run_until_idle()
     for request, expected in zip(requests, want):
@@ -174,11 +179,12 @@ def test_the_width_shrinks_smoothly_as_sequences_are_added():
     for _ in range(400):  # a chain whose node i is accepted with probability 0.75^i
         depth = min(int(rng.geometric(0.25)) - 1, 7)
         rates.update(8, list(range(depth + 1)))
-    curve = LatencyCurve([1, 8, 64, 128], [0.010, 0.014, 0.060, 0.115])  # a CPU-like call: flat, then linear
-    widths = [choose_width([8] * n, rates, curve, 0.001) for n in (1, 2, 4, 8, 16)]
+    rows = lambda n, w: float(np.interp(n * w, [1, 8, 64, 128], [0.010, 0.014, 0.060, 0.115]))  # noqa: E731
+    curve = BatchLatency([1, 2, 4, 8, 16], [1, 2, 4, 8], [[rows(n, w) for w in (1, 2, 4, 8)] for n in (1, 2, 4, 8, 16)])
+    widths = [choose_width([8] * n, rates, curve, 0.001) for n in (1, 2, 4, 8, 16)]  # a CPU-like call
     assert widths[0] >= 6 and widths[-1] <= 3, widths
     assert all(a >= b for a, b in zip(widths, widths[1:])), widths  # never wider with more sequences
-    free = LatencyCurve([1, 512], [0.01, 0.01])  # rows cost nothing: every tree whole
+    free = BatchLatency([1, 16], [1, 16], [[0.01, 0.01], [0.01, 0.01]])  # rows cost nothing: every tree whole
     assert choose_width([8, 5, 3], rates, free, 0.0) == 8
     hopeless = AcceptanceRates(8)
     for _ in range(100):
@@ -188,12 +194,37 @@ def test_the_width_shrinks_smoothly_as_sequences_are_added():
     assert choose_width([8, 8, 6], hopeless, curve, 0.0, kept=[False, False, True]) == 6
 
 
-def test_the_latency_curve_follows_the_calls_it_sees():
-    curve = LatencyCurve([1, 8, 64], [0.01, 0.02, 0.08])
-    assert curve(36) == pytest.approx(0.05)
-    for _ in range(300):  # calls of 8 rows take 1.5x what the start measured: every size scales alike
-        curve.observe(8, 0.03)
-    assert curve(8) == pytest.approx(0.03, rel=1e-3) and curve(64) == pytest.approx(0.12, rel=1e-3)
+def test_the_latency_table_interpolates_and_follows_the_calls_it_sees():
+    table = BatchLatency([1, 4], [1, 8], [[0.01, 0.02], [0.02, 0.06]])
+    assert table(1, 1) == pytest.approx(0.01) and table(4, 8) == pytest.approx(0.06)
+    assert table(2, 1) == pytest.approx(0.01 + 0.01 / 3)  # bilinear between the grid's points
+    assert table(4, 4) == pytest.approx(0.02 + 0.04 * 3 / 7)
+    assert table(8, 8) == pytest.approx(0.06 + 4 * (0.06 - 0.02) / 3)  # more sequences than the grid: linear
+    for _ in range(300):  # calls take 1.5x what was measured: every size scales alike
+        table.observe(4, 8, 0.09)
+    assert table(4, 8) == pytest.approx(0.09, rel=1e-3) and table(1, 1) == pytest.approx(0.015, rel=1e-3)
+    ms = {"batch_sequences": [1, 4], "batch_widths": [1, 8], "batch_ms": [[10.0, 20.0], [20.0, 60.0]]}
+    assert BatchLatency.from_measurements(ms)(4, 8) == pytest.approx(0.06)
+    assert BatchLatency.from_measurements({**ms, "batch_ms": [[10.0, 20.0]]}) is None  # malformed: measure instead
+    assert BatchLatency.from_measurements({}) is None
+
+
+def test_the_scheduler_measures_the_batched_call_or_reads_the_profiles_table(engines):
+    engine = engines["self1-tree"]
+    full = engine.method.tokens_per_step(engine.settings)
+    measured = Scheduler(engine, max_batch=4, background=False).latency  # this bundle's profile has no table
+    assert list(measured.sequences) == [1, 2, 4] and measured.widths[-1] == full
+    assert measured.seconds.shape == (3, len(measured.widths)) and (measured.seconds > 0).all()
+    manifest, saved = engine.bundle.manifest, engine.bundle.manifest.get("profile")
+    table = {"batch_sequences": [1, 8], "batch_widths": [1, 4], "batch_ms": [[5.0, 6.0], [9.0, 30.0]]}
+    try:
+        manifest["profile"] = {"measured": True, "engine": {"precision": engine.bundle.precision},
+                               "measurements": table}
+        assert Scheduler(engine, max_batch=4, background=False).latency(8, 4) == pytest.approx(0.030)
+        manifest["profile"]["engine"] = {"precision": "int4" if engine.bundle.precision != "int4" else "int8"}
+        assert list(Scheduler(engine, max_batch=4, background=False).latency.sequences) == [1, 2, 4]  # not its own
+    finally:
+        manifest["profile"] = saved
 
 
 def test_the_budget_cuts_trees_under_load_and_a_fixed_tree_does_not(engines):
@@ -205,7 +236,7 @@ def test_the_budget_cuts_trees_under_load_and_a_fixed_tree_does_not(engines):
     fixed.run_until_idle()
     assert max(w for _, w in fixed.widths) == full
     budget = Scheduler(engine, max_batch=4, background=False)
-    budget.latency = LatencyCurve([1, 4 * full], [0.001, 1.0])  # rows are dear: trees must shrink
+    budget.latency = BatchLatency([1, 4], [1, full], [[0.001, 0.25], [0.004, 1.0]])  # rows are dear: trees shrink
     for p in PROMPTS[:4]:
         budget.submit(p, max_new_tokens=12, stop_ids=())
     budget.run_until_idle()
@@ -221,7 +252,7 @@ def test_batched_sampling_follows_plain_sampling(engines, params):
     engine = engines["self1-tree"]
     scheduler = Scheduler(engine, max_batch=8, background=False)
     full = engine.method.tokens_per_step(engine.settings)
-    scheduler.latency = LatencyCurve([1, 8, 8 * full], [0.001, 0.002, 0.05])
+    scheduler.latency = BatchLatency([1, 8], [1, full], [[0.001, 0.002], [0.002, 0.05]])
     spec, lengths = chisquare.sampled_counts(engine, "the cat", False, 2000, 0, 3, scheduler, **params)
     plain = chisquare.sampled_counts(engine, "the cat", True, 2000, 100_000, 3, **params)[0]
     stat, dof = chisquare.two_sample(spec, plain)

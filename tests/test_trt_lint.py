@@ -25,7 +25,7 @@ from specexport.cli import main
 from specexport.errors import UserError
 from specexport.exporter import quant, validate
 from specexport.exporter.arch import dims_from_config
-from specexport.exporter.fused import add_accept
+from specexport.exporter.fused import add_accept, add_batch_accept
 from specexport.exporter.graph import GraphOptions, _Graph, make_model
 from specexport.exporter.save import write_graph
 from specexport.exporter.tensorrt.lint import lint_model, lint_path
@@ -180,17 +180,19 @@ def test_the_trt_flavour_refuses_int8():
 
 def test_greedy_acceptance_in_the_graph_is_the_pure_rule():
     """The trt flavour's fused acceptance (greedy only, no sampling inputs) against accept_greedy on random trees
-    with right guesses and duplicated siblings, after a past."""
+    with right guesses and duplicated siblings, after a past; with the batched greedy acceptance beside it, the
+    whole passes the TensorRT lint."""
     V = 23
     g = _Graph(T.FLOAT)
     seq = g.op("Gather", [g.op("Shape", ["input_ids"]), g.const("one_i64", np.array(1, np.int64))], axis=0)
-    add_accept(g, "logits", seq, sampling=False)
+    batch_outputs = add_batch_accept(g, add_accept(g, "logits", seq, sampling=False)[3])
     inputs = [helper.make_tensor_value_info("input_ids", T.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("tree_mask", T.BOOL, ["batch", "seq", "seq"]),
               helper.make_tensor_value_info("past_len", T.INT32, ["batch"]),
+              helper.make_tensor_value_info("logits_indices", T.INT64, ["rows"]),
               helper.make_tensor_value_info("logits", T.FLOAT, ["rows", V])]
     outputs = [helper.make_tensor_value_info("accept_rows", T.INT64, ["accepted"]),
-               helper.make_tensor_value_info("bonus_token", T.INT64, [1])]
+               helper.make_tensor_value_info("bonus_token", T.INT64, [1])] + batch_outputs
     model = make_model(helper.make_graph(g.nodes, "accept", inputs, outputs, initializer=g.initializers))
     onnx.checker.check_model(model, full_check=True)
     assert lint_model(model) == []
@@ -207,8 +209,9 @@ def test_greedy_acceptance_in_the_graph_is_the_pure_rule():
             elif siblings := [j for j in range(1, i) if parents[j] == parents[i]]:
                 tokens[i] = tokens[siblings[0]]
         ref = accept_greedy(tokens.tolist(), parents, logits.argmax(-1))
-        rows, bonus = session.run(None, {"input_ids": tokens[None].astype(np.int64), "past_len": np.array([past], np.int32),
-                                         "tree_mask": tree.ancestor_mask(parents)[None], "logits": logits})
+        rows, bonus = session.run(["accept_rows", "bonus_token"], {
+            "input_ids": tokens[None].astype(np.int64), "past_len": np.array([past], np.int32),
+            "tree_mask": tree.ancestor_mask(parents)[None], "logits": logits, "logits_indices": np.arange(t)})
         assert (rows.tolist(), int(bonus[0])) == (ref.path, ref.tokens[-1]), (trial, parents, tokens.tolist())
 
 

@@ -25,12 +25,16 @@ from specexport.tune import profile_bundle, summary
               help="Context lengths for the latency curves.")
 @click.option("--reps", type=int, default=10, show_default=True, help="Timed calls per latency point (median).")
 @click.option("--rounds", type=int, default=1, show_default=True, help="Side-by-side passes over the prompts.")
+@click.option("--max-batch", type=int, default=16, show_default=True,
+              help="Most sequences of the batched call measured (sequences x width, for the batched engine's tree "
+                   "budget); 0: none.")
 @click.option("--threads", type=int, default=None)
-def profile(bundle, prompts_file, output, base, new_tokens, max_tokens, contexts, reps, rounds, threads):
+def profile(bundle, prompts_file, output, base, new_tokens, max_tokens, contexts, reps, rounds, max_batch, threads):
     """Measure a bundle on this hardware and write a profile that picks its settings, with a report.
 
     \b
-    Measures verification latency against tree tokens (1..64) and context, the proposer's cost, and the
+    Measures verification latency against tree tokens (1..64) and context, the batched call's latency by
+    sequences and width (what the batched engine's tree budget reads), the proposer's cost, and the
     method's acceptance on calibration prompts; predicts the tokens/s of every setting the method has (Medusa:
     the tree for every node budget; EAGLE: depth, top-k and tokens; draft model and n-gram: the draft length),
     runs the best side by side with plain decoding and the presets that fit, and writes the profile (use it
@@ -45,6 +49,6 @@ def profile(bundle, prompts_file, output, base, new_tokens, max_tokens, contexts
     output = output or Path(f"profile-{bundle.name}.toml")
     report = output.with_name(output.stem + "-report")
     result = profile_bundle(bundle, prompts, output, report, base, new_tokens, max_tokens, contexts, reps, rounds,
-                            threads)
+                            threads, max_batch=max_batch)
     click.echo(f"profile written to {output} (based on {base})")
     click.echo("\n".join(summary(result)))

@@ -14,9 +14,11 @@ them: a few integers per step instead of T x vocab logits. The rules are `runtim
 The target's distribution is `runtime.sampling.probabilities` (temperature, top-k, top-p). Batch 1,
 and `logits_indices` must select every row of the step; the nodes also run on other calls
 (prefill, decode), where they see the last selected rows as a tree and their outputs are ignored.
+`add_batch_accept` adds the greedy rule for every sequence of a batched step at once (the batched engine's).
 
-At temperature 0 (greedy decoding, the common case) an If takes the greedy rule, one ArgMax per row, so plain
-decoding and greedy speculation pay no pass over the vocabulary beyond it; sampling's branch runs the rest. A single
+At temperature 0 (greedy decoding, the common case) an If takes the greedy rule on one ArgMax per row (computed
+before the If, once, and shared with the batched acceptance), so greedy speculation pays no pass over the
+vocabulary beyond it; sampling's branch runs the rest. A single
 greedy row (plain decoding) skips the tree altogether: its ArgMax is the bonus token.
 Deterministic candidates are accepted in parallel: after rejecting the earlier siblings, whose
 tokens then have no mass, child x of row r is accepted when u * (1 - their mass) < p_r(x). Sampled
@@ -45,14 +47,11 @@ INPUTS = (("sample_u", F, ["rows", "slots"]), ("sample_q", F, ["draft_rows", "vo
 
 
 def add_accept(g, logits: str, seq_len: str, sampling: bool = True, vocab_size: int | None = None
-               ) -> tuple[str, str, str]:
+               ) -> tuple[str, str, str, str]:
     """Append the acceptance to graph `g` (`sampling` False: greedy only); returns (accept_rows [k] int64,
-    bonus_token [1] int64, and the step row of the last accepted node [1] int64: the row whose hidden state comes
-    next). `vocab_size`, the logits' width when known at export, makes the greedy argmax run in blocks
-    (`_argmax_rows`)."""
-    def argmax(b, x: str) -> str:
-        return _argmax_rows(b, x, vocab_size) if vocab_size else b.op("ArgMax", [x], axis=1, keepdims=0)
-
+    bonus_token [1] int64, the step row of the last accepted node [1] int64: the row whose hidden state comes
+    next, and the argmax of every selected row [rows] int64, which add_batch_accept shares). `vocab_size`, the
+    logits' width when known at export, makes the argmax run in blocks (`_argmax_rows`)."""
     c = _consts(g)
     seq = g.op("Reshape", [seq_len, c("one", [1])])
     n = g.op("Min", [g.op("Shape", [logits], end=1), seq])  # the tree: the last n tokens of the step
@@ -61,27 +60,30 @@ def add_accept(g, logits: str, seq_len: str, sampling: bool = True, vocab_size: 
     ids = g.op("Slice", [g.op("Gather", ["input_ids", batch0], axis=0), first, seq, c("zero", [0])])
     rows = g.op("Shape", [logits], end=1)
     target = g.op("Slice", [logits, g.op("Sub", [rows, n]), rows, c("zero", [0])])  # [n, V]
+    # the argmax of every selected row, once: the greedy rules read it (an If's branches see the outer graph)
+    top_all = _argmax_rows(g, logits, vocab_size) if vocab_size else g.op("ArgMax", [logits], axis=1, keepdims=0)
+    top = g.op("Slice", [top_all, g.op("Sub", [rows, n]), rows, c("zero", [0])])  # [n] the target's token per row
 
     if not sampling:
-        rows_out, best, bonus = _accept(g, target, ids, n, first, seq, argmax)
+        rows_out, best, bonus = _accept(g, target, ids, n, first, seq, top)
     else:  # a single greedy row (plain decoding) skips the tree: its argmax is the bonus token
         temperature = g.op("Gather", ["sample_params", c("zero_s", 0)], axis=0)
         greedy = g.op("LessOrEqual", [temperature, c("0f", 0.0, np.float32)])
         single = g.op("And", [g.op("Equal", [g.op("Squeeze", [n, c("zero", [0])]), c("one_s", 1)]), greedy])
         rows_out, best, bonus = _if(g, "tree", single,
-                                    lambda b: [_consts(b)("zero", [0]), _consts(b)("zero", [0]), argmax(b, target)],
-                                    lambda b: list(_accept(b, target, ids, n, first, seq, argmax, (temperature, greedy))),
+                                    lambda b: [_consts(b)("zero", [0]), _consts(b)("zero", [0]), top],
+                                    lambda b: list(_accept(b, target, ids, n, first, seq, top, (temperature, greedy))),
                                     [I64, I64, I64])
     rows_out = g.op("Identity", [rows_out], outputs=["accept_rows"])
     bonus = g.op("Reshape", [bonus, c("one", [1])], outputs=["bonus_token"])
-    return rows_out, bonus, g.op("Add", [first, best], outputs=[ACCEPTED_ROW])
+    return rows_out, bonus, g.op("Add", [first, best], outputs=[ACCEPTED_ROW]), top_all
 
 
-def _accept(g, target: str, ids: str, n: str, first: str, seq: str, argmax, sampling: tuple[str, str] | None = None
+def _accept(g, target: str, ids: str, n: str, first: str, seq: str, top: str, sampling: tuple[str, str] | None = None
             ) -> tuple[str, str, str]:
     """The tree's acceptance into graph (or If branch) `g`: (accepted rows [k], the deepest accepted row [1], the
-    bonus token [1]). `sampling`: the step's temperature and whether it is greedy, from the graph's sample_params
-    (None: greedy only, no sampling inputs)."""
+    bonus token [1]). `top`: the target's argmax at each of the tree's rows [n]. `sampling`: the step's temperature
+    and whether it is greedy, from the graph's sample_params (None: greedy only, no sampling inputs)."""
     c = _consts(g)
     batch0 = c("batch0", 0)
     # the tree from the last n rows and columns of the tree mask (batch 0): anc[i, j] = j is i or an ancestor of i
@@ -102,7 +104,6 @@ def _accept(g, target: str, ids: str, n: str, first: str, seq: str, argmax, samp
     same = g.op("Equal", [g.op("Unsqueeze", [ids, c("one", [1])]), g.op("Unsqueeze", [ids, c("zero", [0])])])
     dup = _any(g, c, g.op("And", [before, same]))  # an earlier sibling has the same token
     if sampling is None:
-        top = argmax(g, target)  # [n] the target's token at each row
         acc = g.op("And", [g.op("Not", [dup]), g.op("Equal", [ids, g.op("Gather", [top, par], axis=0)])])
         rows_out, best = _path(g, c, acc, anc, depth, before)
         return rows_out, best, g.op("Gather", [top, best], axis=0)
@@ -111,7 +112,6 @@ def _accept(g, target: str, ids: str, n: str, first: str, seq: str, argmax, samp
     temperature, greedy = sampling
 
     def accept_greedy(b):
-        top = argmax(b, target)  # [n] the target's token at each row
         acc = b.op("And", [b.op("Not", [dup]), b.op("Equal", [ids, b.op("Gather", [top, par], axis=0)])])
         return [acc, b.op("ConstantOfShape", [_consts(b)("empty", [0, 0])], value=helper.make_tensor("z", F, [1], [0.0]))]
 
@@ -133,7 +133,7 @@ def _accept(g, target: str, ids: str, n: str, first: str, seq: str, argmax, samp
     rows_out, best = _path(g, c, acc, anc, depth, before)
 
     def bonus_greedy(b):
-        return [argmax(b, b.op("Gather", [target, best], axis=0))]
+        return [b.op("Gather", [top, best], axis=0)]
 
     def bonus_sampling(b):  # from the residual at the last accepted row once its children were rejected
         bc = _consts(b)
@@ -153,6 +153,73 @@ def _accept(g, target: str, ids: str, n: str, first: str, seq: str, argmax, samp
         return [_draw(b, bc, row, u_end, vrange, vocab)]
 
     return rows_out, best, _if(g, "bonus", greedy, bonus_greedy, bonus_sampling, [I64])[0]
+
+
+BATCH_OUTPUTS = ("batch_accept_mask", "batch_accept_len", "batch_bonus")
+
+
+def add_batch_accept(g, top: str) -> list:
+    """Greedy acceptance for every sequence of a batched step (runtime/scheduler.py), appended to graph `g`; returns
+    the value infos of its outputs:
+
+        batch_accept_mask [batch, seq] bool   the accepted rows of each sequence's tree (its root and the accepted
+                                              drafts; a path, so in order)
+        batch_accept_len  [batch] int64       how many (the accept length: accepted drafts + 1)
+        batch_bonus       [batch] int64       the target's token at the deepest accepted row
+
+    The rule is `runtime.verify.accept_greedy` (descend into the first child whose token is the target's argmax at
+    its parent), applied to each batch row's tree: rows and columns of its tree_mask's last `seq` columns
+    (ancestor-or-self). `top` is the argmax of each row that `logits_indices` selects (add_accept's; the scheduler
+    leaves a sequence's padded rows out), scattered back to its place in [batch, seq], the rest -1. A
+    padded row sees only itself, so it is a tree of one row that nothing descends into. Only standard ops with no
+    data-dependent shapes (no If, Loop, NonZero, TopK), so it also runs in TensorRT; every call computes it (prefill
+    included, where it is ignored: [seq, seq] matmuls, small next to the layers). Sampling is accepted on the host,
+    each sequence with its own settings and random stream (runtime/verify.accept)."""
+    c = _consts(g)
+    shape = g.op("Shape", ["input_ids"])  # [batch, seq]
+    width = g.op("Shape", ["input_ids"], start=1, end=2)
+    unset = g.op("ConstantOfShape", [g.op("ReduceProd", [shape, c("zero", [0])], keepdims=1)],
+                 value=helper.make_tensor("m1", I64, [1], [-1]))
+    top = g.op("Reshape", [g.op("ScatterElements", [unset, "logits_indices", top], axis=0), shape])  # [B, W]
+    ids = "input_ids"
+    cols = g.op("Shape", ["tree_mask"], start=2, end=3)
+    anc = g.op("Cast", [g.op("Slice", ["tree_mask", g.op("Sub", [cols, width]), cols, c("two", [2])])], to=F)  # [B,W,W]
+    depth = g.op("Sub", [g.op("ReduceSum", [anc, c("two", [2])], keepdims=0), c("1f", 1.0, np.float32)])  # [B, W]
+    node = g.op("Range", [c("zero_s", 0), g.op("Squeeze", [width, c("zero", [0])]), c("one_s", 1)])
+    col, row_of = g.op("Unsqueeze", [node, c("zero", [0])]), g.op("Unsqueeze", [node, c("one", [1])])  # [1,W], [W,1]
+    strict = g.op("Sub", [anc, g.op("Cast", [g.op("Equal", [row_of, col])], to=F)])
+    one_up = g.op("Equal", [g.op("Unsqueeze", [depth, c("one", [1])]),
+                            g.op("Sub", [g.op("Unsqueeze", [depth, c("two", [2])]), c("1f", 1.0, np.float32)])])
+    parent = g.op("Mul", [strict, g.op("Cast", [one_up], to=F)])  # [B, W, W] one-hot parent per row (roots: none)
+    parent_top = g.op("MatMul", [parent, g.op("Unsqueeze", [g.op("Cast", [top], to=F), c("two", [2])])])  # [B,W,1]
+    parent_top = g.op("Cast", [g.op("Squeeze", [parent_top, c("two", [2])])], to=I64)  # exact: ids < 2^24
+    same_parent = g.op("Greater", [g.op("MatMul", [parent, g.op("Transpose", [parent], perm=[0, 2, 1])]),
+                                   c("half_b", 0.5, np.float32)])
+    before = g.op("And", [same_parent, g.op("Less", [col, row_of])])  # [b, i, j]: j is an earlier sibling of i
+    same = g.op("Equal", [g.op("Unsqueeze", [ids, c("two", [2])]), g.op("Unsqueeze", [ids, c("one", [1])])])
+    dup = _any_last(g, c, g.op("And", [before, same]))  # an earlier sibling has the same token
+    acc = g.op("And", [g.op("Not", [dup]), g.op("Equal", [ids, parent_top])])
+    first_ok = g.op("And", [acc, g.op("Not", [_any_last(g, c, g.op("And", [before, g.op("Unsqueeze", [acc, c("one", [1])])]))])])
+    ok = g.op("Or", [first_ok, g.op("Equal", [depth, c("0f", 0.0, np.float32)])])
+    bad = g.op("MatMul", [anc, g.op("Unsqueeze", [g.op("Cast", [g.op("Not", [ok])], to=F), c("two", [2])])])
+    accepted = g.op("Cast", [g.op("Equal", [g.op("Squeeze", [bad, c("two", [2])]), c("0f", 0.0, np.float32)])], to=F)
+    best = g.op("ArgMax", [g.op("Mul", [accepted, g.op("Add", [depth, c("1f", 1.0, np.float32)])])], axis=1,
+                keepdims=1)  # [B, 1]: the deepest accepted row (the root wins ties: the first maximum)
+    gather = g.op("Expand", [g.op("Unsqueeze", [best, c("two", [2])]),
+                             g.op("Concat", [c("one_one", [1, 1]), width], axis=0)])  # [B, 1, W]
+    mask = g.op("Squeeze", [g.op("GatherElements", [anc, gather], axis=1), c("one", [1])])
+    g.op("Cast", [mask], to=BOOL, outputs=["batch_accept_mask"])
+    length = g.op("Add", [g.op("GatherElements", [depth, best], axis=1), c("1f", 1.0, np.float32)])
+    g.op("Cast", [g.op("Squeeze", [length, c("one", [1])])], to=I64, outputs=["batch_accept_len"])
+    g.op("Squeeze", [g.op("GatherElements", [top, best], axis=1), c("one", [1])], outputs=["batch_bonus"])
+    return [helper.make_tensor_value_info("batch_accept_mask", BOOL, ["batch", "seq"]),
+            helper.make_tensor_value_info("batch_accept_len", I64, ["batch"]),
+            helper.make_tensor_value_info("batch_bonus", I64, ["batch"])]
+
+
+def _any_last(g, c, x: str) -> str:
+    """Any over the last axis of a bool [B, W, W] -> [B, W]."""
+    return g.op("Cast", [g.op("ReduceMax", [g.op("Cast", [x], to=F), c("two", [2])], keepdims=0)], to=BOOL)
 
 
 def _argmax_rows(b, x: str, vocab: int) -> str:

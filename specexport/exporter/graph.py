@@ -38,7 +38,7 @@ from specexport.errors import UserError
 from specexport.exporter import quant
 from specexport.exporter.arch import ArchSpec, Dims
 from specexport.exporter.fused import INPUTS as ACCEPT_INPUTS
-from specexport.exporter.fused import add_accept
+from specexport.exporter.fused import add_accept, add_batch_accept
 from specexport.runtime import cpu
 
 PRECISIONS = ("fp32", "int8", "int4", "fp16", "bf16")
@@ -308,9 +308,11 @@ class DecoderGraphBuilder:
         if self.opt.fused_accept:  # greedy only for TensorRT: the runtime accepts sampling (exporter/fused.py)
             if not self.trt:
                 inputs += [helper.make_tensor_value_info(name, t, shape) for name, t, shape in ACCEPT_INPUTS]
-            _, _, row = add_accept(g, "logits", seq_len, sampling=not self.trt, vocab_size=None if self.trt else d.vocab)
+            _, _, row, top = add_accept(g, "logits", seq_len, sampling=not self.trt,
+                                        vocab_size=None if self.trt else d.vocab)
             outputs += [helper.make_tensor_value_info("accept_rows", TensorProto.INT64, ["accepted"]),
                         helper.make_tensor_value_info("bonus_token", TensorProto.INT64, [1])]
+            outputs += add_batch_accept(g, top)  # the batched engine's greedy acceptance, every sequence at once
         for extension in extensions:
             outputs += extension.add(self, final, flat, row)
         return make_model(helper.make_graph(g.nodes, "target", inputs, outputs, initializer=g.initializers))

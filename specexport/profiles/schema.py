@@ -67,6 +67,12 @@ class Measurements:
     propose_ms: float = 0.0
     predicted_tokens_per_s: float = 0.0
     measured_tokens_per_s: float = 0.0
+    # one batched target call by sequences (rows of batch_ms) and width (columns), each sequence after batch_context
+    # tokens: the batched engine's tree budget reads it (runtime/budget.BatchLatency)
+    batch_context: int = 0
+    batch_sequences: tuple[int, ...] = ()
+    batch_widths: tuple[int, ...] = ()
+    batch_ms: tuple[tuple[float, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -208,7 +214,8 @@ def _method_section(method, table: dict, fail):
 
 
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool, "tuple[str, ...]": (str,), "tuple[int, ...]": (int,),
-          "tuple[float, ...]": (float,), "tuple[tuple[int, ...], ...]": ((int,),)}
+          "tuple[float, ...]": (float,), "tuple[tuple[int, ...], ...]": ((int,),),
+          "tuple[tuple[float, ...], ...]": ((float,),)}
 
 
 def _typed(value, kind, fail, name):
@@ -236,6 +243,14 @@ def _check(p: Profile, fail) -> None:
         checks.append(("limits", key, getattr(p.limits, key) >= 1, f"{key} must be >= 1, got {getattr(p.limits, key)}"))
     for key in ("min_memory_gb", "max_memory_gb", "min_cores", "max_cores"):
         checks.append(("hardware", key, getattr(p.hardware, key) >= 0, f"{key} must be >= 0"))
+    m = p.measurements
+    checks.append(("measurements", "batch_ms", len(m.batch_ms) == len(m.batch_sequences) and all(
+        len(row) == len(m.batch_widths) for row in m.batch_ms), "batch_ms must have a row per batch_sequences entry "
+                   "and a column per batch_widths entry"))
+    for key in ("batch_sequences", "batch_widths"):
+        values = getattr(m, key)
+        checks.append(("measurements", key, all(v >= 1 for v in values) and list(values) == sorted(set(values)),
+                       f"{key} must rise from 1 or more"))
     for section, key, ok, message in checks:
         if not ok:
             fail(section, key, message)

@@ -6,14 +6,15 @@ budget is therefore one width W for the step, each tree cut to its first W nodes
 order is a tree, and every proposer's truncation already works that way), W chosen to maximise the expected tokens
 per second of the step:
 
-    sum over sequences of E[tokens | W]  /  (latency(n * W rows) + the step's host time)
+    sum over sequences of E[tokens | W]  /  (latency(n sequences, width W) + the step's host time)
 
 E[tokens | W] = 1 + sum of p_i over the first W - 1 draft nodes, p_i the probability that node i of a step's tree is
 accepted, counted per node index over the steps this engine verified so far (`AcceptanceRates`, a Beta(1, 1) prior:
-calibrated on the running method's own trees, whatever the method). The latency comes from `LatencyCurve`: the
-target's call time by rows, measured when the scheduler starts and refined by every call it makes. With one stream
-the budget weighs the same trade-off the profile tuned the method's tree for; as streams are added each row costs
-more of the step and the trees shrink, smoothly, towards plain decoding (W = 1): no thresholds.
+calibrated on the running method's own trees, whatever the method). The latency comes from `BatchLatency`: the
+target's call time by sequences and width, measured by `specexport profile` and kept in the profile (a bundle built
+with that profile carries it), or measured when the scheduler starts; refined by every call it makes. With one
+stream the budget weighs the same trade-off the profile tuned the method's tree for; as streams are added each row
+costs more of the step and the trees shrink, smoothly, towards plain decoding (W = 1): no thresholds.
 
 A request sampled with a seed keeps its proposer's whole tree: speculative sampling's tokens depend on the tree
 (not their distribution, which is exact either way), and a seeded request must give the same tokens whatever it is
@@ -28,8 +29,13 @@ import numpy as np
 
 from specexport.runtime import tree
 
-GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # rows at which the latency is kept
-BLEND = 0.05  # weight of a new call's time in the curve's scale
+GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # sequences and widths at which the latency is measured
+BLEND = 0.05  # weight of a new call's time in the table's scale
+
+
+def grid(most: int) -> list[int]:
+    """GRID's points below `most`, and `most`."""
+    return [g for g in GRID if g < most] + [most]
 
 
 class AcceptanceRates:
@@ -50,51 +56,81 @@ class AcceptanceRates:
         return np.cumsum(p)
 
 
-class LatencyCurve:
-    """Seconds of one target call by the rows it computes: measured at GRID points, linear between them."""
+class BatchLatency:
+    """Seconds of one target call of n sequences at width W (n x W rows): measured on a grid of both, bilinear
+    between its points (linear beyond its last ones)."""
 
-    def __init__(self, rows: list[int], seconds: list[float]):
-        self.rows, self.seconds = np.array(rows, float), np.array(seconds, float)
+    def __init__(self, sequences: list[int], widths: list[int], seconds):
+        self.sequences, self.widths = np.array(sequences, float), np.array(widths, float)
+        self.seconds = np.array(seconds, float).reshape(len(sequences), len(widths))
 
     @classmethod
-    def measure(cls, target, pool, max_rows: int, repeats: int = 2) -> "LatencyCurve":
-        """Time chains of GRID rows (up to `max_rows`) on slot 0 of `pool` (nothing committed: its rows are
-        scratch until a sequence prefills there)."""
-        cache = pool.slot(0)
-        rows = [r for r in GRID if r < max_rows] + [max_rows]
-        seconds = []
-        for r in rows:
-            ids, positions = np.zeros((1, r), np.int64), np.arange(r)[None]
-            best = float("inf")
-            for _ in range(repeats + 1):  # the first call of a shape is a warm-up
-                start = time.perf_counter()
-                target.forward(cache, ids, positions, tree.causal_mask(r), np.arange(r), want=("logits",))
-                best = min(best, time.perf_counter() - start)
-            seconds.append(best)
-        return cls(rows, seconds)
+    def measure(cls, target, pool, sequences: list[int], widths: list[int], context: int = 128, repeats: int = 1
+                ) -> "BatchLatency":
+        """Time calls of n chains of W tokens, each after `context` rows of its own (the pool's first n slots; the
+        rows are scratch: nothing is committed, and the slots' lengths are restored). The best of `repeats` calls
+        after one warm-up (a shape's first call is slower)."""
+        context = max(0, min(context, pool.capacity - max(widths)))
+        saved = pool.lengths.copy()
+        seconds = np.zeros((len(sequences), len(widths)))
+        try:
+            for i, n in enumerate(sequences):
+                pool.lengths[:n] = context
+                for j, w in enumerate(widths):
+                    ids, positions = np.zeros((n, w), np.int64), np.broadcast_to(context + np.arange(w), (n, w))
+                    mask = np.broadcast_to(tree.causal_mask(w), (n, w, w))
+                    best = float("inf")
+                    for _ in range(repeats + 1):
+                        start = time.perf_counter()
+                        target.forward(pool.rows(n), ids, positions, mask, np.arange(n * w), want=("logits",))
+                        best = min(best, time.perf_counter() - start)
+                    seconds[i, j] = best
+        finally:
+            pool.lengths[:] = saved
+        return cls(sequences, widths, seconds)
 
-    def __call__(self, rows: int) -> float:
-        return float(np.interp(rows, self.rows, self.seconds))
+    @classmethod
+    def from_measurements(cls, measurements: dict) -> "BatchLatency | None":
+        """The table a profile's [measurements] keeps (batch_sequences, batch_widths, batch_ms); None without one."""
+        sequences, widths = measurements.get("batch_sequences") or (), measurements.get("batch_widths") or ()
+        ms = measurements.get("batch_ms") or ()
+        if not sequences or not widths or np.shape(ms) != (len(sequences), len(widths)):
+            return None
+        return cls(list(sequences), list(widths), np.array(ms, float) / 1000)
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A call's measured time rescales the whole curve towards it: what the start's calls did not see (longer
-        contexts, several sequences' attention, a busier machine) scales every size alike, so the sizes a step
-        compares keep the ratios they were measured with (refining one point alone would favour the sizes seldom
-        called)."""
-        self.seconds *= 1 + BLEND * (seconds / max(self(rows), 1e-9) - 1)
+    def __call__(self, sequences: int, width):
+        """Seconds for `sequences` sequences at `width` (a number, or an array of widths)."""
+        by_width = np.array([_interp(sequences, self.sequences, column) for column in self.seconds.T])
+        seconds = np.maximum(_interp(width, self.widths, by_width), 1e-6)
+        return float(seconds) if seconds.ndim == 0 else seconds
+
+    def observe(self, sequences: int, width: int, seconds: float) -> None:
+        """A call's measured time rescales the whole table towards it: what the measurement did not see (longer
+        contexts, a busier machine) scales every size alike, so the sizes a step compares keep the ratios they were
+        measured with (refining one point alone would favour the sizes seldom called)."""
+        self.seconds *= 1 + BLEND * (seconds / self(sequences, width) - 1)
+
+    def as_ms(self) -> list[list[float]]:
+        return [[round(1000 * s, 3) for s in row] for row in self.seconds]
 
 
-def choose_width(lengths: list[int], rates: AcceptanceRates, latency: LatencyCurve, host_s: float,
+def _interp(x, xs: np.ndarray, ys: np.ndarray):
+    """np.interp, but linear beyond the last point (a call wider than the grid costs more, not the same)."""
+    y = np.interp(x, xs, ys)
+    if len(xs) > 1:
+        y = np.where(np.asarray(x) > xs[-1], ys[-1] + (np.asarray(x) - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), y)
+    return y
+
+
+def choose_width(lengths: list[int], rates: AcceptanceRates, latency: BatchLatency, host_s: float,
                  kept: list[bool] | None = None) -> int:
     """The width W (1..the longest tree) with the most expected tokens per second for trees of these lengths; the
     trees marked `kept` stay whole (their rows make the call at least as wide as the longest of them)."""
-    kept = kept or [False] * len(lengths)
-    longest, floor = max(lengths), max((n for n, k in zip(lengths, kept) if k), default=1)
-    expected = rates.expected(longest)
-    best, best_rate = 1, -1.0
-    for w in range(1, longest + 1):
-        tokens = sum(expected[(n if k else min(w, n)) - 1] for n, k in zip(lengths, kept))
-        rate = tokens / (latency(len(lengths) * max(w, floor)) + host_s)
-        if rate > best_rate:
-            best, best_rate = w, rate
-    return best
+    kept = np.array(kept or [False] * len(lengths))
+    sizes = np.array(lengths)
+    floor = int(sizes[kept].max()) if kept.any() else 1
+    widths = np.arange(1, int(sizes.max()) + 1)
+    nodes = np.where(kept, sizes, np.minimum(widths[:, None], sizes))  # [widths, sequences]: each tree's nodes
+    tokens = rates.expected(int(sizes.max()))[nodes - 1].sum(axis=1)
+    rate = tokens / (latency(len(lengths), np.maximum(widths, floor)) + host_s)
+    return int(widths[np.argmax(rate)])  # the first best: the narrowest of equals

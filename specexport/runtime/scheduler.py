@@ -19,10 +19,13 @@ The KV cache is a pool of slots (runtime/kvcache.KVPool) with the running sequen
 the batched call takes a view of the first n slots, no copy. A finished sequence's slot is refilled by moving the
 last running one down (one copy of its rows); the prefilling request sits right after the running ones.
 
-The acceptance runs on the host from the logits of each sequence's rows (the acceptance fused into the graph is
-batch 1; the graph's own copy of it runs on batch row 0 and is ignored). Each sequence's proposer makes its own
-draft calls (an EAGLE draft, a draft model: batch 1 per sequence). A request that fails (its proposer raises, its
-sampling fails) stops with its message; the others go on.
+Greedy sequences are accepted by the graph's batched acceptance (exporter/fused.add_batch_accept: each sequence's
+accepted rows and bonus token from its own rows; the call then brings back no logits when every sequence is greedy),
+or, where the graph has none (plain decoding's chain-only graph, older bundles), on the host from one argmax over
+the call's rows. Sampled sequences accept on the host from their rows' logits (runtime/verify.accept), each with
+its own settings and random stream. The batch-1 acceptance fused into the graph runs on batch row 0 and is ignored.
+Each sequence's proposer makes its own draft calls (an EAGLE draft, a draft model: batch 1 per sequence). A request
+that fails (its proposer raises, its sampling fails) stops with its message; the others go on.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ import numpy as np
 
 from specexport.errors import UserError
 from specexport.runtime import tree
-from specexport.runtime.budget import AcceptanceRates, LatencyCurve, choose_width
+from specexport.runtime.budget import AcceptanceRates, BatchLatency, choose_width, grid
 from specexport.runtime.generate import PREFILL_CHUNK, Engine, Generation, Output, Stats, StepRecord
 from specexport.runtime.sampling import Sampler, SamplingParams
-from specexport.runtime.verify import accept
+from specexport.runtime.verify import Acceptance, accept, accept_greedy
 
 _DONE = object()
+BATCH_ACCEPT = ("batch_accept_mask", "batch_accept_len", "batch_bonus")  # the graph's batched greedy acceptance
 WIDTHS_KEPT = 10_000  # target calls whose (sequences, width) the scheduler keeps (a server runs for weeks)
 
 
@@ -169,11 +173,13 @@ class Scheduler:
         self.engine, self.max_batch, self.prefill_chunk, self.plain = engine, max_batch, prefill_chunk, plain
         self._host = _HostAccepting(engine)
         self.step_rows = 1 if plain else engine.method.tokens_per_step(engine.settings)
+        self.batch_accept = set(BATCH_ACCEPT) <= set(engine.target.outputs)
         self.pool = engine.target.new_pool(max_batch, engine.max_context + self.step_rows)
         self.rates = self.latency = None
         if budget and self.step_rows > 1:
             self.rates = AcceptanceRates(self.step_rows)
-            self.latency = LatencyCurve.measure(engine.target, self.pool, min(max_batch * self.step_rows, 512))
+            self.latency = profiled_latency(engine) or BatchLatency.measure(
+                engine.target, self.pool, grid(max_batch), grid(self.step_rows))
         self.widths: deque[tuple[int, int]] = deque(maxlen=WIDTHS_KEPT)  # (sequences, width) of the last calls
         self.on_step = None  # called with (sequences, width) after each target call (the scheduler's thread)
         self.running: list[_Sequence] = []  # decoding, slot k = index k
@@ -341,17 +347,17 @@ class Scheduler:
                 host = self.overhead_s / self.steps if self.steps else 0.0
                 width = choose_width([len(t) for t in trees], self.rates, self.latency, host, kept)
                 trees = [t if keep else t.truncated(width) for t, keep in zip(trees, kept)]
-            out, placed = self._verify(seqs, trees)
+            out, placed, rows = self._verify(seqs, trees)
             verified = time.perf_counter()
-            for seq, draft in zip(seqs, trees):
+            for seq, draft, acceptance in zip(seqs, trees, self._accept_all(seqs, trees, out, placed, rows)):
                 try:
-                    mine = placed(seq, len(draft), out)
-                    acceptance = accept(draft, mine["logits"], seq.sampler.params, seq.sampler.rng)
+                    if isinstance(acceptance, Exception):
+                        raise acceptance
                     if self.rates is not None:
                         self.rates.update(len(draft), acceptance.path)
                     self.pool.slot(seq.slot).commit(acceptance.path)
                     seq.proposer.accepted(acceptance.path)
-                    if len(mine) > 1:
+                    if mine := placed(seq, len(draft), out):
                         seq.proposer.observe(mine, acceptance.path)
                 except Exception as e:  # noqa: BLE001
                     leaving.append((seq, _message(e)))
@@ -375,15 +381,16 @@ class Scheduler:
         self._count_call(1, width)
         if self.rates is not None:
             self.rates.update(width, record.acceptance.path)
-            self.latency.observe(width, target.seconds - before)
+            self.latency.observe(1, width, target.seconds - before)
         seq.stats.record(record)
         if self._emit(seq, record.acceptance.tokens):
             self._retire(seq)
 
-    def _verify(self, seqs: list[_Sequence], trees: list) -> tuple[dict, object]:
+    def _verify(self, seqs: list[_Sequence], trees: list) -> tuple[dict, object, dict]:
         """The batched target call over the running slots, each tree padded to the widest (a padded row sees only
-        itself); returns the outputs and a function giving a sequence its own: its logits rows and what its proposer
-        wants (per-row outputs by its rows, per-batch-row outputs by its slot)."""
+        itself); returns the outputs, a function giving a sequence what its proposer wants of them (per-row
+        outputs by its rows, per-batch-row outputs by its slot), and each request's (slot, first selected row). The logits come back only for what the graph does
+        not accept itself: sampled sequences, or every sequence where the graph has no batched acceptance."""
         n, width = len(self.running), max(len(t) for t in trees)
         ids = np.zeros((n, width), np.int64)
         positions = np.repeat(self.pool.lengths[:n, None], width, axis=1)
@@ -397,19 +404,45 @@ class Scheduler:
             first[seq.request.id] = (b, len(rows))
             rows.extend(range(b * width, b * width + t))
         wants = {seq.request.id: seq.proposer.wants(False) for seq in seqs}
-        want = ("logits",) + tuple(sorted({w for ws in wants.values() for w in ws}))
         target = self.engine.target
+        greedy = [seq.sampler.params.greedy for seq in seqs]
+        in_graph = BATCH_ACCEPT if self.batch_accept and any(greedy) else ()
+        logits = ("logits",) if not in_graph or not all(greedy) else ()
+        want = logits + in_graph + tuple(sorted({w for ws in wants.values() for w in ws}))
         before = target.seconds
         out = target.forward(self.pool.rows(n), ids, positions, mask, np.array(rows, np.int64), want=want)
         self._count_call(n, width)
         if self.latency is not None:
-            self.latency.observe(n * width, target.seconds - before)
+            self.latency.observe(n, width, target.seconds - before)
 
-        def placed(seq: _Sequence, t: int, out: dict) -> dict:
+        def placed(seq: _Sequence, t: int, out: dict, names: tuple[str, ...] | None = None) -> dict:
             b, start = first[seq.request.id]
             return {name: out[name][b:b + 1, :t] if name in target.batch_outputs else out[name][start:start + t]
-                    for name in ("logits",) + wants[seq.request.id]}
-        return out, placed
+                    for name in (wants[seq.request.id] if names is None else names)}
+        return out, placed, first
+
+    def _accept_all(self, seqs: list[_Sequence], trees: list, out: dict, placed, rows: dict) -> list:
+        """Each sequence's acceptance (or the exception it raised): greedy ones from the graph's batched acceptance
+        (exporter/fused.add_batch_accept) where it has one, else from one argmax over every row of the call;
+        sampled ones on the host from their rows' logits, each with its own settings and random stream."""
+        top = None
+        if "batch_accept_mask" not in out and any(s.sampler.params.greedy for s in seqs):
+            top = out["logits"].argmax(-1)  # one pass for the whole batch
+        accepted = []
+        for seq, draft in zip(seqs, trees):
+            b, start = rows[seq.request.id]
+            try:
+                if not seq.sampler.params.greedy:
+                    logits = placed(seq, len(draft), out, ("logits",))["logits"]
+                    accepted.append(accept(draft, logits, seq.sampler.params, seq.sampler.rng))
+                elif top is not None:
+                    accepted.append(accept_greedy(draft.tokens, draft.parents, top[start:start + len(draft)]))
+                else:
+                    path = np.flatnonzero(out["batch_accept_mask"][b, :len(draft)]).tolist()
+                    accepted.append(Acceptance(path, [draft.tokens[r] for r in path[1:]] + [int(out["batch_bonus"][b])]))
+            except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
+                accepted.append(e)
+        return accepted
 
     def _count_call(self, sequences: int, width: int) -> None:
         self.steps, self.rows = self.steps + 1, self.rows + sequences * width
@@ -447,6 +480,15 @@ class Scheduler:
             seq.request._finish(None, error)
             return
         seq.request._finish(seq.output.close(seq.stats))
+
+
+def profiled_latency(engine: Engine) -> BatchLatency | None:
+    """The batched latency table of the profile the bundle was built with, where that profile measured it on a bundle
+    of the same precision (another precision's kernels scale differently with rows); None otherwise."""
+    profile = engine.bundle.manifest.get("profile") or {}
+    if not profile.get("measured") or (profile.get("engine") or {}).get("precision") != engine.bundle.precision:
+        return None
+    return BatchLatency.from_measurements(profile.get("measurements") or {})
 
 
 def _message(e: Exception) -> str:

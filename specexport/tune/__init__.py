@@ -2,7 +2,8 @@
 measured profile (what `build --profile` reads) with a report.
 
 1. Verification latency against tree tokens (chains of 1..max tokens, the step's real outputs) at one or more
-   context lengths.
+   context lengths, and the batched engine's call by sequences (1..--max-batch) and width (1..16 or --max-tokens)
+   at the first context: its tree budget reads that table from the profile.
 2. Greedy calibration runs of the bundle's method as built, recorded step by step: accept lengths, the time per
    step outside the target's call.
 3. The method's tuner (TUNERS; one per method family) predicts its settings from the recorded steps, runs the best
@@ -30,6 +31,7 @@ from specexport.profiles import dump, resolve_profile
 from specexport.profiles.detect import detect
 from specexport.profiles.schema import Measurements
 from specexport.prompts import AGREEMENT_PROMPTS
+from specexport.runtime.budget import grid
 from specexport.runtime.generate import Engine
 from specexport.tune import chain, eagle, measure, medusa, suffix
 from specexport.tune.report import markdown, plots
@@ -74,9 +76,11 @@ class Tuning:
 
 def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report: Path, base: str, new_tokens: int,
                    max_tokens: int, contexts: tuple[int, ...], reps: int, rounds: int, threads: int | None,
-                   quiet: bool = False) -> dict:
+                   quiet: bool = False, max_batch: int = 16) -> dict:
     if not 1 <= max_tokens <= 64 or new_tokens < 1 or reps < 1 or rounds < 1 or not contexts or min(contexts) < 1:
         raise UserError("--max-tokens must be 1..64; --new-tokens, --reps, --rounds and --contexts must be >= 1")
+    if not 0 <= max_batch <= 256:
+        raise UserError(f"--max-batch must be 0..256 (0: no batched measurement), got {max_batch}")
     if output.exists() or report.exists():
         raise UserError(f"{output if output.exists() else report} already exists")
     check_writable(output)
@@ -88,10 +92,13 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
     ids = [engine.encode(p) for p in (prompts or AGREEMENT_PROMPTS)]
     tuner = TUNERS[engine.bundle.method]
     tokens = [t for t in measure.TREE_TOKENS if t <= max_tokens]
-    total = len(contexts) * len(tokens) + len(ids) + tuner.progress_steps(engine, len(ids), len(tokens), rounds)
+    sequences, widths = (grid(max_batch) if max_batch else []), grid(min(16, max_tokens))
+    total = len(contexts) * len(tokens) + len(sequences) + len(ids) + \
+        tuner.progress_steps(engine, len(ids), len(tokens), rounds)
     with tqdm(total=total, desc="profiling", unit="step", disable=quiet, file=sys.stderr, dynamic_ncols=True) as bar:
         measured = measure.Measured(list(contexts), tokens, {c: measure.verify_latency(engine, tokens, c, reps,
                                                                                        bar.update) for c in contexts})
+        measure.batch_latency(engine, measured, sequences, widths, contexts[0], reps, bar.update)
         recording = measure.record_runs(engine, ids, new_tokens, bar.update)
         measured.overhead_ms = recording.overhead_ms
         measured.calibration = {"accept_lengths": recording.accept_lengths, "step_ms": recording.step_ms}
@@ -142,7 +149,9 @@ def _measured_profile(base, engine: Engine, measured: measure.Measured, tokens: 
             tree_tokens=tuple(tokens), verify_ms=tuple(measured.verify_ms[measured.context[-1]]),
             context=measured.context[-1], propose_ms=round(measured.overhead_ms + measured.heads_ms, 3),
             predicted_tokens_per_s=chosen["predicted_tokens_per_s"] if chosen else 0.0,
-            measured_tokens_per_s=chosen["measured_tokens_per_s"] if chosen else 0.0))
+            measured_tokens_per_s=chosen["measured_tokens_per_s"] if chosen else 0.0,
+            batch_context=measured.batch_context, batch_sequences=tuple(measured.batch_sequences), batch_widths=tuple(measured.batch_widths),
+            batch_ms=tuple(tuple(row) for row in measured.batch_ms)))
 
 
 def _source(base, hardware: str, entry: str) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specexport.runtime import tree
+from specexport.runtime.budget import BatchLatency
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import Sampler, SamplingParams
 from specexport.runtime.tree import DraftTree
@@ -34,6 +35,10 @@ class Measured:
     calibration: dict = field(default_factory=dict)
     candidates: list[dict] = field(default_factory=list)  # per setting: size, expected tau, predicted/measured tok/s
     chosen: dict | None = None
+    batch_context: int = 0  # the batched call's latency: sequences x width, each sequence after this context
+    batch_sequences: list[int] = field(default_factory=list)
+    batch_widths: list[int] = field(default_factory=list)
+    batch_ms: list[list[float]] = field(default_factory=list)
 
     def verify_at(self, tokens: int, context: int | None = None) -> float:
         """Verification ms for `tokens` tree tokens, interpolated on the measured curve."""
@@ -137,6 +142,21 @@ def verify_latency(engine: Engine, tree_tokens, context: int, reps: int, progres
         out.append(round(median_ms(lambda: engine.verify(cache, draft, want=want), reps), 3))
         progress(1)
     return out
+
+
+def batch_latency(engine: Engine, measured: Measured, sequences: list[int], widths: list[int], context: int,
+                  reps: int, progress) -> None:
+    """The batched engine's call (runtime/scheduler.py: n sequences' chains of W tokens, each after `context` rows of
+    its own), best of `reps` per point, kept in `measured` (nothing where the backend has no batched pool)."""
+    if not hasattr(engine.target, "new_pool") or not sequences:
+        return
+    pool = engine.target.new_pool(max(sequences), context + max(widths))
+    table = []
+    for n in sequences:  # a row at a time, for the progress bar
+        table += BatchLatency.measure(engine.target, pool, [n], widths, context, reps).as_ms()
+        progress(1)
+    measured.batch_sequences, measured.batch_widths, measured.batch_ms = list(sequences), list(widths), table
+    measured.batch_context = context
 
 
 def latency_curve_at_context(engine: Engine, measured: Measured, context: int, reps: int, progress,

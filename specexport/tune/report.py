@@ -95,6 +95,14 @@ def markdown(measured, meta: dict, images: list[str]) -> str:
             "|---|" + "---|" * len(measured.context)]
     for i, t in enumerate(measured.tree_tokens):
         out.append(f"| {t} | " + " | ".join(f"{measured.verify_ms[c][i]:.2f}" for c in measured.context) + " |")
+    if measured.batch_ms:
+        out += ["", "## Batched verification latency (ms)", "",
+                f"One call of the batched engine: n sequences, each a chain of W tokens after {measured.batch_context} "
+                "tokens of its own context (the tree budget of the batched engine reads this table).", "",
+                "| sequences | " + " | ".join(f"W={w}" for w in measured.batch_widths) + " |",
+                "|---|" + "---|" * len(measured.batch_widths)]
+        for n, row in zip(measured.batch_sequences, measured.batch_ms):
+            out.append(f"| {n} | " + " | ".join(f"{ms:.2f}" for ms in row) + " |")
     if measured.rank_rates:
         out += ["", "## Medusa candidate accuracy on the calibration prompts", "",
                 "| head | " + " | ".join(f"rank {r}" for r in range(len(measured.rank_rates[0]))) + " |",
