@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,12 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench_http import free_port  # this folder's script
 
 
 def post(url: str, body: dict) -> bool:

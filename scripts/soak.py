@@ -15,20 +15,15 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from bench_http import free_port  # this folder's script
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mb(pid: int) -> float:

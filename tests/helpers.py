@@ -1,7 +1,8 @@
-"""Helpers the tests share by import (conftest holds the fixtures): a tiny ShareGPT-format file."""
+"""Helpers the tests share by import (conftest holds the fixtures): a tiny ShareGPT-format file, a free port."""
 
 import json
 import random
+import socket
 
 from specexport.train.data import HELDOUT
 
@@ -25,3 +26,10 @@ def write_sharegpt(path, train=TRAIN_CONVERSATIONS, heldout=HELDOUT, truncate=Tr
         text = text[:-2] + ',\n{"id": "cut", "conversations": [{"from": "human", "value": "The sea'
     path.write_text(text)
     return path
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for servers the tests start)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

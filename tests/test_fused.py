@@ -50,6 +50,18 @@ def run(session, tokens, parents, logits, past, u, q, params, without=False):
 MODES = ["greedy", "topk", "with_replacement", "without_replacement"]
 
 
+def guesses(rng, parents: list[int], scores: np.ndarray, right: float) -> np.ndarray:
+    """A tree's tokens: each node the argmax of `scores` at its parent with probability `right`, else a repeat of
+    an earlier sibling where it has one (the rule must skip it), else random."""
+    tokens = rng.integers(0, V, len(parents))
+    for i in range(1, len(parents)):
+        if rng.random() < right:
+            tokens[i] = int(np.argmax(scores[parents[i]]))
+        elif siblings := [j for j in range(1, i) if parents[j] == parents[i]]:
+            tokens[i] = tokens[siblings[0]]
+    return tokens
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_the_graph_accepts_as_the_pure_rule(session, mode):
     rng = np.random.default_rng(MODES.index(mode))
@@ -64,12 +76,7 @@ def test_the_graph_accepts_as_the_pure_rule(session, mode):
                                 top_k=int(rng.choice([0, 0, 5])), top_p=float(rng.choice([1.0, 1.0, 0.8])))
         p = probabilities(logits.astype(np.float32), params)
         q = rng.dirichlet(np.ones(V) * 0.5, size=t) if sampled else None
-        tokens = rng.integers(0, V, t)
-        for i in range(1, t):  # many right guesses, and some repeats of an earlier sibling
-            if rng.random() < 0.5:
-                tokens[i] = int(np.argmax(p[parents[i]]))
-            elif siblings := [j for j in range(1, i) if parents[j] == parents[i]]:
-                tokens[i] = tokens[siblings[0]]
+        tokens = guesses(rng, parents, p, 0.5)
         u = rng.random(uniforms_shape(parents)).astype(np.float32)
         if mode == "greedy":
             ref = accept_greedy(tokens.tolist(), parents, logits.astype(np.float32).argmax(-1))
@@ -141,12 +148,7 @@ def test_the_batched_greedy_acceptance_is_the_pure_rule_for_every_sequence(vocab
         for k, t in enumerate(sizes):
             parents = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
             z = rng.normal(size=(t, V)).astype(np.float32) * 2
-            tokens = rng.integers(0, V, t)
-            for i in range(1, t):  # many right guesses, and some repeats of an earlier sibling
-                if rng.random() < 0.6:
-                    tokens[i] = int(np.argmax(z[parents[i]]))
-                elif siblings := [j for j in range(1, i) if parents[j] == parents[i]]:
-                    tokens[i] = tokens[siblings[0]]
+            tokens = guesses(rng, parents, z, 0.6)
             ids[k, :t], mask[k, :t, :t] = tokens, tree.ancestor_mask(parents)
             rows += range(k * width, k * width + t)
             logits.append(z)

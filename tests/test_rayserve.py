@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
 import time
 
 import pytest
+from helpers import free_port
 from served import SPECEXPORT, Served
 
 from specexport.runtime.generate import Engine
@@ -24,12 +24,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 PROMPTS = ["the cat sat on the mat, the cat sat on", "hello there hello there", "abcabcabc abc",
            "a prompt about ships and the sea and the wind"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -19,6 +18,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from helpers import free_port
 from served import SPECEXPORT
 
 from specexport.runtime.generate import Engine
@@ -31,12 +31,6 @@ pytestmark = [pytest.mark.tritonserver, pytest.mark.slow]
 PROMPTS = ["the cat sat on the mat, the cat sat on", "hello there hello there", "abcabcabc abc",
            "a prompt about ships and the sea and the wind"]
 MODEL = "tiny"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Triton:
