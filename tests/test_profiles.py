@@ -47,6 +47,11 @@ def line_of(text, needle):
     (lambda: edited("depth = ", "depth = \"deep\" #"), "depth = ", "depth must be an integer"),
     (lambda: edited("depth = ", "depth = 0 #"), "[eagle]", "--depth must be in 1..16"),
     (lambda: edited("[eagle]", "[eagle]\n[turbo]"), "[turbo]", "unknown section 'turbo'"),
+    (lambda: edited("[eagle]", "[measurements]\nbatch_sequences = [1, 4]\nbatch_widths = [1, 2]\nbatch_ms = [[1.0, 2.0]]"
+                               "\n[eagle]"), "batch_ms", "batch_ms must have a row per batch_sequences entry"),
+    (lambda: edited("[eagle]", "[measurements]\nbatch_sequences = [4, 1]\nbatch_widths = [1]\nbatch_ms = [[1.0], [2.0]]"
+                               "\n[eagle]"), "batch_sequences", "batch_sequences must rise from 1 or more"),
+    (lambda: edited("[eagle]", "[measurements]\nbatch_ms = [[\"fast\"]]\n[eagle]"), "batch_ms", "must be a float"),
 ])  # fmt: skip
 def test_bad_profiles_fail_with_file_and_line(text, needle, message):
     text = text()
