@@ -389,8 +389,9 @@ class Scheduler:
     def _verify(self, seqs: list[_Sequence], trees: list) -> tuple[dict, object, dict]:
         """The batched target call over the running slots, each tree padded to the widest (a padded row sees only
         itself); returns the outputs, a function giving a sequence what its proposer wants of them (per-row
-        outputs by its rows, per-batch-row outputs by its slot), and each request's (slot, first selected row). The logits come back only for what the graph does
-        not accept itself: sampled sequences, or every sequence where the graph has no batched acceptance."""
+        outputs by its rows, per-batch-row outputs by its slot), and each request's (slot, first selected row). The
+        logits come back only for what the graph does not accept itself: sampled sequences, or every sequence where
+        the graph has no batched acceptance."""
         n, width = len(self.running), max(len(t) for t in trees)
         ids = np.zeros((n, width), np.int64)
         positions = np.repeat(self.pool.lengths[:n, None], width, axis=1)
@@ -406,7 +407,7 @@ class Scheduler:
         wants = {seq.request.id: seq.proposer.wants(False) for seq in seqs}
         target = self.engine.target
         greedy = [seq.sampler.params.greedy for seq in seqs]
-        in_graph = BATCH_ACCEPT if self.batch_accept and any(greedy) else ()
+        in_graph = ("batch_accept_mask", "batch_bonus") if self.batch_accept and any(greedy) else ()
         logits = ("logits",) if not in_graph or not all(greedy) else ()
         want = logits + in_graph + tuple(sorted({w for ws in wants.values() for w in ws}))
         before = target.seconds
