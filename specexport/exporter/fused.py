@@ -155,9 +155,6 @@ def _accept(g, target: str, ids: str, n: str, first: str, seq: str, top: str, sa
     return rows_out, best, _if(g, "bonus", greedy, bonus_greedy, bonus_sampling, [I64])[0]
 
 
-BATCH_OUTPUTS = ("batch_accept_mask", "batch_accept_len", "batch_bonus")
-
-
 def add_batch_accept(g, top: str) -> list:
     """Greedy acceptance for every sequence of a batched step (runtime/scheduler.py), appended to graph `g`; returns
     the value infos of its outputs:
@@ -197,9 +194,10 @@ def add_batch_accept(g, top: str) -> list:
                                    c("half_b", 0.5, np.float32)])
     before = g.op("And", [same_parent, g.op("Less", [col, row_of])])  # [b, i, j]: j is an earlier sibling of i
     same = g.op("Equal", [g.op("Unsqueeze", [ids, c("two", [2])]), g.op("Unsqueeze", [ids, c("one", [1])])])
-    dup = _any_last(g, c, g.op("And", [before, same]))  # an earlier sibling has the same token
+    dup = _any(g, c, g.op("And", [before, same]), 2)  # an earlier sibling has the same token
     acc = g.op("And", [g.op("Not", [dup]), g.op("Equal", [ids, parent_top])])
-    first_ok = g.op("And", [acc, g.op("Not", [_any_last(g, c, g.op("And", [before, g.op("Unsqueeze", [acc, c("one", [1])])]))])])
+    earlier_ok = _any(g, c, g.op("And", [before, g.op("Unsqueeze", [acc, c("one", [1])])]), 2)
+    first_ok = g.op("And", [acc, g.op("Not", [earlier_ok])])
     ok = g.op("Or", [first_ok, g.op("Equal", [depth, c("0f", 0.0, np.float32)])])
     bad = g.op("MatMul", [anc, g.op("Unsqueeze", [g.op("Cast", [g.op("Not", [ok])], to=F), c("two", [2])])])
     accepted = g.op("Cast", [g.op("Equal", [g.op("Squeeze", [bad, c("two", [2])]), c("0f", 0.0, np.float32)])], to=F)
@@ -215,11 +213,6 @@ def add_batch_accept(g, top: str) -> list:
     return [helper.make_tensor_value_info("batch_accept_mask", BOOL, ["batch", "seq"]),
             helper.make_tensor_value_info("batch_accept_len", I64, ["batch"]),
             helper.make_tensor_value_info("batch_bonus", I64, ["batch"])]
-
-
-def _any_last(g, c, x: str) -> str:
-    """Any over the last axis of a bool [B, W, W] -> [B, W]."""
-    return g.op("Cast", [g.op("ReduceMax", [g.op("Cast", [x], to=F), c("two", [2])], keepdims=0)], to=BOOL)
 
 
 def _argmax_rows(b, x: str, vocab: int) -> str:
@@ -258,9 +251,10 @@ def _consts(g):
     return c
 
 
-def _any(g, c, matrix: str) -> str:
-    """Row-wise any of a bool matrix [n, n] -> [n]."""
-    return g.op("Cast", [g.op("ReduceMax", [g.op("Cast", [matrix], to=F), c("one", [1])], keepdims=0)], to=BOOL)
+def _any(g, c, matrix: str, axis: int = 1) -> str:
+    """Any over the last axis of a bool matrix: [n, n] -> [n] (axis 1), or [B, n, n] -> [B, n] (axis 2)."""
+    axes = c("one", [1]) if axis == 1 else c("two", [2])
+    return g.op("Cast", [g.op("ReduceMax", [g.op("Cast", [matrix], to=F), axes], keepdims=0)], to=BOOL)
 
 
 def _if(g, name: str, cond: str, then, otherwise, types: list[int]) -> list[str]:
