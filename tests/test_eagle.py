@@ -482,3 +482,29 @@ def test_each_checkpoint_leaves_an_fp16_draft_to_carry_on_from(trained):
     latest = load_draft(folder / "latest")
     assert latest.config.version == 3 and latest.meta["training"]["token_passes"] == summary["training"]["token_passes"]
     np.testing.assert_allclose(latest.weights["q"], load_draft(folder).weights["q"], atol=2e-3)
+
+
+@pytest.mark.parametrize("settings", [{}, {"tree": "eagle1_25"}])
+def test_batched_eagle_drafts_together_and_keeps_batch_one_tokens(eagle_engine, settings):
+    """Six requests on three slots, EAGLE's draft calls made together (runtime/drafting.together): every request
+    emits its batch-1 tokens, and the draft graph ran fewer calls than the requests' batch-1 runs did."""
+    from specexport.runtime.scheduler import Scheduler
+
+    prompts = ["The sea wind over blue waves.", "A ship and calm night stars.", "x", "Far away quiet water.", "abab",
+               "The sea wind. " * 7]  # the last one runs into the context limit (128)
+    lengths = [30, 12, 25, 40, 7, 60]
+    eagle_engine.configure(**settings)
+    try:
+        draft = eagle_engine.graph("draft")
+        before = draft.calls
+        want = [eagle_engine.generate(p, max_new_tokens=n, stop_ids=()) for p, n in zip(prompts, lengths)]
+        alone = draft.calls - before
+        scheduler = Scheduler(eagle_engine, max_batch=3, prefill_chunk=4, background=False)
+        before = draft.calls
+        requests = [scheduler.submit(p, max_new_tokens=n, stop_ids=()) for p, n in zip(prompts, lengths)]
+        scheduler.run_until_idle()
+        assert [r.result().tokens for r in requests] == [w.tokens for w in want]
+        assert want[-1].stop_reason == "context"
+        assert scheduler.draft_pool is not None and draft.calls - before < alone
+    finally:
+        eagle_engine.configure()

@@ -47,7 +47,10 @@ def test_batched_greedy_equals_batch_one(engines, name, in_graph):
     not), or on the host from one argmax over the call's rows."""
     engine = engines[name]
     lengths = [20, 7, 33, 12, 25, 3]
+    draft_calls = lambda: sum(g.calls for g in engine.side_graphs())  # noqa: E731 - a draft model's graph
+    before = draft_calls()
     want = batch_one(engine, PROMPTS, lengths)
+    alone = draft_calls() - before
     scheduler = Scheduler(engine, max_batch=4, prefill_chunk=5, background=False)
     assert scheduler.batch_accept == (name != "none")
     scheduler.batch_accept = in_graph
@@ -59,6 +62,8 @@ def test_batched_greedy_equals_batch_one(engines, name, in_graph):
         assert got.text == expected.text
     assert scheduler.steps < sum(r.stats.steps for r in want)  # steps were shared
     assert scheduler.active == 0 and not scheduler.running
+    if alone:  # the draft model's calls were made together (runtime/drafting.together)
+        assert scheduler.draft_pool is not None and draft_calls() - before - alone < alone
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(engines):
@@ -237,8 +242,8 @@ def test_the_budget_cuts_trees_under_load_and_a_fixed_tree_does_not(engines):
     assert max(w for _, w in fixed.widths) == full
     budget = Scheduler(engine, max_batch=4, background=False)
     budget.latency = BatchLatency([1, 4], [1, full], [[0.001, 0.25], [0.004, 1.0]])  # rows are dear: trees shrink
-    for p in PROMPTS[:4]:
-        budget.submit(p, max_new_tokens=12, stop_ids=())
+    for p, n in zip(PROMPTS[:4], [12, 12, 12, 30]):  # the last one runs alone at the end
+        budget.submit(p, max_new_tokens=n, stop_ids=())
     budget.run_until_idle()
     crowded = [w for n, w in budget.widths if n == 4]
     assert crowded and max(crowded) < full
@@ -252,9 +257,47 @@ def test_batched_sampling_follows_plain_sampling(engines, params):
     engine = engines["self1-tree"]
     scheduler = Scheduler(engine, max_batch=8, background=False)
     full = engine.method.tokens_per_step(engine.settings)
-    scheduler.latency = BatchLatency([1, 8], [1, full], [[0.001, 0.002], [0.002, 0.05]])
+    # three rows per sequence cost no more than one, more are dear: trees cut to about three nodes
+    scheduler.latency = BatchLatency([1, 8], [1, 3, full], [[0.001, 0.001, 0.002], [0.002, 0.002, 0.05]])
     spec, lengths = chisquare.sampled_counts(engine, "the cat", False, 2000, 0, 3, scheduler, **params)
     plain = chisquare.sampled_counts(engine, "the cat", True, 2000, 100_000, 3, **params)[0]
     stat, dof = chisquare.two_sample(spec, plain)
     assert dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)
     assert max(lengths) > 1 and min(w for _, w in scheduler.widths) < full  # drafts were accepted; trees were cut
+
+
+@pytest.mark.parametrize("name", ["ngram", "self1-tree"])
+def test_requests_that_reach_the_context_limit(engines, name):
+    """Three requests that run into the bundle's context limit (256) together: each stops there ("context") with its
+    batch-1 tokens; the trees and the padding near the end stay inside the graphs' position tables."""
+    engine = engines[name]
+    prompts = ["abc " * 58, "the cat sat " * 19, "x y " * 40]
+    want = batch_one(engine, prompts, [100] * 3)
+    assert {w.stop_reason for w in want} == {"context"}
+    scheduler = Scheduler(engine, max_batch=3, background=False)
+    requests = [scheduler.submit(p, max_new_tokens=100, stop_ids=()) for p in prompts]
+    scheduler.run_until_idle()
+    assert [r.result(timeout=0).tokens for r in requests] == [w.tokens for w in want]
+
+
+def test_prompts_share_the_prefill_budget_of_a_step(engines):
+    """The step's prompt tokens (`prefill_chunk`) go to as many requests as they cover: three prompts that fill it
+    exactly all join in the first step, the fourth waits for the next; a prompt longer than it feeds a budget per
+    step. Tokens as batch 1's."""
+    engine = engines["ngram"]
+    sizes = [len(engine.request(p, 10, (), True)[0]) for p in PROMPTS[:4]]
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=sum(sizes[:3]), background=False)
+    requests = [scheduler.submit(p, max_new_tokens=10, stop_ids=()) for p in PROMPTS[:4]]
+    scheduler.step()
+    assert len(scheduler.running) == 3 and scheduler.prefilling is None and len(scheduler.waiting) == 1
+    scheduler.step()
+    assert len(scheduler.running) == 4
+    scheduler.run_until_idle()
+    assert [r.result().tokens for r in requests] == [w.tokens for w in batch_one(engine, PROMPTS[:4], [10] * 4)]
+    small = Scheduler(engine, max_batch=2, prefill_chunk=7, background=False)
+    long = small.submit(PROMPTS[4], max_new_tokens=5, stop_ids=())
+    steps = 0
+    while not small.running:
+        small.step()
+        steps += 1
+    assert steps == -(-long.prompt_tokens // 7)

@@ -456,3 +456,18 @@ def test_bench_times_plain_decoding_on_a_baseline_bundle(tiny, tmp_path):
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["baseline"] == {"bundle": "none", "precision": "fp32"} and saved["method"] == "suffix"
     assert saved["identical"] == 2  # fp32: the same tokens as the baseline's plain decoding
+
+
+def test_batched_hybrid_keeps_batch_one_tokens(tiny):
+    """The hybrid's EAGLE draft calls made together for four requests on three slots: each request's tokens are its
+    batch-1 tokens (the suffix lookups stay per sequence)."""
+    from specexport.runtime.scheduler import Scheduler
+
+    engine = tiny["hybrid"]
+    prompts, lengths = PROMPTS[:3] + ["the cat"], [30, 12, 25, 18]
+    want = [engine.generate(p, max_new_tokens=n, stop_ids=()) for p, n in zip(prompts, lengths)]
+    scheduler = Scheduler(engine, max_batch=3, background=False)
+    requests = [scheduler.submit(p, max_new_tokens=n, stop_ids=()) for p, n in zip(prompts, lengths)]
+    scheduler.run_until_idle()
+    assert [r.result().tokens for r in requests] == [w.tokens for w in want]
+    assert scheduler.draft_pool is not None

@@ -159,6 +159,18 @@ def extract_weights(spec: ArchSpec, d: Dims, state_dict: dict) -> dict[str, np.n
     return weights
 
 
+POSITION_SLACK = 512  # rotary rows past the context limit (rope_rows)
+
+
+def rope_rows(max_context: int, flavour: str, tree_rows: int = 0) -> int:
+    """Rows of a step graph's rotary tables. ONNX Runtime's GroupQueryAttention requires its table to cover every
+    call's total length (past + T), and calls write rows past the last position a generation reaches: a step's tree
+    of up to 256 tokens at the end of the context, a draft's tree levels, a batched call's padding; so the tables
+    run POSITION_SLACK rows past the context limit. The trt flavour's table length is its static cache length: the
+    context limit and the `tree_rows` its draft's trees take."""
+    return max_context + (tree_rows if flavour == "trt" else POSITION_SLACK)
+
+
 def rope_tables(inv_freq: np.ndarray, scaling: float, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin tables [max_positions, head_dim/2] (fp32) from the model's own inverse frequencies."""
     # fp32 angles, as transformers computes them, so that far positions round the same way

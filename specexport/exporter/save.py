@@ -11,7 +11,7 @@ import onnx
 from onnx import TensorProto
 from tqdm import tqdm
 
-from specexport.exporter.arch import dims_from_config, extract_weights, rope_tables, spec_for
+from specexport.exporter.arch import dims_from_config, extract_weights, rope_rows, rope_tables, spec_for
 from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions
 
 
@@ -34,7 +34,8 @@ def decoder_builder(model, graph: GraphOptions, max_context: int) -> DecoderGrap
     """A graph builder over a transformers decoder's weights and its rotary tables."""
     spec, dims = spec_for(model.config.model_type), dims_from_config(model.config)
     rotary = model.model.rotary_emb
-    rope = rope_tables(rotary.inv_freq.detach().float().numpy(), float(rotary.attention_scaling), max_context)
+    rope = rope_tables(rotary.inv_freq.detach().float().numpy(), float(rotary.attention_scaling),
+                       rope_rows(max_context, graph.flavour))
     return DecoderGraphBuilder(spec, dims, extract_weights(spec, dims, model.state_dict()), graph, rope)
 
 

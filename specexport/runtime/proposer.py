@@ -20,6 +20,13 @@ class Proposer(Protocol):
       path's); the last one is where the next step grows from.
     - `propose(history)`: the step's tree, root first; its root is history[-1], emitted but not yet verified.
     - `accepted(path)`: the accepted tree nodes, root first (a proposer with a KV cache keeps their rows).
+    - `start(prompt_len, capacity, cache)`: a new generation of at most `capacity` target rows. `cache`: where a
+      proposer with a draft graph keeps its rows (a slot of the scheduler's draft pool), else None (its own).
+
+    A proposer with a draft graph of its own (EAGLE, a draft model) also has `session` (that graph), `cache` (its
+    rows; the scheduler moves it with its slot), `extra_rows` (the rows its trees take past the target's) and
+    `drafting(history)`: `propose` as a generator of its draft calls, so that a scheduler can make many sequences'
+    calls as one (runtime/drafting.py).
     """
 
     max_drafts: int
@@ -29,7 +36,7 @@ class Proposer(Protocol):
     def wants(self, fused: bool) -> tuple[str, ...]:
         return ()
 
-    def start(self, prompt_len: int, capacity: int) -> None:
+    def start(self, prompt_len: int, capacity: int, cache=None) -> None:
         return None
 
     def observe(self, outputs: dict, rows) -> None:

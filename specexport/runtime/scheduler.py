@@ -5,9 +5,10 @@ A front end (a server, a benchmark, a script with threads) `submit`s requests to
 scheduler runs one loop (its own thread, or `run_until_idle` called by the owner) whose every step is:
 
 1. Requests cancelled since the last step stop (their slots are free for the next step).
-2. Waiting requests are admitted while there are free slots; one at a time prefills.
-3. The prefilling request feeds one chunk of its prompt (at most `prefill_chunk` tokens): a long prompt holds the
-   running streams back by one chunk per step, never by its whole length. Its last chunk gives its first token.
+2. Prompts are fed under a budget of `prefill_chunk` tokens per step: the prefilling request (one at a time, in the
+   slot after the running ones) feeds its next chunk; once its last chunk gives its first token it joins the running
+   ones, and the next waiting request (while slots are free) takes what is left of the budget. A long prompt holds
+   the running streams back by one budget per step, never by its whole length; short ones join several per step.
 4. One target call verifies every running sequence's tree: each sequence proposes its tree with its own proposer,
    the trees are padded to the widest (a padded row sees only itself and writes cache rows past its sequence's
    length, which nothing reads), each row with its sequence's past length and positions. Each sequence accepts
@@ -24,8 +25,10 @@ accepted rows and bonus token from its own rows; the call then brings back no lo
 or, where the graph has none (plain decoding's chain-only graph, older bundles), on the host from one argmax over
 the call's rows. Sampled sequences accept on the host from their rows' logits (runtime/verify.accept), each with
 its own settings and random stream. The batch-1 acceptance fused into the graph runs on batch row 0 and is ignored.
-Each sequence's proposer makes its own draft calls (an EAGLE draft, a draft model: batch 1 per sequence). A request
-that fails (its proposer raises, its sampling fails) stops with its message; the others go on.
+Proposers with a draft graph (EAGLE's, a draft model's) draft together: their caches are the slots of a second pool
+mirroring the target's (moved with them), and each round of their draft calls is one batched call over the running
+slots (runtime/drafting.together). A request that fails (its proposer raises, its sampling fails) stops with its
+message; the others go on.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.runtime import tree
+from specexport.runtime import drafting, tree
 from specexport.runtime.budget import AcceptanceRates, BatchLatency, choose_width, grid
 from specexport.runtime.generate import PREFILL_CHUNK, Engine, Generation, Output, Stats, StepRecord
 from specexport.runtime.sampling import Sampler, SamplingParams
@@ -132,6 +135,7 @@ class _Sequence:
     proposer: object
     chunks: list[list[int]]
     stats: Stats
+    capacity: int  # the target rows the generation may take (its proposer's `start`)
     slot: int = -1
     pending: list[int] = field(default_factory=list)  # tokens accepted but not yet emitted
 
@@ -178,8 +182,11 @@ class Scheduler:
         self.rates = self.latency = None
         if budget and self.step_rows > 1:
             self.rates = AcceptanceRates(self.step_rows)
+            widths = grid(self.step_rows)  # at 128 rows of context, or what the model's positions leave
             self.latency = profiled_latency(engine) or BatchLatency.measure(
-                engine.target, self.pool, grid(max_batch), grid(self.step_rows))
+                engine.target, self.pool, grid(max_batch), widths, min(128, engine.max_context - max(widths)))
+        self.draft_pool = None  # the draft graph's caches, slot for slot with `pool` (made for the first proposer)
+        self.draft_limit = self.step_rows + 1  # the widest draft call made with the others (runtime/drafting.py)
         self.widths: deque[tuple[int, int]] = deque(maxlen=WIDTHS_KEPT)  # (sequences, width) of the last calls
         self.on_step = None  # called with (sequences, width) after each target call (the scheduler's thread)
         self.running: list[_Sequence] = []  # decoding, slot k = index k
@@ -217,8 +224,8 @@ class Scheduler:
             request = Request(self._ids, len(ids), on_end, on_tokens)
             text = on_text if on_text is not None else request._text
             seq = _Sequence(request, ids, Output(engine.tokenizer, stop, stop_ids, max_new_tokens, budget, text),
-                            sampler, proposer, engine.prefill_chunks(ids, self.prefill_chunk), Stats(len(ids)))
-            proposer.start(len(ids), len(ids) + budget + proposer.max_drafts)
+                            sampler, proposer, engine.prefill_chunks(ids, self.prefill_chunk), Stats(len(ids)),
+                            len(ids) + budget + proposer.max_drafts)
             self.waiting.append(seq)
             self._lock.notify()
         return request
@@ -269,6 +276,8 @@ class Scheduler:
         seqs = self.running + ([self.prefilling] if self.prefilling is not None else [])
         self.running, self.prefilling = [], None
         self.pool.lengths[:] = 0
+        if self.draft_pool is not None:
+            self.draft_pool.lengths[:] = 0
         for seq in seqs:
             if not seq.request.done:
                 self._end(seq, message)
@@ -278,9 +287,7 @@ class Scheduler:
         graphs = [self.engine.target] + self.engine.side_graphs()
         start, inside = time.perf_counter(), sum(g.seconds for g in graphs)
         self._drop_cancelled()
-        self._admit()
-        if self.prefilling is not None:
-            self._prefill_one_chunk()
+        self._prefill(self.prefill_chunk)
         if self.running:
             self._decode()
         graphs = [self.engine.target] + self.engine.side_graphs()
@@ -303,10 +310,41 @@ class Scheduler:
 
     def _admit(self) -> None:
         with self._lock:
-            if self.prefilling is None and self.waiting and len(self.running) < self.max_batch:
-                self.prefilling = self.waiting.popleft()
-                self.prefilling.slot = len(self.running)
-                self.pool.lengths[self.prefilling.slot] = 0
+            if self.prefilling is not None or not self.waiting or len(self.running) >= self.max_batch:
+                return
+            seq = self.waiting.popleft()
+        seq.slot = len(self.running)
+        self.pool.lengths[seq.slot] = 0
+        try:
+            seq.proposer.start(len(seq.ids), seq.capacity, self._draft_cache(seq))
+        except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
+            return self._end(seq, error=_message(e))
+        self.prefilling = seq
+
+    def _draft_cache(self, seq: _Sequence):
+        """The slot of the draft pool for a proposer with a draft graph (the pool made for the first), else None."""
+        proposer = seq.proposer
+        if not hasattr(proposer, "drafting"):
+            return None
+        if self.draft_pool is None:
+            capacity = self.pool.capacity + proposer.extra_rows + self.draft_limit  # the limit: a batched call's padding
+            self.draft_pool = proposer.session.new_pool(self.max_batch, capacity)
+        self.draft_pool.lengths[seq.slot] = 0
+        return self.draft_pool.slot(seq.slot)
+
+    def _prefill(self, budget: int) -> None:
+        """Feed prompts, `budget` tokens at most: the prefilling request's next chunk and, as each one joins the running
+        ones, the next waiting request's."""
+        while budget > 0:
+            self._admit()
+            seq = self.prefilling
+            if seq is None:
+                return
+            chunk = seq.chunks[0]
+            if len(chunk) > budget:  # the rest waits for the next step
+                seq.chunks[0:1] = [chunk[:budget], chunk[budget:]]
+            budget -= len(seq.chunks[0])
+            self._prefill_one_chunk()
 
     def _prefill_one_chunk(self) -> None:
         seq = self.prefilling
@@ -332,15 +370,14 @@ class Scheduler:
                 and self.running[0].proposer.wants(True) == self.running[0].proposer.wants(False):
             return self._single_step(self.running[0])
         seqs, trees, leaving, started = [], [], [], time.perf_counter()
-        for seq in self.running:
-            if seq.request.cancelled:
-                continue  # its row is padding; it leaves at the next step
-            try:
-                room = self.pool.capacity - int(self.pool.lengths[seq.slot])
-                trees.append(seq.proposer.propose(seq.history).truncated(min(room, self.step_rows)))
-                seqs.append(seq)
-            except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
-                leaving.append((seq, _message(e)))
+        live = [seq for seq in self.running if not seq.request.cancelled]  # a cancelled one's row is padding
+        for seq, draft in zip(live, self._propose(live)):
+            if isinstance(draft, Exception):  # one request's failure ends that request only
+                leaving.append((seq, _message(draft)))
+                continue
+            room = self.pool.capacity - int(self.pool.lengths[seq.slot])
+            trees.append(draft.truncated(min(room, self.step_rows)))
+            seqs.append(seq)
         if seqs:
             if self.rates is not None:  # seeded sampling keeps its tree: its tokens must not depend on the batch
                 kept = [not s.sampler.params.greedy and s.sampler.params.seed is not None for s in seqs]
@@ -368,6 +405,19 @@ class Scheduler:
                     leaving.append((seq, None))
         for seq, error in leaving:
             self._retire(seq, error)
+
+    def _propose(self, seqs: list[_Sequence]) -> list:
+        """Each sequence's tree (or the exception its proposer raised); draft graphs' calls made together."""
+        if self.draft_pool is not None and len(seqs) > 1:
+            return drafting.together([s.proposer.drafting(s.history) for s in seqs], [s.slot for s in seqs],
+                                     seqs[0].proposer.session, self.draft_pool, len(self.running), self.draft_limit)
+        trees = []
+        for seq in seqs:
+            try:
+                trees.append(seq.proposer.propose(seq.history))
+            except Exception as e:  # noqa: BLE001
+                trees.append(e)
+        return trees
 
     def _single_step(self, seq: _Sequence) -> None:
         """One sequence running: the engine's own step (Engine.step), as a batch-1 generation runs it: the proposer's
@@ -467,13 +517,19 @@ class Scheduler:
         k = self.running.index(seq)
         last = self.running.pop()
         if last is not seq:
-            self.pool.move_slot(last.slot, k)
-            last.slot = k
+            self._move(last, k)
             self.running[k] = last
         if self.prefilling is not None:
-            self.pool.move_slot(self.prefilling.slot, len(self.running))
-            self.prefilling.slot = len(self.running)
+            self._move(self.prefilling, len(self.running))
         self._end(seq, error)
+
+    def _move(self, seq: _Sequence, slot: int) -> None:
+        """Move a sequence's rows (the target's, its draft's) to another slot."""
+        self.pool.move_slot(seq.slot, slot)
+        if self.draft_pool is not None and hasattr(seq.proposer, "drafting"):
+            self.draft_pool.move_slot(seq.slot, slot)
+            seq.proposer.cache = self.draft_pool.slot(slot)
+        seq.slot = slot
 
     def _end(self, seq: _Sequence, error: str | None = None) -> None:
         seq.stats.seconds = time.perf_counter() - seq.request.submitted

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specexport.errors import UserError
 from specexport.exporter import validate
-from specexport.exporter.arch import ARCHS, dims_from_config, extract_weights, spec_for
+from specexport.exporter.arch import ARCHS, dims_from_config, extract_weights, rope_rows, spec_for
 from specexport.exporter.eagle import EagleDraft, load_draft
 from specexport.exporter.eagle_graph import (
     EAGLE_TOP_K,
@@ -87,7 +87,7 @@ def write_draft_graph(model, draft: EagleDraft, graph: GraphOptions, max_context
     target = extract_weights(spec, dims, model.state_dict())
     ddims = draft_dims(draft, dims)
     builder = DecoderGraphBuilder(ARCHS["llama"], ddims, draft_weights(draft, target), graph,
-                                  rope_for(draft, max_context + 64))
+                                  rope_for(draft, rope_rows(max_context, graph.flavour, tree_rows=64)))
     return save_graph(build_draft_graph(builder, draft), "draft", graph, ddims, folder)
 
 

@@ -11,7 +11,8 @@ import numpy as np
 
 from specexport.errors import UserError
 from specexport.options import from_section, setting, with_given
-from specexport.runtime import tree
+from specexport.runtime import drafting, tree
+from specexport.runtime.drafting import DraftCall
 from specexport.runtime.proposer import Proposer
 from specexport.runtime.sampling import SamplingParams, probabilities, sample
 from specexport.runtime.tree import MAX_DRAFT_LENGTH, AcceptMode, DraftTree, check_draft_length
@@ -41,16 +42,21 @@ class DraftModel(Proposer):
         self.sampling, self.rng = sampling, rng
         self.sampled = not sampling.greedy and all(b == 1 for b in self.branching)
         self.max_drafts = int(np.cumprod(self.branching).sum())
+        self.extra_rows = self.max_drafts  # rows past the target's that the cache takes (the tree's nodes)
         self.cache = None
         self.root_row = 0  # the draft cache's row of the step's root (the last history row)
         self.forwarded = 0  # tree nodes whose K/V are in the draft cache after root_row (the root included)
 
-    def start(self, prompt_len: int, capacity: int) -> None:
-        self.cache = self.session.new_cache(capacity + self.max_drafts)
+    def start(self, prompt_len: int, capacity: int, cache=None) -> None:
+        self.cache = drafting.own_cache(self, capacity, cache)
 
     def propose(self, history: list[int]) -> DraftTree:
+        return drafting.alone(self.drafting(history), self.session, self.cache)
+
+    def drafting(self, history: list[int]):
+        """`propose` as a generator of its draft calls (runtime/drafting.py)."""
         new = history[self.cache.length:]  # committed since the last step (the root is last)
-        logits = self._forward(new, tree.chain(len(new)), self.cache.length, first=0, rows=[len(new) - 1])
+        logits = yield from self._forward(new, tree.chain(len(new)), self.cache.length, first=0, rows=[len(new) - 1])
         self.root_row, self.forwarded = self.cache.length - 1, 1
         tokens, parents = [history[-1]], [-1]
         q = np.zeros((self.max_drafts + 1, logits.shape[-1])) if self.sampled else None
@@ -66,8 +72,8 @@ class DraftModel(Proposer):
             if depth == len(self.branching) - 1:
                 break
             created = list(range(level, len(tokens)))  # one draft call for the whole level
-            rows = self._forward([tokens[i] for i in created], parents, self.root_row, first=level,
-                                 rows=range(len(created)))
+            rows = yield from self._forward([tokens[i] for i in created], parents, self.root_row, first=level,
+                                            rows=range(len(created)))
             frontier = list(zip(created, rows))
             self.forwarded = len(tokens)
         return DraftTree(tokens, parents, AcceptMode.WITH_REPLACEMENT if self.sampled else AcceptMode.TOPK, q)
@@ -86,14 +92,12 @@ class DraftModel(Proposer):
         top = np.argpartition(logits, -width)[-width:]
         return [int(t) for t in top[np.argsort(-logits[top], kind="stable")]], None
 
-    def _forward(self, ids: list[int], parents, past: int, first: int, rows) -> np.ndarray:
+    def _forward(self, ids: list[int], parents, past: int, first: int, rows):
         """Append nodes first.. of a tree whose node 0 sits at row `past` (nodes before `first` are cached right
-        after it); returns the logits of `rows`."""
-        cache, t = self.cache, len(ids)
-        positions = past + tree.depths(parents)[first:]
-        out = self.session.forward(cache, np.array([ids]), positions[None], tree.ancestor_mask(parents)[first:],
-                                   np.asarray(list(rows)))
-        cache.advance(t)
+        after it); returns the logits of `rows` (a generator: the call is yielded, runtime/drafting.py)."""
+        out = yield DraftCall(list(ids), past + tree.depths(parents)[first:], tree.ancestor_mask(parents)[first:],
+                              list(rows), ("logits",))
+        self.cache.advance(len(ids))
         return out["logits"]
 
 

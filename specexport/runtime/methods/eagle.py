@@ -19,7 +19,8 @@ import numpy as np
 
 from specexport.errors import UserError
 from specexport.options import from_section, setting, with_given
-from specexport.runtime import rank_tree, tree
+from specexport.runtime import drafting, rank_tree, tree
+from specexport.runtime.drafting import DraftCall
 from specexport.runtime.proposer import Proposer
 from specexport.runtime.tree import DraftTree
 
@@ -75,6 +76,8 @@ class Eagle(Proposer):
         if static is not None:
             self.depth, self.total = static.depth, static.size
         self.max_drafts = self.total - 1
+        # rows past the target's that the cache takes: the tree's fed nodes and one row of padding
+        self.extra_rows = (self.top_k * max(self.depth - 1, 0) if static is None else static.size - 1) + 1
         self.cache = None
         self.pending: list[np.ndarray] = []  # features of committed positions not yet fed to the draft
         self.fed = 0  # positions whose pair is in the draft's cache
@@ -82,22 +85,25 @@ class Eagle(Proposer):
     def wants(self, fused: bool) -> tuple[str, ...]:
         return ("eagle_features",)
 
-    def start(self, prompt_len: int, capacity: int) -> None:
-        grown = self.top_k * max(self.depth - 1, 0) if self.static is None else self.static.size - 1
-        self.cache = self.session.new_cache(capacity + grown + 1)
+    def start(self, prompt_len: int, capacity: int, cache=None) -> None:
+        self.cache = drafting.own_cache(self, capacity, cache)
         self.pending, self.fed = [], 0
 
     def observe(self, outputs: dict, rows) -> None:
         self.pending.append(outputs["eagle_features"][0, list(rows)])
 
     def propose(self, history: list[int]) -> DraftTree:
+        return drafting.alone(self.drafting(history), self.session, self.cache)
+
+    def drafting(self, history: list[int]):
+        """`propose` as a generator of its draft calls (runtime/drafting.py)."""
         feats = np.concatenate(self.pending) if self.pending else np.zeros((0, 0), np.float32)
         m = len(feats)
         if m == 0 or self.fed + m + 1 != len(history):
             raise RuntimeError(f"EAGLE draft out of step: {self.fed} fed + {m} features for {len(history)} tokens")
         self.pending = []
         self.cache.rewind(self.fed)
-        out = self._call(history[self.fed + 1:], feats, tree.chain(m), self.fed, 0, [m - 1])
+        out = yield self._call(history[self.fed + 1:], feats, tree.chain(m), self.fed, 0, [m - 1])
         self.cache.advance(m)
         self.fed += m
         candidates, paths = CandidateTree(history[-1]), {0: ()}
@@ -113,8 +119,8 @@ class Eagle(Proposer):
                 fed_index[n] = len(fed_parents)
                 fed_parents.append(fed_index.get(candidates.parents[n], -1))
             hidden = np.stack([hidden_of[candidates.parents[n]] for n in frontier])
-            out = self._call([candidates.tokens[n] for n in frontier], hidden, fed_parents, self.fed, first,
-                             range(len(frontier)))
+            out = yield self._call([candidates.tokens[n] for n in frontier], hidden, fed_parents, self.fed, first,
+                                   range(len(frontier)))
             self.cache.advance(len(frontier))
             made = []
             for row, n in enumerate(frontier):
@@ -134,12 +140,11 @@ class Eagle(Proposer):
         paths.update({n: paths[parent] + (r,) for n, r in zip(made, ranks)})
         return made
 
-    def _call(self, ids, hidden, parents, past: int, first: int, rows) -> dict:
+    @staticmethod
+    def _call(ids, hidden, parents, past: int, first: int, rows) -> DraftCall:
         """Feed nodes first.. of `parents` (a tree below row past - 1; earlier nodes are cached after it)."""
-        positions = past + tree.depths(parents)[first:]
-        return self.session.forward(self.cache, np.array([ids]), np.asarray(positions)[None],
-                                    tree.ancestor_mask(parents)[first:], np.asarray(list(rows)),
-                                    want=("hidden_out", "draft_logp", "draft_tokens"), inputs={"hidden": hidden[None]})
+        return DraftCall(list(ids), past + tree.depths(parents)[first:], tree.ancestor_mask(parents)[first:],
+                         list(rows), ("hidden_out", "draft_logp", "draft_tokens"), {"hidden": hidden})
 
 
 class EagleMethod:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from specexport.errors import UserError
 from specexport.options import from_section, setting, with_given
+from specexport.runtime import drafting
 from specexport.runtime.methods import eagle, suffix
 from specexport.runtime.proposer import Proposer
 from specexport.runtime.tree import DraftTree
@@ -62,15 +63,25 @@ class HybridProposer(Proposer):
     def wants(self, fused: bool) -> tuple[str, ...]:
         return self.draft.wants(fused)
 
-    def start(self, prompt_len: int, capacity: int) -> None:
-        self.draft.start(prompt_len, capacity)
+    # its draft graph is EAGLE's (runtime/drafting.py)
+    session = property(lambda self: self.draft.session)
+    extra_rows = property(lambda self: self.draft.extra_rows)
+    cache = property(lambda self: self.draft.cache, lambda self, cache: setattr(self.draft, "cache", cache))
+
+    def start(self, prompt_len: int, capacity: int, cache=None) -> None:
+        self.draft.start(prompt_len, capacity, cache)
         self.lookup.start(prompt_len, capacity)
 
     def observe(self, outputs: dict, rows) -> None:
         self.draft.observe(outputs, rows)
 
     def propose(self, history: list[int]) -> DraftTree:
-        c = suffix.Candidates(self.lookup.drafts(history), self.draft.propose(history).candidates)
+        return drafting.alone(self.drafting(history), self.session, self.cache)
+
+    def drafting(self, history: list[int]):
+        """`propose` as a generator of its draft calls (runtime/drafting.py)."""
+        grown = yield from self.draft.drafting(history)
+        c = suffix.Candidates(self.lookup.drafts(history), grown.candidates)
         tokens, parents = suffix.select(history[-1], c, self.total, self.lookup.factor, self.lookup.min_prob)
         return DraftTree(tokens, parents, candidates=c)
 

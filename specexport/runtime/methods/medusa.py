@@ -40,7 +40,7 @@ class MedusaHeads(Proposer):
     def wants(self, fused: bool) -> tuple[str, ...]:
         return ("medusa_tokens",) if fused else ("hidden_states",)
 
-    def start(self, prompt_len: int, capacity: int) -> None:
+    def start(self, prompt_len: int, capacity: int, cache=None) -> None:
         self.candidates = None
 
     def observe(self, outputs: dict, rows) -> None:

@@ -32,7 +32,7 @@ class NgramLookup(Proposer):
                                 max_matches=s.max_matches)
         self.max_drafts = s.draft_length * s.max_matches
 
-    def start(self, prompt_len: int, capacity: int) -> None:
+    def start(self, prompt_len: int, capacity: int, cache=None) -> None:
         self.index.reset()
 
     def propose(self, history: list[int]) -> DraftTree:

@@ -104,7 +104,7 @@ class SuffixLookup(Proposer):
         self.datastore = None if s.no_datastore else datastore
         self.max_drafts = self.total - 1
 
-    def start(self, prompt_len: int, capacity: int) -> None:
+    def start(self, prompt_len: int, capacity: int, cache=None) -> None:
         self.history.reset()
 
     def drafts(self, history: list[int]) -> list[Draft]:
