@@ -301,3 +301,24 @@ def test_prompts_share_the_prefill_budget_of_a_step(engines):
         small.step()
         steps += 1
     assert steps == -(-long.prompt_tokens // 7)
+
+
+@pytest.mark.parametrize("name", ["self1-tree", "ngram"])
+def test_steps_skip_proposals_that_do_not_pay(engines, name):
+    """With proposals far dearer than the rows they would save (runtime/budget.worth_drafting), batched steps verify
+    each root alone and no proposer runs; a sequence left alone drafts again (its proposer picks up the steps it
+    skipped) and every request keeps its batch-1 tokens. Cheap proposals are made."""
+    engine = engines[name]
+    lengths = [10, 12, 40]
+    want = batch_one(engine, PROMPTS[:3], lengths)
+    full = engine.method.tokens_per_step(engine.settings)
+    for propose_s, drafts in ((1.0, False), (0.0, True)):
+        scheduler = Scheduler(engine, max_batch=3, background=False)
+        scheduler.latency = BatchLatency([1, 3], [1, full], [[0.001, 0.0011], [0.003, 0.0033]])  # rows are cheap
+        scheduler.propose_s = propose_s
+        requests = [scheduler.submit(p, max_new_tokens=n, stop_ids=()) for p, n in zip(PROMPTS[:3], lengths)]
+        scheduler.run_until_idle()
+        assert [r.result().tokens for r in requests] == [w.tokens for w in want]
+        batched = [w for n, w in scheduler.widths if n > 1]
+        assert batched and (max(batched) > 1) == drafts
+        assert max(w for n, w in scheduler.widths if n == 1) > 1  # alone, it drafts

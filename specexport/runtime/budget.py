@@ -16,6 +16,10 @@ with that profile carries it), or measured when the scheduler starts; refined by
 stream the budget weighs the same trade-off the profile tuned the method's tree for; as streams are added each row
 costs more of the step and the trees shrink, smoothly, towards plain decoding (W = 1): no thresholds.
 
+Proposing costs too where a draft graph runs (EAGLE, a draft model): before a step proposes, `worth_drafting` weighs
+the best width with the proposals' measured time (the scheduler's average over its last steps) against plain decoding
+(W = 1) without it; when drafting does not pay, the step verifies every sequence's root alone and no proposer runs.
+
 A request sampled with a seed keeps its proposer's whole tree: speculative sampling's tokens depend on the tree
 (not their distribution, which is exact either way), and a seeded request must give the same tokens whatever it is
 batched with.
@@ -134,3 +138,15 @@ def choose_width(lengths: list[int], rates: AcceptanceRates, latency: BatchLaten
     tokens = rates.expected(int(sizes.max()))[nodes - 1].sum(axis=1)
     rate = tokens / (latency(len(lengths), np.maximum(widths, floor)) + host_s)
     return int(widths[np.argmax(rate)])  # the first best: the narrowest of equals
+
+
+def worth_drafting(sequences: int, size: int, rates: AcceptanceRates, latency: BatchLatency, host_s: float,
+                   draft_s: float) -> bool:
+    """Whether a step of `sequences` sequences should propose trees (of `size` nodes at most): the most expected tokens
+    per second over widths 2..size, `draft_s` (the proposals' time) included, beat plain decoding's (width 1)."""
+    if size < 2:
+        return False
+    widths = np.arange(2, size + 1)
+    tokens = sequences * rates.expected(size)[widths - 1]
+    drafting = tokens / (latency(sequences, widths) + host_s + draft_s)
+    return bool(drafting.max() > sequences / (latency(sequences, 1) + host_s))

@@ -44,13 +44,14 @@ import numpy as np
 
 from specexport.errors import UserError
 from specexport.runtime import drafting, tree
-from specexport.runtime.budget import AcceptanceRates, BatchLatency, choose_width, grid
+from specexport.runtime.budget import AcceptanceRates, BatchLatency, choose_width, grid, worth_drafting
 from specexport.runtime.generate import PREFILL_CHUNK, Engine, Generation, Output, Stats, StepRecord
 from specexport.runtime.sampling import Sampler, SamplingParams
 from specexport.runtime.verify import Acceptance, accept, accept_greedy
 
 _DONE = object()
 BATCH_ACCEPT = ("batch_accept_mask", "batch_accept_len", "batch_bonus")  # the graph's batched greedy acceptance
+PROPOSE_BLEND = 0.1  # weight of a step's proposal time in their average
 WIDTHS_KEPT = 10_000  # target calls whose (sequences, width) the scheduler keeps (a server runs for weeks)
 
 
@@ -185,6 +186,7 @@ class Scheduler:
             widths = grid(self.step_rows)  # at 128 rows of context, or what the model's positions leave
             self.latency = profiled_latency(engine) or BatchLatency.measure(
                 engine.target, self.pool, grid(max_batch), widths, min(128, engine.max_context - max(widths)))
+        self.propose_s = None  # the proposals' time per batched step (an average over the last ones; None: not yet)
         self.draft_pool = None  # the draft graph's caches, slot for slot with `pool` (made for the first proposer)
         self.draft_limit = self.step_rows + 1  # the widest draft call made with the others (runtime/drafting.py)
         self.widths: deque[tuple[int, int]] = deque(maxlen=WIDTHS_KEPT)  # (sequences, width) of the last calls
@@ -371,7 +373,9 @@ class Scheduler:
             return self._single_step(self.running[0])
         seqs, trees, leaving, started = [], [], [], time.perf_counter()
         live = [seq for seq in self.running if not seq.request.cancelled]  # a cancelled one's row is padding
-        for seq, draft in zip(live, self._propose(live)):
+        drafting = self._drafting_pays(live)
+        proposals = self._propose(live) if drafting else [tree.DraftTree([s.history[-1]], [-1]) for s in live]
+        for seq, draft in zip(live, proposals):
             if isinstance(draft, Exception):  # one request's failure ends that request only
                 leaving.append((seq, _message(draft)))
                 continue
@@ -393,7 +397,8 @@ class Scheduler:
                     if self.rates is not None:
                         self.rates.update(len(draft), acceptance.path)
                     self.pool.slot(seq.slot).commit(acceptance.path)
-                    seq.proposer.accepted(acceptance.path)
+                    if drafting:
+                        seq.proposer.accepted(acceptance.path)
                     if mine := placed(seq, len(draft), out):
                         seq.proposer.observe(mine, acceptance.path)
                 except Exception as e:  # noqa: BLE001
@@ -406,17 +411,32 @@ class Scheduler:
         for seq, error in leaving:
             self._retire(seq, error)
 
+    def _drafting_pays(self, seqs: list[_Sequence]) -> bool:
+        """Whether this step proposes (runtime/budget.worth_drafting): always without a budget, before the proposals'
+        time is known, and while a request sampled with a seed runs (its tree stays whole)."""
+        if self.rates is None or self.propose_s is None or not seqs:
+            return True
+        if any(not s.sampler.params.greedy and s.sampler.params.seed is not None for s in seqs):
+            return True
+        host = self.overhead_s / self.steps if self.steps else 0.0
+        return worth_drafting(len(seqs), self.step_rows, self.rates, self.latency, host, self.propose_s)
+
     def _propose(self, seqs: list[_Sequence]) -> list:
-        """Each sequence's tree (or the exception its proposer raised); draft graphs' calls made together."""
+        """Each sequence's tree (or the exception its proposer raised); draft graphs' calls made together. Their time
+        is averaged into `propose_s`."""
+        start = time.perf_counter()
         if self.draft_pool is not None and len(seqs) > 1:
-            return drafting.together([s.proposer.drafting(s.history) for s in seqs], [s.slot for s in seqs],
-                                     seqs[0].proposer.session, self.draft_pool, len(self.running), self.draft_limit)
-        trees = []
-        for seq in seqs:
-            try:
-                trees.append(seq.proposer.propose(seq.history))
-            except Exception as e:  # noqa: BLE001
-                trees.append(e)
+            trees = drafting.together([s.proposer.drafting(s.history) for s in seqs], [s.slot for s in seqs],
+                                      seqs[0].proposer.session, self.draft_pool, len(self.running), self.draft_limit)
+        else:
+            trees = []
+            for seq in seqs:
+                try:
+                    trees.append(seq.proposer.propose(seq.history))
+                except Exception as e:  # noqa: BLE001
+                    trees.append(e)
+        seconds = time.perf_counter() - start
+        self.propose_s = seconds if self.propose_s is None else self.propose_s + PROPOSE_BLEND * (seconds - self.propose_s)
         return trees
 
     def _single_step(self, seq: _Sequence) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -47,7 +48,9 @@ class DraftPlan(Plan):
 
     def manifest(self) -> dict:
         s = self.settings
-        return {"draft_model": self.spec, "draft_length": s.draft_length, "draft_branching": list(s.branching)}
+        where = Path(self.spec)  # a local folder or file by its name only: a bundle names no machine path
+        spec = where.resolve().name if where.exists() else self.spec
+        return {"draft_model": spec, "draft_length": s.draft_length, "draft_branching": list(s.branching)}
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,7 @@ class EaglePlan(Plan):
 
     def manifest(self) -> dict:
         c = self.draft.config
-        return {**settings_dict(self.settings), "graph_top_k": EAGLE_TOP_K, "draft": str(self.where.resolve()),
+        return {**settings_dict(self.settings), "graph_top_k": EAGLE_TOP_K, "draft": self.where.resolve().name,
                 "version": c.version, "draft_vocab": c.draft_vocab, "aux_layers": list(c.aux_layers),
                 "accuracy": self.draft.meta.get("accuracy")}
 

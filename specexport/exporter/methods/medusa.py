@@ -57,7 +57,7 @@ class MedusaPlan(Plan):
 
     def manifest(self) -> dict:
         h = self.heads
-        return {"tree_spec": self.settings.tree, "tree": self.tree.as_lists(), "heads": str(self.where.resolve()),
+        return {"tree_spec": self.settings.tree, "tree": self.tree.as_lists(), "heads": self.where.resolve().name,
                 "heads_count": h.count, "heads_layers": h.layers, "head_style": h.style, "top_k": TOP_K,
                 "accuracy": h.meta.get("accuracy")}
 
