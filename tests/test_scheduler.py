@@ -280,29 +280,6 @@ def test_requests_that_reach_the_context_limit(engines, name):
     assert [r.result(timeout=0).tokens for r in requests] == [w.tokens for w in want]
 
 
-def test_prompts_share_the_prefill_budget_of_a_step(engines):
-    """The step's prompt tokens (`prefill_chunk`) go to as many requests as they cover: three prompts that fill it
-    exactly all join in the first step, the fourth waits for the next; a prompt longer than it feeds a budget per
-    step. Tokens as batch 1's."""
-    engine = engines["ngram"]
-    sizes = [len(engine.request(p, 10, (), True)[0]) for p in PROMPTS[:4]]
-    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=sum(sizes[:3]), background=False)
-    requests = [scheduler.submit(p, max_new_tokens=10, stop_ids=()) for p in PROMPTS[:4]]
-    scheduler.step()
-    assert len(scheduler.running) == 3 and scheduler.prefilling is None and len(scheduler.waiting) == 1
-    scheduler.step()
-    assert len(scheduler.running) == 4
-    scheduler.run_until_idle()
-    assert [r.result().tokens for r in requests] == [w.tokens for w in batch_one(engine, PROMPTS[:4], [10] * 4)]
-    small = Scheduler(engine, max_batch=2, prefill_chunk=7, background=False)
-    long = small.submit(PROMPTS[4], max_new_tokens=5, stop_ids=())
-    steps = 0
-    while not small.running:
-        small.step()
-        steps += 1
-    assert steps == -(-long.prompt_tokens // 7)
-
-
 @pytest.mark.parametrize("name", ["self1-tree", "ngram"])
 def test_steps_skip_proposals_that_do_not_pay(engines, name):
     """With proposals far dearer than the rows they would save (runtime/budget.worth_drafting), batched steps verify

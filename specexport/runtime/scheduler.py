@@ -5,16 +5,19 @@ A front end (a server, a benchmark, a script with threads) `submit`s requests to
 scheduler runs one loop (its own thread, or `run_until_idle` called by the owner) whose every step is:
 
 1. Requests cancelled since the last step stop (their slots are free for the next step).
-2. Prompts are fed under a budget of `prefill_chunk` tokens per step: the prefilling request (one at a time, in the
-   slot after the running ones) feeds its next chunk; once its last chunk gives its first token it joins the running
-   ones, and the next waiting request (while slots are free) takes what is left of the budget. A long prompt holds
-   the running streams back by one budget per step, never by its whole length; short ones join several per step.
+2. Waiting requests are admitted while there are free slots; one at a time prefills.
+3. The prefilling request feeds one chunk of its prompt (at most `prefill_chunk` tokens): a long prompt holds the
+   running streams back by one chunk per step, never by its whole length. Its last chunk gives its first token.
+   (Filling the rest of a step's `prefill_chunk` with the next waiting prompts measured worse, README: requests
+   prefilled together finish together and come back as a burst, whose prefill stalls every stream.)
 4. One target call verifies every running sequence's tree: each sequence proposes its tree with its own proposer,
    the trees are padded to the widest (a padded row sees only itself and writes cache rows past its sequence's
    length, which nothing reads), each row with its sequence's past length and positions. Each sequence accepts
    its rows with its own sampling settings and random stream (runtime/verify.accept: a seeded request gives the
    same tokens whatever else is in the batch), commits its path in its slot, and emits. A sequence running alone
    takes the engine's own step (Engine.step: its whole tree, the acceptance fused into the graph), as batch 1 does.
+   With a tree budget (runtime/budget.py) the step first asks whether drafting pays at all (the proposals' measured
+   time against the rows they would save); where it does not, every sequence verifies its root alone.
 
 The KV cache is a pool of slots (runtime/kvcache.KVPool) with the running sequences in a prefix, bound in place:
 the batched call takes a view of the first n slots, no copy. A finished sequence's slot is refilled by moving the
@@ -289,7 +292,9 @@ class Scheduler:
         graphs = [self.engine.target] + self.engine.side_graphs()
         start, inside = time.perf_counter(), sum(g.seconds for g in graphs)
         self._drop_cancelled()
-        self._prefill(self.prefill_chunk)
+        self._admit()
+        if self.prefilling is not None:
+            self._prefill_one_chunk()
         if self.running:
             self._decode()
         graphs = [self.engine.target] + self.engine.side_graphs()
@@ -334,20 +339,6 @@ class Scheduler:
         self.draft_pool.lengths[seq.slot] = 0
         return self.draft_pool.slot(seq.slot)
 
-    def _prefill(self, budget: int) -> None:
-        """Feed prompts, `budget` tokens at most: the prefilling request's next chunk and, as each one joins the running
-        ones, the next waiting request's."""
-        while budget > 0:
-            self._admit()
-            seq = self.prefilling
-            if seq is None:
-                return
-            chunk = seq.chunks[0]
-            if len(chunk) > budget:  # the rest waits for the next step
-                seq.chunks[0:1] = [chunk[:budget], chunk[budget:]]
-            budget -= len(seq.chunks[0])
-            self._prefill_one_chunk()
-
     def _prefill_one_chunk(self) -> None:
         seq = self.prefilling
         try:
@@ -373,8 +364,8 @@ class Scheduler:
             return self._single_step(self.running[0])
         seqs, trees, leaving, started = [], [], [], time.perf_counter()
         live = [seq for seq in self.running if not seq.request.cancelled]  # a cancelled one's row is padding
-        drafting = self._drafting_pays(live)
-        proposals = self._propose(live) if drafting else [tree.DraftTree([s.history[-1]], [-1]) for s in live]
+        proposing = self._drafting_pays(live)
+        proposals = self._propose(live) if proposing else [tree.DraftTree([s.history[-1]], [-1]) for s in live]
         for seq, draft in zip(live, proposals):
             if isinstance(draft, Exception):  # one request's failure ends that request only
                 leaving.append((seq, _message(draft)))
@@ -397,7 +388,7 @@ class Scheduler:
                     if self.rates is not None:
                         self.rates.update(len(draft), acceptance.path)
                     self.pool.slot(seq.slot).commit(acceptance.path)
-                    if drafting:
+                    if proposing:
                         seq.proposer.accepted(acceptance.path)
                     if mine := placed(seq, len(draft), out):
                         seq.proposer.observe(mine, acceptance.path)
