@@ -5,11 +5,12 @@ plain decoding (different seeds); the joint of the tokens after the first (those
 speculative steps) is compared by a two-sample chi-square test at a 1e-4 tail.
 
     python scripts/check_sampling.py BUNDLE [--n 600] [--tokens 3] [--temperatures 0.7,1.0] [--outside-graph]
-                                     [--batched N]
+                                     [--batched N [--fixed]]
 
 --outside-graph accepts with the runtime's rule on the step's logits instead of inside the graph (the same
 random numbers, so the same tokens up to float32 rounding). --batched N samples the speculative side through the
-batched engine (runtime/scheduler.py, N sequences per step, the batch's tree budget on, unseeded requests).
+batched engine (runtime/scheduler.py, N sequences per step, the batch's tree budget on, unseeded requests; with
+--fixed every tree whole, so that the batched speculative acceptance runs on every step).
 """
 
 from __future__ import annotations
@@ -34,13 +35,16 @@ def main() -> None:
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--outside-graph", action="store_true", help="accept with the runtime's rule, not in the graph")
     ap.add_argument("--batched", type=int, default=0, help="sample the method through the batched engine, N at once")
+    ap.add_argument("--fixed", action="store_true", help="with --batched: every tree as its proposer made it (no tree "
+                    "budget, which may cut the trees, or skip drafting where it does not pay)")
     args = ap.parse_args()
     engine = Engine.load(args.bundle, verify=False)
-    scheduler = Scheduler(engine, max_batch=args.batched, background=False) if args.batched else None
+    scheduler = Scheduler(engine, max_batch=args.batched, budget=not args.fixed, background=False) \
+        if args.batched else None
     engine.fused_accept &= not args.outside_graph
     print(f"{engine.bundle.manifest['model']['name']} {engine.bundle.precision}, method {engine.bundle.method}, "
           f"{args.n} samples each, tokens 2..{args.tokens}, accepted "
-          + (f"by the batched engine ({args.batched} at once)" if scheduler else
+          + (f"by the batched engine ({args.batched} at once{', fixed trees' if args.fixed else ''})" if scheduler else
              f"{'outside' if not engine.fused_accept else 'in'} the graph"))
     failed = False
     for temperature in (float(t) for t in args.temperatures.split(",")):
