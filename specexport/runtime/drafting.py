@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specexport.runtime.proposer import Proposer
+
 
 @dataclass(frozen=True)
 class DraftCall:
@@ -32,6 +34,21 @@ class DraftCall:
     rows: list[int]
     want: tuple[str, ...]
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class DraftingProposer(Proposer):
+    """A proposer with a draft graph of its own: `session` (that graph), `cache` (its rows: its own, or a slot of the
+    scheduler's draft pool), `extra_rows` (the rows its trees take past the target's) and `drafting(history)`, the
+    generator of its draft calls; `propose` runs it alone."""
+
+    session: object
+    cache: object
+    extra_rows: int
+
+    def drafting(self, history: list[int]): ...
+
+    def propose(self, history: list[int]):
+        return alone(self.drafting(history), self.session, self.cache)
 
 
 def alone(drafting, session, cache):

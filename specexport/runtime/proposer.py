@@ -23,10 +23,8 @@ class Proposer(Protocol):
     - `start(prompt_len, capacity, cache)`: a new generation of at most `capacity` target rows. `cache`: where a
       proposer with a draft graph keeps its rows (a slot of the scheduler's draft pool), else None (its own).
 
-    A proposer with a draft graph of its own (EAGLE, a draft model) also has `session` (that graph), `cache` (its
-    rows; the scheduler moves it with its slot), `extra_rows` (the rows its trees take past the target's) and
-    `drafting(history)`: `propose` as a generator of its draft calls, so that a scheduler can make many sequences'
-    calls as one (runtime/drafting.py).
+    A proposer with a draft graph of its own (EAGLE, a draft model) is a runtime/drafting.DraftingProposer: its
+    proposal is a generator of draft calls, so that a scheduler can make many sequences' calls as one.
     """
 
     max_drafts: int

@@ -48,6 +48,7 @@ import numpy as np
 from specexport.errors import UserError
 from specexport.runtime import drafting, tree
 from specexport.runtime.budget import AcceptanceRates, BatchLatency, choose_width, grid, worth_drafting
+from specexport.runtime.drafting import DraftingProposer
 from specexport.runtime.generate import PREFILL_CHUNK, Engine, Generation, Output, Stats, StepRecord
 from specexport.runtime.sampling import Sampler, SamplingParams
 from specexport.runtime.verify import Acceptance, accept, accept_greedy
@@ -331,7 +332,7 @@ class Scheduler:
     def _draft_cache(self, seq: _Sequence):
         """The slot of the draft pool for a proposer with a draft graph (the pool made for the first), else None."""
         proposer = seq.proposer
-        if not hasattr(proposer, "drafting"):
+        if not isinstance(proposer, DraftingProposer):
             return None
         if self.draft_pool is None:
             capacity = self.pool.capacity + proposer.extra_rows + self.draft_limit  # the limit: a batched call's padding
@@ -375,7 +376,7 @@ class Scheduler:
             seqs.append(seq)
         if seqs:
             if self.rates is not None:  # seeded sampling keeps its tree: its tokens must not depend on the batch
-                kept = [not s.sampler.params.greedy and s.sampler.params.seed is not None for s in seqs]
+                kept = [_seeded(s) for s in seqs]
                 host = self.overhead_s / self.steps if self.steps else 0.0
                 width = choose_width([len(t) for t in trees], self.rates, self.latency, host, kept)
                 trees = [t if keep else t.truncated(width) for t, keep in zip(trees, kept)]
@@ -407,7 +408,7 @@ class Scheduler:
         time is known, and while a request sampled with a seed runs (its tree stays whole)."""
         if self.rates is None or self.propose_s is None or not seqs:
             return True
-        if any(not s.sampler.params.greedy and s.sampler.params.seed is not None for s in seqs):
+        if any(_seeded(s) for s in seqs):
             return True
         host = self.overhead_s / self.steps if self.steps else 0.0
         return worth_drafting(len(seqs), self.step_rows, self.rates, self.latency, host, self.propose_s)
@@ -537,7 +538,7 @@ class Scheduler:
     def _move(self, seq: _Sequence, slot: int) -> None:
         """Move a sequence's rows (the target's, its draft's) to another slot."""
         self.pool.move_slot(seq.slot, slot)
-        if self.draft_pool is not None and hasattr(seq.proposer, "drafting"):
+        if self.draft_pool is not None and isinstance(seq.proposer, DraftingProposer):
             self.draft_pool.move_slot(seq.slot, slot)
             seq.proposer.cache = self.draft_pool.slot(slot)
         seq.slot = slot
@@ -557,6 +558,11 @@ def profiled_latency(engine: Engine) -> BatchLatency | None:
     if not profile.get("measured") or (profile.get("engine") or {}).get("precision") != engine.bundle.precision:
         return None
     return BatchLatency.from_measurements(profile.get("measurements") or {})
+
+
+def _seeded(seq: _Sequence) -> bool:
+    """A request sampled with a seed: its tree stays whole, so that its tokens never depend on the batch."""
+    return not seq.sampler.params.greedy and seq.sampler.params.seed is not None
 
 
 def _message(e: Exception) -> str:

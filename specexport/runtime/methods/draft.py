@@ -12,8 +12,7 @@ import numpy as np
 from specexport.errors import UserError
 from specexport.options import from_section, setting, with_given
 from specexport.runtime import drafting, tree
-from specexport.runtime.drafting import DraftCall
-from specexport.runtime.proposer import Proposer
+from specexport.runtime.drafting import DraftCall, DraftingProposer
 from specexport.runtime.sampling import SamplingParams, probabilities, sample
 from specexport.runtime.tree import MAX_DRAFT_LENGTH, AcceptMode, DraftTree, check_draft_length
 
@@ -35,7 +34,7 @@ class Settings:
         return int(np.cumprod(self.branching).sum())
 
 
-class DraftModel(Proposer):
+class DraftModel(DraftingProposer):
     def __init__(self, session, branching: tuple[int, ...], sampling: SamplingParams, rng: np.random.Generator):
         self.session = session
         self.branching = tuple(branching)
@@ -49,9 +48,6 @@ class DraftModel(Proposer):
 
     def start(self, prompt_len: int, capacity: int, cache=None) -> None:
         self.cache = drafting.own_cache(self, capacity, cache)
-
-    def propose(self, history: list[int]) -> DraftTree:
-        return drafting.alone(self.drafting(history), self.session, self.cache)
 
     def drafting(self, history: list[int]):
         """`propose` as a generator of its draft calls (runtime/drafting.py)."""

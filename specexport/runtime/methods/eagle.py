@@ -20,8 +20,7 @@ import numpy as np
 from specexport.errors import UserError
 from specexport.options import from_section, setting, with_given
 from specexport.runtime import drafting, rank_tree, tree
-from specexport.runtime.drafting import DraftCall
-from specexport.runtime.proposer import Proposer
+from specexport.runtime.drafting import DraftCall, DraftingProposer
 from specexport.runtime.tree import DraftTree
 
 MAX_DEPTH, MAX_TOTAL = rank_tree.MAX_DEPTH, rank_tree.MAX_NODES + 1
@@ -69,7 +68,7 @@ class CandidateTree:
         return tree.subtree(self.tokens, self.parents, chosen)
 
 
-class Eagle(Proposer):
+class Eagle(DraftingProposer):
     def __init__(self, session, settings: Settings, static: rank_tree.RankTree | None):
         self.session, self.static = session, static
         self.depth, self.top_k, self.total = settings.depth, settings.top_k, settings.total_tokens
@@ -91,9 +90,6 @@ class Eagle(Proposer):
 
     def observe(self, outputs: dict, rows) -> None:
         self.pending.append(outputs["eagle_features"][0, list(rows)])
-
-    def propose(self, history: list[int]) -> DraftTree:
-        return drafting.alone(self.drafting(history), self.session, self.cache)
 
     def drafting(self, history: list[int]):
         """`propose` as a generator of its draft calls (runtime/drafting.py)."""

@@ -16,9 +16,8 @@ from dataclasses import dataclass
 
 from specexport.errors import UserError
 from specexport.options import from_section, setting, with_given
-from specexport.runtime import drafting
+from specexport.runtime.drafting import DraftingProposer
 from specexport.runtime.methods import eagle, suffix
-from specexport.runtime.proposer import Proposer
 from specexport.runtime.tree import DraftTree
 
 
@@ -54,7 +53,7 @@ class Settings:
                                no_datastore=self.no_datastore)
 
 
-class HybridProposer(Proposer):
+class HybridProposer(DraftingProposer):
     def __init__(self, draft: eagle.Eagle, lookup: suffix.SuffixLookup, s: Settings):
         self.draft, self.lookup = draft, lookup
         self.total = s.total_tokens
@@ -74,9 +73,6 @@ class HybridProposer(Proposer):
 
     def observe(self, outputs: dict, rows) -> None:
         self.draft.observe(outputs, rows)
-
-    def propose(self, history: list[int]) -> DraftTree:
-        return drafting.alone(self.drafting(history), self.session, self.cache)
 
     def drafting(self, history: list[int]):
         """`propose` as a generator of its draft calls (runtime/drafting.py)."""
