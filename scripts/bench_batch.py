@@ -17,10 +17,12 @@ Printed per configuration and C: aggregate tokens/s (all new tokens / wall time)
 (submit to first token: queueing and prefill included), time between tokens p50/p99 (the gap before each step's
 tokens divided by how many it brought, over all steps of all requests), the mean rows per target call and the
 scheduler's time outside the graph calls per step. Configurations alternate at each C, so they see the same
-machine. Greedy, EOS suppressed (every request emits exactly --new-tokens).
+machine. Greedy unless `--temperature` (then every request samples, with `--top-p`, the k-th request of a
+configuration seeded k), EOS suppressed (every request emits exactly --new-tokens).
 
     python scripts/bench_batch.py --plain BUNDLE --method BUNDLE [--prompts bench/sharegpt40.jsonl]
-        [--concurrency 1,2,4,8,16] [--requests 2] [--new-tokens 128] [--threads N] [--genai CACHE] [--json OUT]
+        [--concurrency 1,2,4,8,16] [--requests 2] [--new-tokens 128] [--temperature T [--top-p P]] [--threads N]
+        [--genai CACHE] [--json OUT]
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specexport.runtime.generate import Engine  # noqa: E402
+from specexport.runtime.sampling import SamplingParams  # noqa: E402
 from specexport.runtime.scheduler import Scheduler  # noqa: E402
 
 
@@ -79,12 +82,13 @@ class BatchOne:
     def __init__(self, engine: Engine, new_tokens: int):
         self.engine, self.new_tokens, self.lock = engine, new_tokens, threading.Lock()
 
-    def submit(self, prompt: str):
+    def submit(self, prompt: str, sampling: SamplingParams | None = None):
         request = _Done()
         with self.lock:
             request.submitted = time.perf_counter()
             steps = []
-            request.generation = self.engine.generate(prompt, max_new_tokens=self.new_tokens, stop_ids=(), on_step=lambda
+            request.generation = self.engine.generate(prompt, max_new_tokens=self.new_tokens, stop_ids=(),
+                                                      sampling=sampling, on_step=lambda
                                                       record: steps.append((time.perf_counter(),
                                                                             record.acceptance.accept_length)))
             request.arrivals = [(request.submitted + request.generation.stats.ttft_s, 1)] + steps
@@ -177,6 +181,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample every request (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--genai", type=Path, default=None, metavar="CACHE",
                     help="add onnxruntime-genai's og.Engine (its venv and models in CACHE, as bench_plain.py makes them)")
@@ -192,6 +198,8 @@ def main() -> None:
         schedulers["budget"] = Scheduler(method, max_batch=max(levels))
     new = args.new_tokens
     genai = None
+    if args.genai is not None and args.temperature:
+        sys.exit("--genai compares greedy decoding only")
     if args.genai is not None:
         from bench_plain import ensure_genai  # this folder's script: genai's venv and model folders
 
@@ -203,9 +211,14 @@ def main() -> None:
         print(f"genai: onnxruntime-genai's og.Engine, {precision} (static batching)", file=sys.stderr)
 
     def submitter(name):
+        seeds = iter(range(1 << 30))
+
+        def sampling():
+            return SamplingParams(args.temperature, top_p=args.top_p, seed=next(seeds)) if args.temperature else None
         if name == "batch-1":
-            return BatchOne(plain, new).submit
-        return lambda prompt: schedulers[name].submit(prompt, max_new_tokens=new, stop_ids=())
+            one = BatchOne(plain, new)
+            return lambda prompt: one.submit(prompt, sampling())
+        return lambda prompt: schedulers[name].submit(prompt, max_new_tokens=new, stop_ids=(), sampling=sampling())
 
     width_sums = dict.fromkeys(schedulers, 0)  # the widths of every target call, summed (Scheduler.on_step)
     for name, scheduler in schedulers.items():
@@ -235,8 +248,9 @@ def main() -> None:
     finally:
         for s in schedulers.values():
             s.close()
+    how = f"temperature {args.temperature:g}, top-p {args.top_p:g}" if args.temperature else "greedy"
     print(f"{args.plain.name} vs {args.method.name if args.method else '-'}: closed loop, {args.requests} requests per "
-          f"client, {new} new tokens each, {args.threads} threads")
+          f"client, {new} new tokens each, {how}, {args.threads} threads")
     print(f"{'config':<9}{'C':>4}{'tokens/s':>10}{'TTFT p50':>10}{'p99':>8}{'TBT p50':>9}{'p99':>8}{'rows/call':>10}"
           f"{'width':>7}{'host ms/step':>13}")
     for r in results:

@@ -56,9 +56,10 @@ def test_top_k_then_top_p():
 
 
 def test_top_p_matches_full_sort_on_a_large_vocabulary():
-    # rounded logits give many ties; nuclei of up to ~1000 tokens exercise candidate growth
+    # rounded logits give many ties; flat to peaked rows put the nucleus inside each probability floor's candidates
+    # (sampling.NUCLEUS_FLOORS) and past them all
     rng = np.random.default_rng(3)
-    logits = np.round(rng.standard_normal((4, 5000)) * 2, 1)
+    logits = np.round(rng.standard_normal((5, 5000)) * np.array([[0.5], [2], [4], [6], [8]]), 1)
     for top_p in (0.05, 0.5, 0.9, 0.99):
         got = probabilities(logits, P(top_p=top_p))
         probs = probabilities(logits, P())

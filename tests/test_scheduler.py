@@ -66,11 +66,19 @@ def test_batched_greedy_equals_batch_one(engines, name, in_graph):
         assert scheduler.draft_pool is not None and draft_calls() - before - alone < alone
 
 
-def test_seeded_sampling_does_not_depend_on_the_batch(engines):
-    engine = engines["self1-tree"]
-    sampling = [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=1.0, top_p=0.9, seed=3)]
+@pytest.mark.parametrize("name", ["self1-tree", "ngram"])
+@pytest.mark.parametrize("in_graph", [True, False], ids=["graph-accepts", "host-accepts"])
+def test_seeded_sampling_does_not_depend_on_the_batch(engines, name, in_graph):
+    """Seeded sampled requests batched with a greedy one and with each other emit their batch-1 tokens, accepted by
+    the graph's batched sampling acceptance (sampled drafts: the draft model's; deterministic candidates: n-gram's)
+    or on the host."""
+    engine = engines[name]
+    sampling = [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=1.0, top_p=0.9, seed=3),
+                SamplingParams(temperature=0.6, top_k=5, seed=11)]
     alone = [engine.generate(PROMPTS[k], max_new_tokens=24, stop_ids=(), sampling=s) for k, s in enumerate(sampling)]
-    scheduler = Scheduler(engine, max_batch=3, background=False)
+    scheduler = Scheduler(engine, max_batch=4, background=False)
+    assert scheduler.batch_sample
+    scheduler.batch_sample = in_graph
     mixed = [scheduler.submit(PROMPTS[3], max_new_tokens=30, stop_ids=()),  # a greedy neighbour
              *(scheduler.submit(PROMPTS[k], max_new_tokens=24, stop_ids=(), sampling=s) for k, s in enumerate(sampling))]
     scheduler.run_until_idle()
