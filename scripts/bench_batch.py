@@ -17,8 +17,9 @@ Printed per configuration and C: aggregate tokens/s (all new tokens / wall time)
 (submit to first token: queueing and prefill included), time between tokens p50/p99 (the gap before each step's
 tokens divided by how many it brought, over all steps of all requests), the mean rows per target call and the
 scheduler's time outside the graph calls per step. Configurations alternate at each C, so they see the same
-machine. Greedy unless `--temperature` (then every request samples, with `--top-p`, the k-th request of a
-configuration seeded k), EOS suppressed (every request emits exactly --new-tokens).
+machine. Greedy unless `--temperature` (then every request samples, with `--top-p`, unseeded: a seeded request keeps
+its whole tree, so that its tokens never depend on the batch), EOS suppressed (every request emits exactly
+--new-tokens).
 
     python scripts/bench_batch.py --plain BUNDLE --method BUNDLE [--prompts bench/sharegpt40.jsonl]
         [--concurrency 1,2,4,8,16] [--requests 2] [--new-tokens 128] [--temperature T [--top-p P]] [--threads N]
@@ -211,10 +212,8 @@ def main() -> None:
         print(f"genai: onnxruntime-genai's og.Engine, {precision} (static batching)", file=sys.stderr)
 
     def submitter(name):
-        seeds = iter(range(1 << 30))
-
         def sampling():
-            return SamplingParams(args.temperature, top_p=args.top_p, seed=next(seeds)) if args.temperature else None
+            return SamplingParams(args.temperature, top_p=args.top_p) if args.temperature else None
         if name == "batch-1":
             one = BatchOne(plain, new)
             return lambda prompt: one.submit(prompt, sampling())

@@ -81,14 +81,10 @@ class Step:
             io.bind_cpu_input("logits_indices", np.arange(t, dtype=np.int64))
         if "attention_mask" in names:  # genai's: ones over past + new
             io.bind_cpu_input("attention_mask", np.ones((1, past + t), _TYPES[names["attention_mask"].type]))
-        if "sample_u" in names:  # ours with the fused acceptance: its greedy inputs (none sampled in the batch)
+        if "sample_u" in names:  # ours with the fused acceptance: its greedy inputs
             io.bind_cpu_input("sample_u", np.zeros((t, 1), np.float32))
             io.bind_cpu_input("sample_q", np.zeros((0, 0), np.float32))
             io.bind_cpu_input("sample_params", np.array([0, 0, 1, 0], np.float32))
-        if "batch_sample_u" in names:
-            io.bind_cpu_input("batch_sample_u", np.zeros((0, t, 1), np.float32))
-            io.bind_cpu_input("batch_sample_q", np.zeros((0, 0, 0), np.float32))
-            io.bind_cpu_input("batch_sample_params", np.zeros((0, 6), np.float32))
         io.bind_output("logits", "cpu")
         start = time.perf_counter()
         self.session.run_with_iobinding(io)

@@ -9,19 +9,11 @@ import pytest
 from onnx import TensorProto, helper
 
 from specexport.exporter import fused
-from specexport.exporter.fused import (
-    BATCH_INPUTS,
-    INPUTS,
-    _argmax_rows,
-    _process,
-    add_accept,
-    add_batch_accept,
-    add_batch_sample,
-)
+from specexport.exporter.fused import INPUTS, _argmax_rows, _process, add_accept, add_batch_accept
 from specexport.exporter.graph import _Graph, make_model
 from specexport.runtime import tree
 from specexport.runtime.sampling import SamplingParams, probabilities
-from specexport.runtime.verify import accept_greedy, accept_tree, batch_sample_inputs, greedy_inputs, uniforms_shape
+from specexport.runtime.verify import accept_greedy, accept_tree, uniforms_shape
 
 V = 23
 
@@ -172,79 +164,13 @@ def test_the_batched_greedy_acceptance_is_the_pure_rule_for_every_sequence(vocab
     assert max(lengths) >= 3
 
 
-@pytest.fixture(scope="module")
-def batched():
-    """The target graph's three acceptances over one batched step: batch 1's, the batched greedy one and the
-    batched sampling one (the ort flavour's, with its blocked argmax)."""
-    g = _Graph(TensorProto.FLOAT)
-    seq = g.op("Gather", [g.op("Shape", ["input_ids"]), g.const("one_i64", np.array(1, np.int64))], axis=0)
-    outputs = add_batch_accept(g, add_accept(g, "logits", seq, vocab_size=V)[3]) + add_batch_sample(g, V)
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
-              helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, ["batch", "seq", "cols"]),
-              helper.make_tensor_value_info("logits_indices", TensorProto.INT64, ["rows"]),
-              helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["rows", V])]
-    inputs += [helper.make_tensor_value_info(name, t, shape) for name, t, shape in INPUTS + BATCH_INPUTS]
-    model = make_model(helper.make_graph(g.nodes, "accept", inputs, outputs, initializer=g.initializers))
-    onnx.checker.check_model(model, full_check=True)
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-
-
-def test_the_batched_sampling_acceptance_is_each_sequence_alone(batched):
-    """add_batch_sample: B sequences' trees padded to the widest, each with its own mode (greedy ones are not in
-    it; deterministic candidates, sampled drafts with and without replacement), settings and random numbers, laid
-    out by verify.batch_sample_inputs: each sampled one accepted as verify.accept_tree accepts it alone. The tree
-    mask has columns before the step's (a cached prefix), as a draft's calls have."""
-    rng = np.random.default_rng(11)
-    modes = ["greedy", "topk", "with_replacement", "without_replacement"]
-    lengths, seen = set(), set()
-    for trial in range(60):
-        b = int(rng.integers(1, 6))
-        sizes = [int(rng.integers(1, 9)) for _ in range(b)]
-        width, before = max(sizes), int(rng.integers(0, 3))
-        ids = np.zeros((b, width), np.int64)
-        mask = np.zeros((b, width, before + width), bool)
-        mask[:, :, before:] = np.eye(width, dtype=bool)
-        rows, logits, steps, refs = [], [], [], {}
-        for k, t in enumerate(sizes):
-            mode = modes[int(rng.integers(0, 4))]
-            sampled = mode in ("with_replacement", "without_replacement")
-            parents = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
-            z = rng.normal(size=(t, V)).astype(np.float32) * 2
-            params = SamplingParams(temperature=float(rng.choice([0.5, 1.0, 1.5])), top_k=int(rng.choice([0, 0, 5])),
-                                    top_p=float(rng.choice([1.0, 1.0, 0.8])))
-            p = probabilities(z, params)
-            tokens = guesses(rng, parents, p, 0.6)
-            ids[k, :t], mask[k, :t, before:before + t] = tokens, tree.ancestor_mask(parents)
-            mask[k, :t, :before] = rng.random((t, before)) < 0.5  # the cached prefix's columns, which it ignores
-            rows += range(k * width, k * width + t)
-            logits.append(z)
-            if mode == "greedy":
-                continue
-            q = rng.dirichlet(np.ones(V) * 0.5, size=t).astype(np.float32) if sampled and t > 1 else None
-            u = rng.random(uniforms_shape(parents)).astype(np.float32)
-            steps.append((k, {"sample_u": u, "sample_q": np.zeros((0, 0)) if q is None else q,
-                              "sample_params": np.array([params.temperature, params.top_k, params.top_p,
-                                                         mode == "without_replacement"], np.float32)}))
-            refs[k] = accept_tree(tokens.tolist(), parents, p, q, u, mode if q is not None else "topk")
-            seen.add(mode)
-        feeds = {"input_ids": ids, "tree_mask": mask, "logits_indices": np.array(rows, np.int64),
-                 "logits": np.concatenate(logits), **greedy_inputs(len(rows)), **batch_sample_inputs(steps, width)}
-        got_mask, got_bonus = batched.run(["batch_sample_mask", "batch_sample_bonus"], feeds)
-        assert len(got_mask) == len(got_bonus) == len(steps)  # none sampled: no iteration, empty outputs
-        for s, (k, _) in enumerate(steps):
-            assert np.flatnonzero(got_mask[s]).tolist() == refs[k].path, (trial, k)
-            assert got_bonus[s] == refs[k].tokens[-1], (trial, k)
-            lengths.add(len(refs[k].path))
-    assert max(lengths) >= 3 and seen == set(modes[1:])
-
-
 def process_session(vocab: int):
     g = _Graph(TensorProto.FLOAT)
     vsize = g.op("Shape", ["x"], start=1, end=2)
-    temperature = g.op("Gather", ["params", g.const("t_at", np.array([0]))], axis=0)
-    g.op("Identity", [_process(g, "x", temperature, vsize, "params")], outputs=["p"])
+    temperature = g.op("Gather", ["sample_params", g.const("t_at", np.array([0]))], axis=0)
+    g.op("Identity", [_process(g, "x", temperature, vsize)], outputs=["p"])
     graph = helper.make_graph(g.nodes, "process", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", vocab]),
-                                                   helper.make_tensor_value_info("params", TensorProto.FLOAT, [4])],
+                                                   helper.make_tensor_value_info("sample_params", TensorProto.FLOAT, [4])],
                               [helper.make_tensor_value_info("p", TensorProto.FLOAT, ["n", vocab])],
                               initializer=g.initializers)
     return ort.InferenceSession(make_model(graph).SerializeToString(), providers=["CPUExecutionProvider"])
@@ -265,8 +191,8 @@ def test_top_p_sorts_only_the_candidates_it_needs(shape, monkeypatch):
     full = process_session(vocab)
     for top_p in (0.5, 0.9, 0.99):
         params = np.array([1.0, 0, top_p, 0], np.float32)
-        got = fast.run(None, {"x": x, "params": params})[0]
-        assert (got == full.run(None, {"x": x, "params": params})[0]).all(), top_p
+        got = fast.run(None, {"x": x, "sample_params": params})[0]
+        assert (got == full.run(None, {"x": x, "sample_params": params})[0]).all(), top_p
         if shape != "ties":
             want = probabilities(x, SamplingParams(temperature=1.0, top_p=top_p))
             assert ((got > 0) == (want > 0)).all(), top_p

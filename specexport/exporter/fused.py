@@ -14,8 +14,7 @@ them: a few integers per step instead of T x vocab logits. The rules are `runtim
 The target's distribution is `runtime.sampling.probabilities` (temperature, top-k, top-p). Batch 1,
 and `logits_indices` must select every row of the step; the nodes also run on other calls
 (prefill, decode), where they see the last selected rows as a tree and their outputs are ignored.
-`add_batch_accept` adds the greedy rule for every sequence of a batched step at once (the batched engine's), and
-`add_batch_sample` the sampling rule for each of its sampled sequences (a Loop over them, each tree alone).
+`add_batch_accept` adds the greedy rule for every sequence of a batched step at once (the batched engine's).
 
 At temperature 0 (greedy decoding, the common case) an If takes the greedy rule on one ArgMax per row (computed
 before the If, once, and shared with the batched acceptance), so greedy speculation pays no pass over the
@@ -38,8 +37,6 @@ what reads ACCEPTED_ROW.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 from onnx import TensorProto, helper
@@ -69,48 +66,33 @@ def add_accept(g, logits: str, seq_len: str, sampling: bool = True, vocab_size: 
     top_all = _argmax_rows(g, logits, vocab_size) if vocab_size else g.op("ArgMax", [logits], axis=1, keepdims=0)
     top = g.op("Slice", [top_all, g.op("Sub", [rows, n]), rows, c("zero", [0])])  # [n] the target's token per row
 
-    # the tree from the last n rows and columns of the tree mask (batch 0): anc[i, j] = j is i or an ancestor of i
-    cols = g.op("Shape", ["tree_mask"], start=2, end=3)
-    block = g.op("Slice", ["tree_mask", g.op("Concat", [first, g.op("Sub", [cols, n])], axis=0),
-                           g.op("Concat", [seq, cols], axis=0), c("axes12", [1, 2])])
-    anc = g.op("Gather", [block, batch0], axis=0)  # [n, n]
     if not sampling:
-        rows_out, best, bonus = _accept(g, target, ids, anc, n, top)
+        rows_out, best, bonus = _accept(g, target, ids, n, first, seq, top)
     else:  # a single greedy row (plain decoding) skips the tree: its argmax is the bonus token
-        draws = _Draws("sample_u", "sample_q", "sample_params",
-                       g.op("Greater", [g.op("Shape", ["sample_q"], end=1), c("zero", [0])]))
         temperature = g.op("Gather", ["sample_params", c("zero_s", 0)], axis=0)
         greedy = g.op("LessOrEqual", [temperature, c("0f", 0.0, np.float32)])
         single = g.op("And", [g.op("Equal", [g.op("Squeeze", [n, c("zero", [0])]), c("one_s", 1)]), greedy])
         rows_out, best, bonus = _if(g, "tree", single,
                                     lambda b: [_consts(b)("zero", [0]), _consts(b)("zero", [0]), top],
-                                    lambda b: list(_accept(b, target, ids, anc, n, top, (temperature, greedy, draws))),
+                                    lambda b: list(_accept(b, target, ids, n, first, seq, top, (temperature, greedy))),
                                     [I64, I64, I64])
     rows_out = g.op("Identity", [rows_out], outputs=["accept_rows"])
     bonus = g.op("Reshape", [bonus, c("one", [1])], outputs=["bonus_token"])
     return rows_out, bonus, g.op("Add", [first, best], outputs=[ACCEPTED_ROW]), top_all
 
 
-@dataclass(frozen=True)
-class _Draws:
-    """Where one tree's sampling inputs are (graph names): the uniforms [n, S], the draft distributions [m, V],
-    the settings [4] (temperature, top_k, top_p, without replacement) and `sampled` [1] bool: the drafts were
-    sampled (q holds their distributions) rather than deterministic candidates."""
-
-    u: str
-    q: str
-    params: str
-    sampled: str
-
-
-def _accept(g, target: str, ids: str, tree_anc: str, n: str, top: str,
-            sampling: tuple[str, str, _Draws] | None = None) -> tuple[str, str, str]:
-    """One tree's acceptance into graph (or If or Loop body) `g`: (accepted rows [k], the deepest accepted row
-    [1], the bonus token [1]). `target`: its rows' logits [n, V]; `ids`: its tokens [n]; `tree_anc`: its
-    ancestor-or-self mask [n, n] bool; `top`: the target's argmax at each of its rows [n]. `sampling`: the step's
-    temperature, whether it is greedy, and where its random numbers are (None: greedy only)."""
+def _accept(g, target: str, ids: str, n: str, first: str, seq: str, top: str, sampling: tuple[str, str] | None = None
+            ) -> tuple[str, str, str]:
+    """The tree's acceptance into graph (or If branch) `g`: (accepted rows [k], the deepest accepted row [1], the
+    bonus token [1]). `top`: the target's argmax at each of the tree's rows [n]. `sampling`: the step's temperature
+    and whether it is greedy, from the graph's sample_params (None: greedy only, no sampling inputs)."""
     c = _consts(g)
-    anc = g.op("Cast", [tree_anc], to=F)  # [n, n]
+    batch0 = c("batch0", 0)
+    # the tree from the last n rows and columns of the tree mask (batch 0): anc[i, j] = j is i or an ancestor of i
+    cols = g.op("Shape", ["tree_mask"], start=2, end=3)
+    block = g.op("Slice", ["tree_mask", g.op("Concat", [first, g.op("Sub", [cols, n])], axis=0),
+                           g.op("Concat", [seq, cols], axis=0), c("axes12", [1, 2])])
+    anc = g.op("Cast", [g.op("Gather", [block, batch0], axis=0)], to=F)  # [n, n]
     depth = g.op("Sub", [g.op("ReduceSum", [anc, c("one", [1])], keepdims=0), c("1f", 1.0, np.float32)])
     node = g.op("Range", [c("zero_s", 0), g.op("Squeeze", [n, c("zero", [0])]), c("one_s", 1)])  # [n] 0..n-1
     col, row_of = g.op("Unsqueeze", [node, c("zero", [0])]), g.op("Unsqueeze", [node, c("one", [1])])
@@ -129,7 +111,7 @@ def _accept(g, target: str, ids: str, tree_anc: str, n: str, top: str,
         return rows_out, best, g.op("Gather", [top, best], axis=0)
     # greedy (temperature 0) takes one ArgMax over the vocabulary; sampling's passes over it run only when sampling
     vocab = g.op("Shape", [target], start=1, end=2)
-    temperature, greedy, draws = sampling
+    temperature, greedy = sampling
 
     def accept_greedy(b):
         acc = b.op("And", [b.op("Not", [dup]), b.op("Equal", [ids, b.op("Gather", [top, par], axis=0)])])
@@ -139,14 +121,15 @@ def _accept(g, target: str, ids: str, tree_anc: str, n: str, top: str,
         bc = _consts(b)
         vrange = b.op("Range", [bc("zero_s", 0), b.op("Squeeze", [vocab]), bc("one_s", 1)])  # [V] 0..V-1
         rank = b.op("Cast", [b.op("ReduceSum", [b.op("Cast", [before], to=F), bc("one", [1])], keepdims=0)], to=I64)
-        last_slot = b.op("Sub", [b.op("Squeeze", [b.op("Shape", [draws.u], start=1, end=2)]), bc("one_s", 1)])
+        last_slot = b.op("Sub", [b.op("Squeeze", [b.op("Shape", ["sample_u"], start=1, end=2)]), bc("one_s", 1)])
         rank_u = b.op("Min", [rank, last_slot])
         slot = b.op("Concat", [b.op("Unsqueeze", [par, bc("one", [1])]), b.op("Unsqueeze", [rank_u, bc("one", [1])])],
                     axis=1)
-        p = _process(b, target, temperature, vocab, draws.params)
+        p = _process(b, target, temperature, vocab)
         tree = (parent, par, rank, slot, ids, dup, before, vrange)
-        return _if(b, "accept", b.op("Squeeze", [draws.sampled]), lambda bb: _accept_sampled(bb, p, tree, draws),
-                   lambda bb: _accept_topk(bb, p, tree, draws.u), [BOOL, F])
+        sampled = b.op("Greater", [b.op("Shape", ["sample_q"], end=1), bc("zero", [0])])  # [1]
+        return _if(b, "accept", b.op("Squeeze", [sampled]), lambda bb: _accept_sampled(bb, p, tree),
+                   lambda bb: _accept_topk(bb, p, tree), [BOOL, F])
 
     acc, table = _if(g, "accept", greedy, accept_greedy, accept_sampling, [BOOL, F])
     rows_out, best = _path(g, c, acc, anc, depth, before)
@@ -165,8 +148,9 @@ def _accept(g, target: str, ids: str, tree_anc: str, n: str, top: str,
                                         b.op("Expand", [bc("0f_row", [[0.0]], np.float32),
                                                         b.op("Shape", [b.op("Unsqueeze", [kid_tokens, bc("zero", [0])])])])],
                       axis=1)  # every write is 0, so repeated tokens do not matter
-        row = b.op("Where", [draws.sampled, row, b.op("Mul", [row, keep])])  # topk: the rejected ones lose their mass
-        u_end = b.op("Slice", [b.op("Gather", [draws.u, best], axis=0), bc("minus1", [-1]), bc("big", [2**62]),
+        sampled = b.op("Greater", [b.op("Shape", ["sample_q"], end=1), bc("zero", [0])])
+        row = b.op("Where", [sampled, row, b.op("Mul", [row, keep])])  # topk: the rejected candidates lose their mass
+        u_end = b.op("Slice", [b.op("Gather", ["sample_u", best], axis=0), bc("minus1", [-1]), bc("big", [2**62]),
                                bc("one", [1])])
         return [_draw(b, bc, row, u_end, vrange, vocab)]
 
@@ -188,8 +172,8 @@ def add_batch_accept(g, top: str) -> list:
     leaves a sequence's padded rows out), scattered back to its place in [batch, seq], the rest -1. A
     padded row sees only itself, so it is a tree of one row that nothing descends into. Only standard ops with no
     data-dependent shapes (no If, Loop, NonZero, TopK), so it also runs in TensorRT; every call computes it (prefill
-    included, where it is ignored: [seq, seq] matmuls, small next to the layers). Sampled sequences: add_batch_sample
-    (the ort flavour; the trt flavour's are accepted on the host, runtime/verify.accept)."""
+    included, where it is ignored: [seq, seq] matmuls, small next to the layers). Sampling is accepted on the host,
+    each sequence with its own settings and random stream (runtime/verify.accept)."""
     c = _consts(g)
     shape = g.op("Shape", ["input_ids"])  # [batch, seq]
     width = g.op("Shape", ["input_ids"], start=1, end=2)
@@ -231,70 +215,6 @@ def add_batch_accept(g, top: str) -> list:
     return [helper.make_tensor_value_info("batch_accept_mask", BOOL, ["batch", "seq"]),
             helper.make_tensor_value_info("batch_accept_len", I64, ["batch"]),
             helper.make_tensor_value_info("batch_bonus", I64, ["batch"])]
-
-
-BATCH_INPUTS = (("batch_sample_u", F, ["sampled", "seq", "slots"]), ("batch_sample_q", F, ["sampled", "draft_rows", "vocab"]),
-                ("batch_sample_params", F, ["sampled", 6]))
-
-
-def add_batch_sample(g, vocab_size: int | None = None) -> list:
-    """Sampling acceptance for the sampled sequences of a batched step (the batched engine's), appended to graph `g`
-    (after add_accept); returns the value infos of its outputs. It takes, for the S sampled sequences:
-
-        batch_sample_u      [S, seq, slots]  each one's uniforms (verify.fused_inputs' sample_u) in its first rows,
-                                             its last column in the last one (the bonus draw's)
-        batch_sample_q      [S, m, V]        m = seq: each one's draft distributions in its first rows (sampled
-                                             drafts); m = 0 when no sequence's drafts were sampled
-        batch_sample_params [S, 6]           temperature, top_k, top_p, without replacement, 1 when its drafts
-                                             were sampled (q given), and its batch row
-
-    and returns `batch_sample_mask [S, seq] bool` (each one's accepted rows) and `batch_sample_bonus [S] int64`.
-    A Loop over the S sequences runs add_accept's rule on each one's own tree: its rows of the step (those that
-    `logits_indices` selects in its batch row: the first ones, every one of them), its block of the tree mask, its
-    random numbers and settings, so each sequence is accepted exactly as it would be alone (the same random numbers
-    give the same tokens). S = 0 (no sampled sequence) runs no iteration."""
-    c = _consts(g)
-    width = g.op("Shape", ["input_ids"], start=1, end=2)
-    cols = g.op("Shape", ["tree_mask"], start=2, end=3)
-    body = g.subgraph("bsample")
-    i, cond = "bsample.i", "bsample.cond"
-    bc = _consts(body)
-    params = body.op("Gather", ["batch_sample_params", i], axis=0)  # [6]
-    b = body.op("Cast", [body.op("Gather", [params, bc("row_at", [5])], axis=0)], to=I64)  # [1]
-    below = lambda row: body.op("ReduceSum", [body.op("Cast", [body.op("Less", [  # noqa: E731
-        "logits_indices", body.op("Mul", [row, width])])], to=I64)], keepdims=1)
-    lo, hi = below(b), below(body.op("Add", [b, bc("one", [1])]))  # its rows of `logits`: [lo, hi)
-    n = body.op("Sub", [hi, lo])
-    target = body.op("Slice", ["logits", lo, hi, bc("zero", [0])])  # [n, V]
-    ids = body.op("Slice", [body.op("Squeeze", [body.op("Gather", ["input_ids", b], axis=0), bc("zero", [0])]),
-                            bc("zero", [0]), n, bc("zero", [0])])  # [n]
-    start = body.op("Sub", [cols, width])  # its tree's columns begin where the step's do
-    anc = body.op("Slice", [body.op("Squeeze", [body.op("Gather", ["tree_mask", b], axis=0), bc("zero", [0])]),
-                            body.op("Concat", [bc("zero", [0]), start], axis=0),
-                            body.op("Concat", [n, body.op("Add", [start, n])], axis=0), bc("axes01", [0, 1])])
-    top = _argmax_rows(body, target, vocab_size) if vocab_size else body.op("ArgMax", [target], axis=1, keepdims=0)
-    u = body.op("Gather", ["batch_sample_u", i], axis=0)
-    u = body.op("Slice", [u, bc("zero", [0]), n, bc("zero", [0])])  # [n, slots]
-    q = body.op("Gather", ["batch_sample_q", i], axis=0)
-    q = body.op("Slice", [q, bc("zero", [0]), body.op("Min", [n, body.op("Shape", [q], end=1)]), bc("zero", [0])])
-    sampled = body.op("Greater", [body.op("Gather", [params, bc("q_at", [4])], axis=0), bc("half", 0.5, np.float32)])
-    temperature = body.op("Gather", [params, bc("zero_s", 0)], axis=0)
-    greedy = body.op("LessOrEqual", [temperature, bc("0f", 0.0, np.float32)])
-    draws = _Draws(u, q, params, sampled)
-    rows, _, bonus = _accept(body, target, ids, anc, n, top, (temperature, greedy, draws))
-    node = body.op("Range", [bc("zero_s", 0), body.op("Squeeze", [width, bc("zero", [0])]), bc("one_s", 1)])  # [seq]
-    hit = body.op("Equal", [body.op("Unsqueeze", [node, bc("one", [1])]), body.op("Unsqueeze", [rows, bc("zero", [0])])])
-    outs = [body.op("Identity", [cond]), _any(body, bc, hit), body.op("Reshape", [bonus, bc("one", [1])])]
-    graph = helper.make_graph(
-        body.nodes, "bsample_body",
-        [helper.make_tensor_value_info(i, I64, []), helper.make_tensor_value_info(cond, BOOL, [])],
-        [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, (BOOL, BOOL, I64))], initializer=body.initializers)
-    trips = g.op("Squeeze", [g.op("Shape", ["batch_sample_params"], end=1), c("zero", [0])])
-    mask, bonus = g.op("Loop", [trips, ""], outputs=2, body=graph)  # [S, seq], [S, 1]
-    g.op("Identity", [mask], outputs=["batch_sample_mask"])
-    g.op("Reshape", [bonus, c("minus1", [-1])], outputs=["batch_sample_bonus"])
-    return [helper.make_tensor_value_info("batch_sample_mask", BOOL, ["sampled", "seq"]),
-            helper.make_tensor_value_info("batch_sample_bonus", I64, ["sampled"])]
 
 
 def _argmax_rows(b, x: str, vocab: int) -> str:
@@ -351,20 +271,21 @@ def _if(g, name: str, cond: str, then, otherwise, types: list[int]) -> list[str]
     return g.op("If", [cond], outputs=len(types), **branches) if len(types) > 1 else [g.op("If", [cond], **branches)]
 
 
-def _process(b, target: str, temperature: str, vocab: str, params: str) -> str:
+def _process(b, target: str, temperature: str, vocab: str) -> str:
     """sampling.probabilities: temperature, then top-k (ties kept), softmax, then top-p, renormalised."""
     c = _consts(b)
 
     x = b.op("Div", [target, temperature])
-    k = b.op("Cast", [b.op("Gather", [params, c("k_at", [1])], axis=0)], to=I64)  # [1]
+    k = b.op("Cast", [b.op("Gather", ["sample_params", c("k_at", [1])], axis=0)], to=I64)  # [1]
     use_k = b.op("And", [b.op("Greater", [k, c("zero", [0])]), b.op("Less", [k, vocab])])
     values, _ = b.op("TopK", [x, b.op("Where", [use_k, k, c("one", [1])])], outputs=2, axis=-1)  # k = 1 when off: cheap
     kth = b.op("ReduceMin", [values, c("one", [1])], keepdims=1)
     x = b.op("Where", [b.op("And", [use_k, b.op("Less", [x, kth])]), c("ninf", -np.inf, np.float32), x])
     probs = b.op("Softmax", [x], axis=-1)
-    top_p = b.op("Gather", [params, c("p_at", [2])], axis=0)
+    top_p = b.op("Gather", ["sample_params", c("p_at", [2])], axis=0)
     use_p = b.op("Less", [top_p, c("1f", 1.0, np.float32)])
-    k_p = b.op("Where", [use_p, _nucleus_bound(b, c, probs, top_p), c("one", [1])])  # 1 when off: cheap
+    k_p = _if(b, "nucleus", b.op("Squeeze", [use_p]), lambda bb: [_nucleus_bound(bb, _consts(bb), probs, top_p)],
+              lambda bb: [_consts(bb)("one", [1])], [I64])[0]  # 1 when off: cheap
     sorted_p, order = b.op("TopK", [probs, k_p], outputs=2, axis=-1)
     before = b.op("CumSum", [sorted_p, c("one_s", 1)], exclusive=1)  # the mass of the more likely ones
     inside = b.op("Cast", [b.op("Less", [before, top_p])], to=F)  # ties: lower id first
@@ -397,7 +318,7 @@ def _nucleus_bound(b, c, probs: str, top_p: str) -> str:
     return b.op("Reshape", [b.op("Cast", [need], to=I64), c("one", [1])])
 
 
-def _accept_topk(b, p: str, tree, uniforms: str) -> list[str]:
+def _accept_topk(b, p: str, tree) -> list[str]:
     """Deterministic candidates: every child's test at once. Returns (accepted [n] bool, the table of p)."""
     parent, par, rank, slot, ids, dup, before, vrange = tree
 
@@ -407,12 +328,12 @@ def _accept_topk(b, p: str, tree, uniforms: str) -> list[str]:
     px = b.op("GatherND", [p, pair])  # [n] p at the parent of each child's token
     counted = b.op("Cast", [b.op("And", [before, b.op("Not", [b.op("Unsqueeze", [dup, c("zero", [0])])])])], to=F)
     gone = b.op("Squeeze", [b.op("MatMul", [counted, b.op("Unsqueeze", [px, c("one", [1])])]), c("one", [1])])
-    u = b.op("GatherND", [uniforms, slot])
+    u = b.op("GatherND", ["sample_u", slot])
     test = b.op("Less", [b.op("Mul", [u, b.op("Sub", [c("1f", 1.0, np.float32), gone])]), px])
     return [b.op("And", [b.op("Not", [dup]), test]), p]
 
 
-def _accept_sampled(b, p: str, tree, draws: _Draws) -> list[str]:
+def _accept_sampled(b, p: str, tree) -> list[str]:
     """Sampled drafts: a Loop over the sibling rank j updates every row's residual after its j-th child
     is rejected. Returns (accepted [n] bool, the residual of each row after all its children)."""
     parent, par, rank, slot, ids, dup, before, vrange = tree
@@ -429,7 +350,7 @@ def _accept_sampled(b, p: str, tree, draws: _Draws) -> list[str]:
     has = body.op("Greater", [body.op("ReduceSum", [child, bc("one", [1])], keepdims=1), bc("half", 0.5, np.float32)])
     px = body.op("GatherElements", [p_in, x], axis=1)
     qx = body.op("GatherElements", [q_in, x], axis=1)
-    u = body.op("Gather", [draws.u, body.op("Unsqueeze", [j, bc("zero", [0])])], axis=1)  # [n, 1]
+    u = body.op("Gather", ["sample_u", body.op("Unsqueeze", [j, bc("zero", [0])])], axis=1)  # [n, 1]
     live = body.op("And", [has, body.op("Greater", [qx, bc("0f", 0.0, np.float32)])])  # q(x) = 0: no such draw
     acc = body.op("And", [live, body.op("Less", [body.op("Mul", [u, qx]), px])])
     rejected = body.op("And", [live, body.op("Not", [acc])])
@@ -437,7 +358,7 @@ def _accept_sampled(b, p: str, tree, draws: _Draws) -> list[str]:
     p_next = _renormalised(body, bc, residual, p_in)
     drawn = body.op("Equal", [body.op("Unsqueeze", [vrange, bc("zero", [0])]), x])
     q_left = body.op("Where", [drawn, bc("0f", 0.0, np.float32), q_in])
-    without = body.op("Greater", [body.op("Gather", [draws.params, bc("three", 3)], axis=0), bc("half", 0.5, np.float32)])
+    without = body.op("Greater", [body.op("Gather", ["sample_params", bc("three", 3)], axis=0), bc("half", 0.5, np.float32)])
     q_next = body.op("Where", [without, _renormalised(body, bc, q_left, q_left), q_in])
     outs = [body.op("Identity", [cond]), body.op("Where", [rejected, p_next, p_in]),
             body.op("Where", [rejected, q_next, q_in]), body.op("Squeeze", [acc, bc("one", [1])])]
@@ -447,7 +368,7 @@ def _accept_sampled(b, p: str, tree, draws: _Draws) -> list[str]:
          helper.make_tensor_value_info(p_in, F, None), helper.make_tensor_value_info(q_in, F, None)],
         [helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, (BOOL, F, F, BOOL))],
         initializer=body.initializers)
-    residual, _, per_rank = b.op("Loop", [trips, "", p, draws.q], outputs=3, body=graph)  # per_rank [K, n]
+    residual, _, per_rank = b.op("Loop", [trips, "", p, "sample_q"], outputs=3, body=graph)  # per_rank [K, n]
     # row K of zeros: the root's lookup, and trees with no children, stay in range
     pad = b.op("ConstantOfShape", [b.op("Concat", [c("one", [1]), b.op("Shape", [par])], axis=0)],
                value=helper.make_tensor("z", F, [1], [0.0]))

@@ -37,8 +37,8 @@ from onnx import TensorProto, helper, numpy_helper
 from specexport.errors import UserError
 from specexport.exporter import quant
 from specexport.exporter.arch import ArchSpec, Dims
-from specexport.exporter.fused import BATCH_INPUTS, add_accept, add_batch_accept, add_batch_sample
 from specexport.exporter.fused import INPUTS as ACCEPT_INPUTS
+from specexport.exporter.fused import add_accept, add_batch_accept
 from specexport.runtime import cpu
 
 PRECISIONS = ("fp32", "int8", "int4", "fp16", "bf16")
@@ -313,9 +313,6 @@ class DecoderGraphBuilder:
             outputs += [helper.make_tensor_value_info("accept_rows", TensorProto.INT64, ["accepted"]),
                         helper.make_tensor_value_info("bonus_token", TensorProto.INT64, [1])]
             outputs += add_batch_accept(g, top)  # the batched engine's greedy acceptance, every sequence at once
-            if not self.trt:  # and its sampled sequences', each alone
-                inputs += [helper.make_tensor_value_info(name, t, shape) for name, t, shape in BATCH_INPUTS]
-                outputs += add_batch_sample(g, d.vocab)
         for extension in extensions:
             outputs += extension.add(self, final, flat, row)
         return make_model(helper.make_graph(g.nodes, "target", inputs, outputs, initializer=g.initializers))

@@ -127,26 +127,30 @@ def _interp(x, xs: np.ndarray, ys: np.ndarray):
 
 
 def choose_width(lengths: list[int], rates: AcceptanceRates, latency: BatchLatency, host_s: float,
-                 kept: list[bool] | None = None) -> int:
+                 kept: list[bool] | None = None, row_s: float = 0.0, sampled: list[bool] | None = None) -> int:
     """The width W (1..the longest tree) with the most expected tokens per second for trees of these lengths; the
-    trees marked `kept` stay whole (their rows make the call at least as wide as the longest of them)."""
+    trees marked `kept` stay whole (their rows make the call at least as wide as the longest of them). `host_s`: the
+    step's host time; `row_s`: the host's time per row of a `sampled` tree it accepts (the target's distribution
+    over the vocabulary, row by row)."""
     kept = np.array(kept or [False] * len(lengths))
+    sampled = np.array(sampled or [False] * len(lengths))
     sizes = np.array(lengths)
     floor = int(sizes[kept].max()) if kept.any() else 1
     widths = np.arange(1, int(sizes.max()) + 1)
     nodes = np.where(kept, sizes, np.minimum(widths[:, None], sizes))  # [widths, sequences]: each tree's nodes
     tokens = rates.expected(int(sizes.max()))[nodes - 1].sum(axis=1)
-    rate = tokens / (latency(len(lengths), np.maximum(widths, floor)) + host_s)
+    rate = tokens / (latency(len(lengths), np.maximum(widths, floor)) + host_s + row_s * nodes[:, sampled].sum(axis=1))
     return int(widths[np.argmax(rate)])  # the first best: the narrowest of equals
 
 
 def worth_drafting(sequences: int, size: int, rates: AcceptanceRates, latency: BatchLatency, host_s: float,
-                   draft_s: float) -> bool:
+                   draft_s: float, row_s: float = 0.0, sampled: int = 0) -> bool:
     """Whether a step of `sequences` sequences should propose trees (of `size` nodes at most): the most expected tokens
-    per second over widths 2..size, `draft_s` (the proposals' time) included, beat plain decoding's (width 1)."""
+    per second over widths 2..size, `draft_s` (the proposals' time) and the host's acceptance of the `sampled` ones'
+    rows (`row_s` each) included, beat plain decoding's (width 1)."""
     if size < 2:
         return False
     widths = np.arange(2, size + 1)
     tokens = sequences * rates.expected(size)[widths - 1]
-    drafting = tokens / (latency(sequences, widths) + host_s + draft_s)
-    return bool(drafting.max() > sequences / (latency(sequences, 1) + host_s))
+    drafting = tokens / (latency(sequences, widths) + host_s + draft_s + row_s * sampled * widths)
+    return bool(drafting.max() > sequences / (latency(sequences, 1) + host_s + row_s * sampled))

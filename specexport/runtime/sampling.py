@@ -65,7 +65,7 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return probs
 
 
-NUCLEUS_FLOORS = (2.0 ** -7, 2.0 ** -12)  # probability floors tried for top-p's candidates before all of them
+NUCLEUS_FLOORS = (2.0 ** -7, 2.0 ** -10, 2.0 ** -13, 2.0 ** -16)  # tried for top-p's candidates before all tokens
 
 
 def _keep_nucleus(probs: np.ndarray, top_p: float) -> None:
@@ -73,8 +73,9 @@ def _keep_nucleus(probs: np.ndarray, top_p: float) -> None:
 
     Sorts only the candidates at or above a probability floor (NUCLEUS_FLOORS, then every token with mass) whose
     sorted mass reaches top_p, instead of the whole vocabulary; candidates include every tie with the floor, so they
-    are the first ones of a full stable sort by probability and the result equals it. (One pass per floor over the
-    row, against np.partition's: measured 0.05 against 0.4 ms a row of 49152.)
+    are the first ones of a full stable sort by probability and the result equals it. One comparison per floor over
+    the row instead of np.partition's passes: on 1500 rows of SmolLM2's logits at temperature 0.8, 0.11 / 0.14 / 1.66
+    ms a row at top_p 0.9 / 0.95 / 0.99, against 1.03 / 1.03 / 1.53 with the partition growing k 64, 1024, 16384.
     """
     for floor in (*NUCLEUS_FLOORS, None):
         top = np.flatnonzero(probs >= floor if floor is not None else probs > 0)

@@ -26,11 +26,8 @@ last running one down (one copy of its rows); the prefilling request sits right 
 Greedy sequences are accepted by the graph's batched acceptance (exporter/fused.add_batch_accept: each sequence's
 accepted rows and bonus token from its own rows; the call then brings back no logits when every sequence is greedy),
 or, where the graph has none (plain decoding's chain-only graph, older bundles), on the host from one argmax over
-the call's rows. Sampled sequences are accepted by the graph's batched sampling acceptance
-(exporter/fused.add_batch_sample: each one's tree alone, with its own settings and the random numbers its own stream
-gave, so the logits stay in the graph), or, where it has none (older bundles; Medusa's typical acceptance), on the
-host from their rows' logits (runtime/verify.accept). The batch-1 acceptance fused into the graph runs on batch row 0
-and is ignored.
+the call's rows. Sampled sequences accept on the host from their rows' logits (runtime/verify.accept), each with
+its own settings and random stream. The batch-1 acceptance fused into the graph runs on batch row 0 and is ignored.
 Proposers with a draft graph (EAGLE's, a draft model's) draft together: their caches are the slots of a second pool
 mirroring the target's (moved with them), and each round of their draft calls is one batched call over the running
 slots (runtime/drafting.together). A request that fails (its proposer raises, its sampling fails) stops with its
@@ -54,20 +51,11 @@ from specexport.runtime.budget import AcceptanceRates, BatchLatency, choose_widt
 from specexport.runtime.drafting import DraftingProposer
 from specexport.runtime.generate import PREFILL_CHUNK, Engine, Generation, Output, Stats, StepRecord
 from specexport.runtime.sampling import Sampler, SamplingParams
-from specexport.runtime.verify import (
-    Acceptance,
-    AcceptMode,
-    accept,
-    accept_greedy,
-    batch_sample_inputs,
-    fused_inputs,
-    greedy_inputs,
-)
+from specexport.runtime.verify import Acceptance, accept, accept_greedy
 
 _DONE = object()
 BATCH_ACCEPT = ("batch_accept_mask", "batch_accept_len", "batch_bonus")  # the graph's batched greedy acceptance
-BATCH_SAMPLE = ("batch_sample_mask", "batch_sample_bonus")  # and its batched sampling acceptance
-PROPOSE_BLEND = 0.1  # weight of a step's proposal time in their average
+STEP_BLEND = 0.1  # the last step's weight in the running averages (the proposals' time, the host's per sampled row)
 WIDTHS_KEPT = 10_000  # target calls whose (sequences, width) the scheduler keeps (a server runs for weeks)
 
 
@@ -195,7 +183,6 @@ class Scheduler:
         self._host = _HostAccepting(engine)
         self.step_rows = 1 if plain else engine.method.tokens_per_step(engine.settings)
         self.batch_accept = set(BATCH_ACCEPT) <= set(engine.target.outputs)
-        self.batch_sample = set(BATCH_SAMPLE) <= set(engine.target.outputs)
         self.pool = engine.target.new_pool(max_batch, engine.max_context + self.step_rows)
         self.rates = self.latency = None
         if budget and self.step_rows > 1:
@@ -204,6 +191,8 @@ class Scheduler:
             self.latency = profiled_latency(engine) or BatchLatency.measure(
                 engine.target, self.pool, grid(max_batch), widths, min(128, engine.max_context - max(widths)))
         self.propose_s = None  # the proposals' time per batched step (an average over the last ones; None: not yet)
+        self.row_s = None  # the host's time to accept one sampled row (an average over the last steps; None: not yet)
+        self.sampled_s = 0.0  # the host's time accepting sampled rows so far (part of overhead_s)
         self.draft_pool = None  # the draft graph's caches, slot for slot with `pool` (made for the first proposer)
         self.draft_limit = self.step_rows + 1  # the widest draft call made with the others (runtime/drafting.py)
         self.widths: deque[tuple[int, int]] = deque(maxlen=WIDTHS_KEPT)  # (sequences, width) of the last calls
@@ -389,13 +378,13 @@ class Scheduler:
             seqs.append(seq)
         if seqs:
             if self.rates is not None:  # seeded sampling keeps its tree: its tokens must not depend on the batch
-                kept = [_seeded(s) for s in seqs]
-                host = self.overhead_s / self.steps if self.steps else 0.0
-                width = choose_width([len(t) for t in trees], self.rates, self.latency, host, kept)
+                kept, sampled = [_seeded(s) for s in seqs], [not s.sampler.params.greedy for s in seqs]
+                width = choose_width([len(t) for t in trees], self.rates, self.latency, self._host_s(), kept,
+                                     row_s=self.row_s or 0.0, sampled=sampled)
                 trees = [t if keep else t.truncated(width) for t, keep in zip(trees, kept)]
-            out, placed, rows, sampled = self._verify(seqs, trees)
+            out, placed, rows = self._verify(seqs, trees)
             verified = time.perf_counter()
-            for seq, draft, acceptance in zip(seqs, trees, self._accept_all(seqs, trees, out, placed, rows, sampled)):
+            for seq, draft, acceptance in zip(seqs, trees, self._accept_all(seqs, trees, out, placed, rows)):
                 try:
                     if isinstance(acceptance, Exception):
                         raise acceptance
@@ -423,8 +412,14 @@ class Scheduler:
             return True
         if any(_seeded(s) for s in seqs):
             return True
-        host = self.overhead_s / self.steps if self.steps else 0.0
-        return worth_drafting(len(seqs), self.step_rows, self.rates, self.latency, host, self.propose_s)
+        sampled = sum(not s.sampler.params.greedy for s in seqs)
+        return worth_drafting(len(seqs), self.step_rows, self.rates, self.latency, self._host_s(), self.propose_s,
+                              row_s=self.row_s or 0.0, sampled=sampled)
+
+    def _host_s(self) -> float:
+        """The scheduler's time per step outside the graph calls, less the host's acceptance of sampled rows (which
+        grows with the rows: `row_s` each)."""
+        return (self.overhead_s - self.sampled_s) / self.steps if self.steps else 0.0
 
     def _propose(self, seqs: list[_Sequence]) -> list:
         """Each sequence's tree (or the exception its proposer raised); draft graphs' calls made together. Their time
@@ -441,7 +436,7 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001
                     trees.append(e)
         seconds = time.perf_counter() - start
-        self.propose_s = seconds if self.propose_s is None else self.propose_s + PROPOSE_BLEND * (seconds - self.propose_s)
+        self.propose_s = seconds if self.propose_s is None else self.propose_s + STEP_BLEND * (seconds - self.propose_s)
         return trees
 
     def _single_step(self, seq: _Sequence) -> None:
@@ -461,13 +456,12 @@ class Scheduler:
         if self._emit(seq, record.acceptance.tokens):
             self._retire(seq)
 
-    def _verify(self, seqs: list[_Sequence], trees: list) -> tuple[dict, object, dict, dict]:
+    def _verify(self, seqs: list[_Sequence], trees: list) -> tuple[dict, object, dict]:
         """The batched target call over the running slots, each tree padded to the widest (a padded row sees only
         itself); returns the outputs, a function giving a sequence what its proposer wants of them (per-row
-        outputs by its rows, per-batch-row outputs by its slot), each request's (slot, first selected row), and the
-        sampled ones' places in the graph's sampling acceptance (`_sampled_in_graph`). The logits come back only
-        for what the graph does not accept itself (older bundles' sampled sequences, Medusa's typical acceptance, or
-        every sequence where the graph has no batched acceptance)."""
+        outputs by its rows, per-batch-row outputs by its slot), and each request's (slot, first selected row). The
+        logits come back only for what the graph does not accept itself: sampled sequences, or every sequence where
+        the graph has no batched acceptance."""
         n, width = len(self.running), max(len(t) for t in trees)
         ids = np.zeros((n, width), np.int64)
         positions = np.repeat(self.pool.lengths[:n, None], width, axis=1)
@@ -483,14 +477,11 @@ class Scheduler:
         wants = {seq.request.id: seq.proposer.wants(False) for seq in seqs}
         target = self.engine.target
         greedy = [seq.sampler.params.greedy for seq in seqs]
-        sampled, accept = self._sampled_in_graph(seqs, trees, len(rows), width)
         in_graph = ("batch_accept_mask", "batch_bonus") if self.batch_accept and any(greedy) else ()
-        in_graph += BATCH_SAMPLE if accept is not None else ()
-        on_host = [not (g and self.batch_accept) and s.request.id not in sampled for g, s in zip(greedy, seqs)]
-        logits = ("logits",) if any(on_host) else ()
+        logits = ("logits",) if not in_graph or not all(greedy) else ()
         want = logits + in_graph + tuple(sorted({w for ws in wants.values() for w in ws}))
         before = target.seconds
-        out = target.forward(self.pool.rows(n), ids, positions, mask, np.array(rows, np.int64), want=want, accept=accept)
+        out = target.forward(self.pool.rows(n), ids, positions, mask, np.array(rows, np.int64), want=want)
         self._count_call(n, width)
         if self.latency is not None:
             self.latency.observe(n, width, target.seconds - before)
@@ -499,49 +490,35 @@ class Scheduler:
             b, start = first[seq.request.id]
             return {name: out[name][b:b + 1, :t] if name in target.batch_outputs else out[name][start:start + t]
                     for name in (wants[seq.request.id] if names is None else names)}
-        return out, placed, first, sampled
+        return out, placed, first
 
-    def _sampled_in_graph(self, seqs: list[_Sequence], trees: list, rows: int, width: int) -> tuple[dict, dict | None]:
-        """The sampled sequences the graph accepts (exporter/fused.add_batch_sample, where it has it; not Medusa's
-        typical acceptance), each with the random numbers the host's rule would draw (verify.fused_inputs). Returns
-        each one's place among them by request id (or the exception making its inputs raised) and the call's
-        acceptance inputs (None: none)."""
-        where, steps = {}, []
-        for seq, draft in zip(seqs, trees):
-            if not self.batch_sample or seq.sampler.params.greedy or draft.mode is AcceptMode.TYPICAL:
-                continue
-            try:
-                steps.append((seq.slot, fused_inputs(draft, seq.sampler.params, seq.sampler.rng)))
-                where[seq.request.id] = len(steps) - 1
-            except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
-                where[seq.request.id] = e
-        return where, ({**greedy_inputs(rows), **batch_sample_inputs(steps, width)} if steps else None)
-
-    def _accept_all(self, seqs: list[_Sequence], trees: list, out: dict, placed, rows: dict, sampled: dict) -> list:
+    def _accept_all(self, seqs: list[_Sequence], trees: list, out: dict, placed, rows: dict) -> list:
         """Each sequence's acceptance (or the exception it raised): greedy ones from the graph's batched acceptance
         (exporter/fused.add_batch_accept) where it has one, else from one argmax over every row of the call;
-        sampled ones from the graph's batched sampling acceptance (`sampled`: their places in it), else on the host
-        from their rows' logits; each with its own settings and random stream."""
+        sampled ones on the host from their rows' logits, each with its own settings and random stream."""
         top = None
         if "batch_accept_mask" not in out and any(s.sampler.params.greedy for s in seqs):
             top = out["logits"].argmax(-1)  # one pass for the whole batch
-        accepted = []
+        accepted, sampled_rows, began = [], 0, time.perf_counter()
         for seq, draft in zip(seqs, trees):
             b, start = rows[seq.request.id]
             try:
-                if (s := sampled.get(seq.request.id)) is not None:  # the graph's (or the exception it raised)
-                    if isinstance(s, Exception):
-                        raise s
-                    accepted.append(_in_graph(draft, out["batch_sample_mask"][s], out["batch_sample_bonus"][s]))
-                elif not seq.sampler.params.greedy:
+                if not seq.sampler.params.greedy:
                     logits = placed(seq, len(draft), out, ("logits",))["logits"]
+                    sampled_rows += len(draft)
                     accepted.append(accept(draft, logits, seq.sampler.params, seq.sampler.rng))
                 elif top is not None:
                     accepted.append(accept_greedy(draft.tokens, draft.parents, top[start:start + len(draft)]))
                 else:
-                    accepted.append(_in_graph(draft, out["batch_accept_mask"][b], out["batch_bonus"][b]))
+                    path = np.flatnonzero(out["batch_accept_mask"][b, :len(draft)]).tolist()
+                    accepted.append(Acceptance(path, [draft.tokens[r] for r in path[1:]] + [int(out["batch_bonus"][b])]))
             except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
                 accepted.append(e)
+        if sampled_rows:  # the greedy ones' share of this time is a lookup each
+            seconds = time.perf_counter() - began
+            self.sampled_s += seconds
+            per = seconds / sampled_rows
+            self.row_s = per if self.row_s is None else self.row_s + STEP_BLEND * (per - self.row_s)
         return accepted
 
     def _count_call(self, sequences: int, width: int) -> None:
@@ -595,13 +572,6 @@ def profiled_latency(engine: Engine) -> BatchLatency | None:
     if not profile.get("measured") or (profile.get("engine") or {}).get("precision") != engine.bundle.precision:
         return None
     return BatchLatency.from_measurements(profile.get("measurements") or {})
-
-
-def _in_graph(draft, mask: np.ndarray, bonus) -> Acceptance:
-    """An acceptance from the graph's batched outputs: the sequence's accepted rows (mask over its padded width)
-    and its bonus token."""
-    path = np.flatnonzero(mask[:len(draft)]).tolist()
-    return Acceptance(path, [draft.tokens[r] for r in path[1:]] + [int(bonus)])
 
 
 def _seeded(seq: _Sequence) -> bool:

@@ -169,29 +169,10 @@ def fused_inputs(tree: DraftTree, params: SamplingParams, rng: np.random.Generat
                                        tree.mode is AcceptMode.WITHOUT_REPLACEMENT], np.float32)}
 
 
-def batch_sample_inputs(steps: list[tuple[int, dict[str, np.ndarray]]], width: int) -> dict[str, np.ndarray]:
-    """The inputs of the batched sampling acceptance (exporter/fused.add_batch_sample) from each sampled sequence's
-    batch row and `fused_inputs`, for a step of `width` rows per sequence: each one's uniforms in its first rows
-    with its last column (the bonus draw's) moved to the last one, its draft distributions in its first rows."""
-    slots = max((f["sample_u"].shape[1] for _, f in steps), default=1)
-    vocab = max((f["sample_q"].shape[1] for _, f in steps), default=0)
-    u = np.zeros((len(steps), width, slots), np.float32)
-    q = np.zeros((len(steps), width if vocab else 0, vocab), np.float32)
-    params = np.zeros((len(steps), 6), np.float32)
-    for k, (row, f) in enumerate(steps):
-        rows, s = f["sample_u"].shape
-        u[k, :rows, :s - 1], u[k, :rows, -1] = f["sample_u"][:, :-1], f["sample_u"][:, -1]
-        if len(f["sample_q"]):
-            q[k, :rows] = f["sample_q"]
-        params[k] = (*f["sample_params"], len(f["sample_q"]) > 0, row)
-    return {"batch_sample_u": u, "batch_sample_q": q, "batch_sample_params": params}
-
-
 def greedy_inputs(rows: int) -> dict[str, np.ndarray]:
-    """The fused acceptance's inputs for greedy decoding: no random numbers needed (and no sampled sequence for the
-    batched one)."""
+    """The fused acceptance's inputs for greedy decoding: no random numbers needed."""
     return {"sample_u": np.zeros((rows, 1), np.float32), "sample_q": np.zeros((0, 0), np.float32),
-            "sample_params": np.array([0, 0, 1, 0], np.float32), **batch_sample_inputs([], 1)}
+            "sample_params": np.array([0, 0, 1, 0], np.float32)}
 
 
 def uniforms_shape(parents) -> tuple[int, int]:

@@ -66,8 +66,8 @@ class Backend(Protocol):
         backend turns it into what its graph takes (the graphs build their attention bias from it themselves).
       - logits_indices: [n] flat rows (b * T + t) whose logits (and per-row outputs) are wanted.
       - want: the outputs to bring back to the host, nothing else crosses.
-      - inputs: the graph's other inputs by name (an EAGLE draft's `hidden`); accept: the fused acceptances' inputs
-        (`verify.fused_inputs`, and the batched engine's `verify.batch_sample_inputs`), greedy where not given.
+      - inputs: the graph's other inputs by name (an EAGLE draft's `hidden`); accept: the fused acceptance's inputs
+        (`verify.fused_inputs`), greedy when None.
 
     `run(feeds) -> {name: array}`: a plain call returning every output (Medusa's stand-alone heads).
     """
@@ -135,7 +135,6 @@ class GraphSession:
         self.batch_outputs = {o.name for o in self.session.get_outputs() if o.shape and o.shape[0] == "batch"}
         names = {i.name for i in self.session.get_inputs()}
         self.fused_inputs = "sample_u" in names  # exporter/fused.py
-        self.input_names = names
         self.wide_bias = "attention_bias" in names  # bundles exported before the compact tree mask
         self.calls, self.seconds = 0, 0.0  # forward calls so far and their time (for `specexport profile`)
 
@@ -177,9 +176,8 @@ class GraphSession:
         for name, value in (inputs or {}).items():
             stage(name, value, self.dtype)
         if self.fused_inputs:
-            for name, value in (greedy_inputs(len(logits_indices)) | (accept or {})).items():
-                if name in self.input_names:  # the batched sampling acceptance's, where the graph has it
-                    stage(name, value, np.float32)
+            for name, value in (accept or greedy_inputs(len(logits_indices))).items():
+                stage(name, value, np.float32)
         for name in want:  # rebound each run: ORT allocates them with this run's shapes
             io.bind_output(name, "cpu")
         start = time.perf_counter()

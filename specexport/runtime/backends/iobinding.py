@@ -65,7 +65,6 @@ class DeviceSession:
             raise UserError(f"{graph_path.name} takes the wide attention bias of bundles exported before the compact "
                             f"tree mask: re-export the bundle to run it on a device")
         self.fused_inputs = "sample_u" in names  # exporter/fused.py
-        self.input_names = names
         self.calls, self.seconds = 0, 0.0
         self.staged: dict[tuple, ort.OrtValue] = {}  # (input name, shape) -> its device buffer
         self.results: dict[str, ort.OrtValue] = {}  # output name -> its device buffer, grown to the largest step
@@ -92,9 +91,8 @@ class DeviceSession:
         for name, value in (inputs or {}).items():
             self._stage(io, name, value, self.dtype)
         if self.fused_inputs:
-            for name, value in (greedy_inputs(len(logits_indices)) | (accept or {})).items():
-                if name in self.input_names:  # the batched sampling acceptance's, where the graph has it
-                    self._stage(io, name, value, np.float32)
+            for name, value in (accept or greedy_inputs(len(logits_indices))).items():
+                self._stage(io, name, value, np.float32)
         sizes = {"batch": b, "seq": t, "rows": len(logits_indices)}
         for name in want:
             self._bind_result(io, name, sizes)
