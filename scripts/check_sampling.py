@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--fixed", action="store_true", help="with --batched: every tree as its proposer made it (no tree "
                     "budget, which may cut the trees, or skip drafting where it does not pay)")
     args = ap.parse_args()
+    if args.fixed and not args.batched:
+        ap.error("--fixed applies to the batched engine: give --batched N too")
     engine = Engine.load(args.bundle, verify=False)
     scheduler = Scheduler(engine, max_batch=args.batched, budget=not args.fixed, background=False) \
         if args.batched else None
