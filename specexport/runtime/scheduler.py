@@ -59,6 +59,11 @@ STEP_BLEND = 0.1  # the last step's weight in the running averages (the proposal
 WIDTHS_KEPT = 10_000  # target calls whose (sequences, width) the scheduler keeps (a server runs for weeks)
 
 
+def _blend(average: float | None, value: float) -> float:
+    """A running average with the last step weighted STEP_BLEND (the first value starts it)."""
+    return value if average is None else average + STEP_BLEND * (value - average)
+
+
 class Request:
     """A submitted generation, as its submitter holds it: `stream()` its text, `result()`, `cancel()`. Thread-safe."""
 
@@ -436,7 +441,7 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001
                     trees.append(e)
         seconds = time.perf_counter() - start
-        self.propose_s = seconds if self.propose_s is None else self.propose_s + STEP_BLEND * (seconds - self.propose_s)
+        self.propose_s = _blend(self.propose_s, seconds)
         return trees
 
     def _single_step(self, seq: _Sequence) -> None:
@@ -517,8 +522,7 @@ class Scheduler:
         if sampled_rows:  # the greedy ones' share of this time is a lookup each
             seconds = time.perf_counter() - began
             self.sampled_s += seconds
-            per = seconds / sampled_rows
-            self.row_s = per if self.row_s is None else self.row_s + STEP_BLEND * (per - self.row_s)
+            self.row_s = _blend(self.row_s, seconds / sampled_rows)
         return accepted
 
     def _count_call(self, sequences: int, width: int) -> None:
