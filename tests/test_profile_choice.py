@@ -31,6 +31,39 @@ def test_precision_and_best_method_follow_the_measured_speed():
     assert best_method(faster) == "none"
 
 
+def test_a_serving_build_reads_the_serve_speed_where_measured():
+    """[serve_speed] (16 requests at once) decides for a serving build, method by method where it has the method,
+    [speed] otherwise; a build for one request at a time never reads it."""
+    serve = "\n[serve_speed]\nnone = { int4 = 250.0, int8 = 330.0 }\nsuffix = { int8 = 370.0 }\n"
+    profile = parse(with_speed(SPEED + serve), "p.toml")
+    assert profile.serve_speed == {"none": {"int4": 250.0, "int8": 330.0}, "suffix": {"int8": 370.0}}
+    assert precision_for(profile, "none") == "int4" and precision_for(profile, "none", serving=True) == "int8"
+    assert precision_for(profile, "medusa", serving=True) == "fp32"  # not measured serving: [speed]'s
+    assert best_method(profile) == "ngram" and best_method(profile, serving=True) == "suffix"
+    assert parse(dump(profile), "p.toml") == profile and profile.as_dict()["serve_speed"]["suffix"]["int8"] == 370.0
+    alone = parse(with_speed(), "p.toml")  # no [serve_speed]: a serving build chooses as any other
+    assert precision_for(alone, "none", serving=True) == "int4" and best_method(alone, serving=True) == "ngram"
+    with pytest.raises(UserError, match="'none.int8' must be tokens/s > 0, got -1"):
+        parse(with_speed(SPEED + serve.replace("330.0", "-1")), "p.toml")
+
+
+def test_build_serving_takes_the_precision_measured_under_load(tiny_folder, tmp_path, monkeypatch):
+    profile = tmp_path / "p.toml"
+    profile.write_text(with_speed(SPEED + "\n[serve_speed]\nnone = { int4 = 250.0, int8 = 330.0 }\n"))
+    out = tmp_path / "served"
+    result = build("--model", tiny_folder, "--method", "none", "--profile", profile, "--serving", "--output", out)
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "manifest.json").read_text())["precision"] == "int8"
+    assert "precision int8 (the fastest serving, as profile cpu-2core measured)" in result.output
+    alone = build("--model", tiny_folder, "--method", "none", "--profile", profile, "--output", tmp_path / "alone")
+    assert alone.exit_code == 0, alone.output
+    assert json.loads((tmp_path / "alone" / "manifest.json").read_text())["precision"] == "int4"
+    given = build("--model", tiny_folder, "--method", "none", "--profile", profile, "--serving", "--precision",
+                  "fp32", "--output", tmp_path / "given")  # a given precision wins
+    assert given.exit_code == 0, given.output
+    assert json.loads((tmp_path / "given" / "manifest.json").read_text())["precision"] == "fp32"
+
+
 def test_a_profile_without_speed_keeps_its_engine_precision():
     with pytest.raises(UserError, match="'speed' must be a section"):
         parse("speed = 3\n" + with_speed(""), "p.toml")
@@ -91,6 +124,10 @@ def test_best_needs_a_profile_and_off_means_none(tiny_folder, tmp_path):
     assert result.exit_code == 1 and not (tmp_path / "b").exists()
     assert result.output.strip().splitlines()[-1] == \
         "Error: --method best chooses by a profile's measured speed: not with --profile off"
+    result = build("--model", tiny_folder, "--serving", "--profile", "off", "--output", tmp_path / "s")
+    assert result.exit_code == 1 and not (tmp_path / "s").exists()
+    assert result.output.strip().splitlines()[-1] == \
+        "Error: --serving chooses by a profile's measured speed under load: not with --profile off"
     result = build("--model", tiny_folder, "--method", "ngram", "--output", tmp_path / "c")  # SPECEXPORT_PROFILE=off
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())

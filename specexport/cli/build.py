@@ -98,6 +98,10 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
               help="Hardware profile: auto (detect this machine), a bundled name (h100-sxm, cpu-2core, ...), a file, "
                    f"or {NO_PROFILE}. It sets precision (per method, from its measured speed), backend, flavour, "
                    "context limit and the method's settings unless given (also SPECEXPORT_PROFILE).")
+@click.option("--serving", is_flag=True,
+              help="Build for a server answering many requests at once: the precision (and with --method best the "
+                   "method) that the profile measured fastest under load ([serve_speed]: 16 concurrent requests), "
+                   "where it measured it.")
 @path_option("--output", default=None, help="Bundle folder (default: ./MODEL-METHOD-BACKEND-PRECISION).")
 @export_options
 @click.option("--workspace-gb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
@@ -112,7 +116,7 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
               help="TensorRT: where sampled steps are accepted. host (default): the runtime, from the logits. plugin: "
                    "the engine, with the Triton tree acceptance kernel as a TensorRT plugin (triton at build time; "
                    "not yet run on a GPU).")
-def build(model_spec, method, backend, precision, profile_spec, output, max_context, flavour, aux_layers,
+def build(model_spec, method, backend, precision, profile_spec, serving, output, max_context, flavour, aux_layers,
           no_validate, fused_accept, overwrite, workspace_gb, timing_cache, hardware_compatible, version_compatible,
           sampling_accept, **method_kwargs):
     """Export a model and compile it for a backend into a ready-to-run bundle.
@@ -127,6 +131,7 @@ def build(model_spec, method, backend, precision, profile_spec, output, max_cont
       specexport build --model smollm2-135m --precision fp32 --output smol-fp32
       specexport build --model llama3-8b --method none --precision int4
       specexport build --model smollm2-135m --method medusa --profile auto
+      specexport build --model smollm2-135m --method none --serving   # int8 on a CPU: it batches better
       specexport build --model smollm2-135m --method eagle3 --depth 3 --top-k 2 --total-tokens 6
       specexport build --model llama3-8b --method eagle --draft ./EAGLE-LLaMA3-Instruct-8B
       specexport build --model smollm2-135m --method suffix
@@ -136,19 +141,26 @@ def build(model_spec, method, backend, precision, profile_spec, output, max_cont
       specexport build --model smollm2-135m --method medusa --backend tensorrt --precision fp16
     """
     profile = chosen = None
+    if serving and profile_spec == NO_PROFILE:
+        raise UserError(f"--serving chooses by a profile's measured speed under load: not with --profile {NO_PROFILE}")
     if profile_spec != NO_PROFILE:
         profile, chosen = profiles.resolve_profile(profile_spec)
     if method == BEST:
         if profile is None:
             raise UserError(f"--method {BEST} chooses by a profile's measured speed: not with --profile {NO_PROFILE}")
-        method = profiles.best_method(profile)
-        click.echo(f"method {method} (the fastest that profile {profile.name} measured)", err=True)
+        method = profiles.best_method(profile, serving)
+        click.echo(f"method {method} (the fastest that profile {profile.name} measured"
+                   f"{' serving' if serving else ''})", err=True)
     settings = SETTINGS.given(method_kwargs, method)
     method_options = OPTIONS.given(method_kwargs, method)
     if profile is not None:
         backend = backend or profile.engine.backend
         if backend == profile.engine.backend:  # another --backend takes its own defaults, not this profile's
-            precision = precision or profiles.precision_for(profile, method)
+            if precision is None:
+                precision = profiles.precision_for(profile, method, serving)
+                if serving and precision != profiles.precision_for(profile, method):
+                    click.echo(f"precision {precision} (the fastest serving, as profile {profile.name} measured)",
+                               err=True)
             flavour = flavour or profile.engine.flavour
         settings = profiles.merge(profile, methods.get(method).runtime, settings)
         click.echo(f"profile {profile.name} ({profile.description}; "

@@ -23,18 +23,22 @@ def merge(profile: Profile, method, given: dict) -> dict:
     return {**saved, **given}
 
 
-def precision_for(profile: Profile, method: str) -> str:
+def precision_for(profile: Profile, method: str, serving: bool = False) -> str:
     """The precision a build of `method` takes on this hardware: the one of its measured [speed] entries with the
     most tokens/s (e.g. int4 for plain decoding on a CPU where its kernel streams fewer bytes, int8 for a method
-    whose wide verification int8 makes cheap), else the profile's engine precision."""
-    measured = profile.speed.get(method)
+    whose wide verification int8 makes cheap), else the profile's engine precision. `serving`: a build for many
+    requests at once, chosen by its [serve_speed] entries where the profile measured them (a kernel whose cost grows
+    with the rows, as int4's on a CPU, can be the fastest alone and the slowest batched)."""
+    measured = (serving and profile.serve_speed.get(method)) or profile.speed.get(method)
     return max(measured, key=measured.get) if measured else profile.engine.precision
 
 
-def best_method(profile: Profile) -> str:
-    """The method whose measured [speed] is highest on this hardware (at its best precision); one line when the
-    profile measured none."""
-    if not profile.speed:
+def best_method(profile: Profile, serving: bool = False) -> str:
+    """The method whose measured speed ([speed], or [serve_speed] when `serving` and the profile has it) is highest
+    on this hardware (at its best precision); one line when the profile measured none."""
+    speeds = profile.serve_speed if serving and profile.serve_speed else profile.speed  # like with like
+    if not speeds:
         raise UserError(f"profile {profile.name} has no measured [speed] to choose the best method from: pass "
                         "--method NAME")
-    return max(profile.speed, key=lambda m: max(profile.speed[m].values()))
+    return max(speeds, key=lambda m: max(speeds[m].values()))
+

@@ -87,6 +87,7 @@ class Profile:
     methods: dict = field(default_factory=dict)  # method section -> its runtime Settings
     measurements: Measurements = Measurements()
     speed: dict = field(default_factory=dict)  # method -> precision -> measured tokens/s ([speed]; may be empty)
+    serve_speed: dict = field(default_factory=dict)  # the same, many requests at once ([serve_speed]; may be empty)
     path: str = ""
 
     def as_dict(self) -> dict:
@@ -94,13 +95,15 @@ class Profile:
         data = {k: dataclasses.asdict(getattr(self, k)) for k in SECTIONS}
         data.update({k: getattr(self, k) for k in TOP_LEVEL}, path=Path(self.path).name)
         data["methods"] = {name: dataclasses.asdict(s) for name, s in self.methods.items()}
-        data["speed"] = {m: dict(by) for m, by in self.speed.items()}
+        data.update({key: {m: dict(by) for m, by in getattr(self, key).items()} for key in SPEED_TABLES})
         return data
 
 
 SECTIONS = {"hardware": Hardware, "engine": EngineSettings, "limits": Limits, "measurements": Measurements}
 TOP_LEVEL = ("name", "description", "measured", "source")
-SPEED = "speed"  # optional: [speed] method = { precision = tokens/s, ... }, as bench measured on this hardware
+# optional, [name] method = { precision = tokens/s, ... } as measured on this hardware: [speed] one request at a time
+# (scripts/side_by_side.py), [serve_speed] the aggregate over 16 concurrent requests (scripts/bench_batch.py, C = 16)
+SPEED_TABLES = ("speed", "serve_speed")
 
 
 def bundled() -> list[Path]:
@@ -134,7 +137,7 @@ def parse(text: str, where: str) -> Profile:
         raise UserError(f"{where}:{_line(lines, section, key)}: {message}")
 
     for key in data:
-        if key not in TOP_LEVEL and key not in SECTIONS and key not in METHOD_SECTIONS and key != SPEED:
+        if key not in TOP_LEVEL and key not in SECTIONS and key not in METHOD_SECTIONS and key not in SPEED_TABLES:
             fail(key if isinstance(data[key], dict) else None, None if isinstance(data[key], dict) else key,
                  f"unknown {'section' if isinstance(data[key], dict) else 'key'} '{key}'")
     values = {}
@@ -159,7 +162,8 @@ def parse(text: str, where: str) -> Profile:
         if not isinstance(table, dict):
             fail(None, section, f"'{section}' must be a section")
         values["methods"][section] = _method_section(method, table, lambda key, m, s=section: fail(s, key, m))
-    values["speed"] = _speed(data.get(SPEED, {}), lambda key, m: fail(SPEED, key, m))
+    for table in SPEED_TABLES:
+        values[table] = _speed(table, data.get(table, {}), lambda key, m, t=table: fail(t, key, m))
     profile = Profile(**values, path=where)
     _check(profile, lambda section, key, m: fail(section, key, m))
     return profile
@@ -180,10 +184,10 @@ def _section(cls, table: dict, fail):
     return cls(**values)
 
 
-def _speed(table, fail) -> dict:
-    """[speed]: per method (a runtime method's name), per precision, the tokens/s bench measured (> 0)."""
+def _speed(name: str, table, fail) -> dict:
+    """[speed] or [serve_speed]: per method (a runtime method's name), per precision, the tokens/s measured (> 0)."""
     if not isinstance(table, dict):
-        fail(None, f"'{SPEED}' must be a section")
+        fail(None, f"'{name}' must be a section")
     speed = {}
     for method, by in table.items():
         if method not in methods.METHODS:
@@ -295,9 +299,10 @@ def dump(profile: Profile, header: str = "") -> str:
         kept = [f for f in setting_fields(type(values)) if f.build] if name in profile.methods else \
             dataclasses.fields(values)
         out += ["", f"[{name}]"] + [f"{f.name} = {_toml(getattr(values, f.name))}" for f in kept]
-    if profile.speed:
-        out += ["", f"[{SPEED}]"] + [f"{m} = {{ {', '.join(f'{p} = {v!r}' for p, v in by.items())} }}"
-                                     for m, by in profile.speed.items()]
+    for table in SPEED_TABLES:
+        if measured := getattr(profile, table):
+            out += ["", f"[{table}]"] + [f"{m} = {{ {', '.join(f'{p} = {v!r}' for p, v in by.items())} }}"
+                                         for m, by in measured.items()]
     return "\n".join(out) + "\n"
 
 
