@@ -14,7 +14,7 @@ from specexport.runtime.budget import AcceptanceRates, BatchLatency, choose_widt
 from specexport.runtime.generate import Engine
 from specexport.runtime.kvcache import KVPool
 from specexport.runtime.sampling import SamplingParams
-from specexport.runtime.scheduler import Scheduler
+from specexport.runtime.scheduler import PROBE_STEPS, Scheduler
 
 PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat", "x", "abcabcabcabc",
            "a much longer prompt that takes several chunks to prefill, " * 2, "zz"]
@@ -265,6 +265,22 @@ def test_the_budget_cuts_trees_under_load_and_a_fixed_tree_does_not(engines):
     crowded = [w for n, w in budget.widths if n == 4]
     assert crowded and max(crowded) < full
     assert max(w for n, w in budget.widths if n == 1) == full  # alone, a sequence takes its whole tree
+
+
+def test_a_budget_that_stopped_drafting_proposes_again(engines):
+    """The proposals' time measured in a slow moment (here 10 s) stops drafting; one batched step in PROBE_STEPS
+    proposes anyway, its time replaces the stale average, and drafting pays again."""
+    engine = engines["self1-tree"]
+    full = engine.method.tokens_per_step(engine.settings)
+    scheduler = Scheduler(engine, max_batch=2, background=False)
+    scheduler.latency = BatchLatency([1, 2], [1, full], [[0.01, 0.01], [0.02, 0.02]])  # rows are free
+    scheduler.propose_s = 10.0
+    for p in PROMPTS[:2]:
+        scheduler.submit(p, max_new_tokens=PROBE_STEPS + 20, stop_ids=())
+    scheduler.run_until_idle()
+    both = [w for n, w in scheduler.widths if n == 2]
+    assert both[:PROBE_STEPS] == [1] * PROBE_STEPS  # no proposals while they seemed to cost 10 s
+    assert both[PROBE_STEPS] > 1 and scheduler.propose_s < 1.0  # the probe: measured afresh, drafting again
 
 
 @pytest.mark.parametrize("params", [{"temperature": 0.5, "top_p": 0.9}, {"temperature": 0.5}])

@@ -56,6 +56,7 @@ from specexport.runtime.verify import Acceptance, accept, accept_greedy
 _DONE = object()
 BATCH_ACCEPT = ("batch_accept_mask", "batch_accept_len", "batch_bonus")  # the graph's batched greedy acceptance
 STEP_BLEND = 0.1  # the last step's weight in the running averages (the proposals' time, the host's per sampled row)
+PROBE_STEPS = 64  # while drafting does not pay, one batched step in this many proposes anyway (see _drafting_pays)
 WIDTHS_KEPT = 10_000  # target calls whose (sequences, width) the scheduler keeps (a server runs for weeks)
 
 
@@ -196,6 +197,7 @@ class Scheduler:
             self.latency = profiled_latency(engine) or BatchLatency.measure(
                 engine.target, self.pool, grid(max_batch), widths, min(128, engine.max_context - max(widths)))
         self.propose_s = None  # the proposals' time per batched step (an average over the last ones; None: not yet)
+        self.unproposed = 0  # batched steps since the last that proposed
         self.row_s = None  # the host's time to accept one sampled row (an average over the last steps; None: not yet)
         self.sampled_s = 0.0  # the host's time accepting sampled rows so far (part of overhead_s)
         self.draft_pool = None  # the draft graph's caches, slot for slot with `pool` (made for the first proposer)
@@ -374,6 +376,7 @@ class Scheduler:
         live = [seq for seq in self.running if not seq.request.cancelled]  # a cancelled one's row is padding
         proposing = self._drafting_pays(live)
         proposals = self._propose(live) if proposing else [tree.DraftTree([s.history[-1]], [-1]) for s in live]
+        self.unproposed = 0 if proposing else self.unproposed + 1
         for seq, draft in zip(live, proposals):
             if isinstance(draft, Exception):  # one request's failure ends that request only
                 leaving.append((seq, _message(draft)))
@@ -412,8 +415,10 @@ class Scheduler:
 
     def _drafting_pays(self, seqs: list[_Sequence]) -> bool:
         """Whether this step proposes (runtime/budget.worth_drafting): always without a budget, before the proposals'
-        time is known, and while a request sampled with a seed runs (its tree stays whole)."""
-        if self.rates is None or self.propose_s is None or not seqs:
+        time is known, while a request sampled with a seed runs (its tree stays whole), and once in PROBE_STEPS
+        steps while it does not pay, to measure the proposals' time afresh (a slow moment on a shared machine, or a
+        load that has passed, must not stop drafting for good)."""
+        if self.rates is None or self.propose_s is None or not seqs or self.unproposed >= PROBE_STEPS:
             return True
         if any(_seeded(s) for s in seqs):
             return True
@@ -441,7 +446,8 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001
                     trees.append(e)
         seconds = time.perf_counter() - start
-        self.propose_s = _blend(self.propose_s, seconds)
+        probing = self.unproposed >= PROBE_STEPS  # the average is as old as the last proposal: this one replaces it
+        self.propose_s = seconds if probing else _blend(self.propose_s, seconds)
         return trees
 
     def _single_step(self, seq: _Sequence) -> None:
