@@ -41,4 +41,3 @@ def best_method(profile: Profile, serving: bool = False) -> str:
         raise UserError(f"profile {profile.name} has no measured [speed] to choose the best method from: pass "
                         "--method NAME")
     return max(speeds, key=lambda m: max(speeds[m].values()))
-
