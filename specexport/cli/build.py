@@ -157,8 +157,9 @@ def build(model_spec, method, backend, precision, profile_spec, serving, output,
         backend = backend or profile.engine.backend
         if backend == profile.engine.backend:  # another --backend takes its own defaults, not this profile's
             if precision is None:
+                alone = profiles.precision_for(profile, method)
                 precision = profiles.precision_for(profile, method, serving)
-                if serving and precision != profiles.precision_for(profile, method):
+                if precision != alone:
                     click.echo(f"precision {precision} (the fastest serving, as profile {profile.name} measured)",
                                err=True)
             flavour = flavour or profile.engine.flavour

@@ -418,13 +418,19 @@ class Scheduler:
         time is known, while a request sampled with a seed runs (its tree stays whole), and once in PROBE_STEPS
         steps while it does not pay, to measure the proposals' time afresh (a slow moment on a shared machine, or a
         load that has passed, must not stop drafting for good)."""
-        if self.rates is None or self.propose_s is None or not seqs or self.unproposed >= PROBE_STEPS:
+        if self.rates is None or self.propose_s is None or not seqs or self._probe_due:
             return True
         if any(_seeded(s) for s in seqs):
             return True
         sampled = sum(not s.sampler.params.greedy for s in seqs)
         return worth_drafting(len(seqs), self.step_rows, self.rates, self.latency, self._host_s(), self.propose_s,
                               row_s=self.row_s or 0.0, sampled=sampled)
+
+    @property
+    def _probe_due(self) -> bool:
+        """Drafting was skipped for PROBE_STEPS batched steps: the next proposes, and its time replaces the average
+        (which is as old as the last proposal)."""
+        return self.unproposed >= PROBE_STEPS
 
     def _host_s(self) -> float:
         """The scheduler's time per step outside the graph calls, less the host's acceptance of sampled rows (which
@@ -446,8 +452,7 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001
                     trees.append(e)
         seconds = time.perf_counter() - start
-        probing = self.unproposed >= PROBE_STEPS  # the average is as old as the last proposal: this one replaces it
-        self.propose_s = seconds if probing else _blend(self.propose_s, seconds)
+        self.propose_s = seconds if self._probe_due else _blend(self.propose_s, seconds)
         return trees
 
     def _single_step(self, seq: _Sequence) -> None:
