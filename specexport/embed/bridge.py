@@ -25,7 +25,6 @@ OK, INVALID_ARGUMENT, BUNDLE, CLOSED, CALLBACK, NOT_FOUND, PYTHON, RUNTIME = ran
 STOP_REASONS = {"eos": 1, "stop_string": 2, "length": 3, "context": 4, "cancelled": 5}
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_BATCH = 8  # specexport_open_options.max_batch 0
-POLL_S = 0.02  # how often a scheduled generation's calling thread checks for its cancellation while it waits
 _END = object()
 
 
@@ -152,23 +151,18 @@ def generate(engine: Embedded, prompt: str | None, prompt_ids: list[int] | None,
 
 def _scheduled(scheduler: Scheduler, prompt, request: dict, out: "Stream"):
     """A generation on the engine's scheduler, batched with the others: its text and token ids come through a
-    queue to this thread, which hands them to the callback and checks for cancellation."""
+    queue to this thread, which hands them to the callback. The scheduler itself reads the cancellation (and a
+    callback's stop) before each step, so the step after a cancel never runs for it."""
     events: queue.Queue = queue.Queue()
     handle = scheduler.submit(prompt, on_text=lambda piece: events.put(piece), on_tokens=lambda ids: events.put(ids),
-                              on_end=lambda _: events.put(_END), **request)
-    while True:
-        try:
-            item = events.get(timeout=POLL_S)
-        except queue.Empty:
-            item = None
+                              on_end=lambda _: events.put(_END), cancel=lambda: out.stopped or out.cancelled(),
+                              **request)
+    while (item := events.get()) is not _END:
         if isinstance(item, str):
             out.on_text(item)
-        elif isinstance(item, list):
+        else:
             out.step_tokens([int(t) for t in item])
-        elif item is _END:
-            return handle.result()
-        if out.stopped or out.cancelled():
-            handle.cancel()
+    return handle.result()
 
 
 class Stream:

@@ -68,9 +68,10 @@ def _blend(average: float | None, value: float) -> float:
 class Request:
     """A submitted generation, as its submitter holds it: `stream()` its text, `result()`, `cancel()`. Thread-safe."""
 
-    def __init__(self, rid: int, prompt_tokens: int, on_end=None, on_tokens=None):
+    def __init__(self, rid: int, prompt_tokens: int, on_end=None, on_tokens=None, cancel=None):
         self.id, self.prompt_tokens = rid, prompt_tokens
         self._on_end, self._on_tokens = on_end, on_tokens
+        self._asked = getattr(cancel, "is_set", cancel)  # the submitter's own cancellation, read at each step
         self.submitted = time.perf_counter()
         self.arrivals: list[tuple[float, int]] = []  # (perf_counter time, tokens) of each step that emitted
         self._events: queue.Queue = queue.Queue()
@@ -85,7 +86,7 @@ class Request:
 
     @property
     def cancelled(self) -> bool:
-        return self._cancel.is_set()
+        return self._cancel.is_set() or (self._asked is not None and bool(self._asked()))
 
     @property
     def done(self) -> bool:
@@ -221,12 +222,14 @@ class Scheduler:
     # -- the front end's side ---------------------------------------------------------------------
     def submit(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] | None = None, chat: bool = True,
-               on_text=None, on_end=None, on_tokens=None) -> Request:
+               on_text=None, on_end=None, on_tokens=None, cancel=None) -> Request:
         """Queue a generation; returns its handle at once. A bad request (an empty or too long prompt, a bad
         setting) raises UserError here and never enters the batch. `on_text(piece)` receives the text as it is
         accepted instead of `Request.stream`; `on_tokens(ids)` the token ids each step emitted (after their text);
         `on_end(request)` is called once the request has ended (all on the scheduler's thread: they must be quick
-        and must not raise)."""
+        and must not raise). `cancel`: a threading.Event or a callable returning True to stop, read by the scheduler
+        before each step as `Request.cancel` is (a submitter whose cancellation comes from elsewhere, the C ABI's
+        specexport_cancel, needs no thread of its own watching it)."""
         engine = self.engine
         ids, budget = engine.request(prompt, max_new_tokens, stop, chat)
         sampler = Sampler(sampling or SamplingParams())
@@ -236,7 +239,7 @@ class Scheduler:
             if self._closed:
                 raise UserError("the scheduler is closed")
             self._ids += 1
-            request = Request(self._ids, len(ids), on_end, on_tokens)
+            request = Request(self._ids, len(ids), on_end, on_tokens, cancel)
             text = on_text if on_text is not None else request._text
             seq = _Sequence(request, ids, Output(engine.tokenizer, stop, stop_ids, max_new_tokens, budget, text),
                             sampler, proposer, engine.prefill_chunks(ids, self.prefill_chunk), Stats(len(ids)),
