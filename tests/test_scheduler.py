@@ -17,6 +17,7 @@ from specexport.runtime.generate import Engine
 from specexport.runtime.kvcache import KVPool
 from specexport.runtime.sampling import SamplingParams
 from specexport.runtime.scheduler import PROBE_STEPS, Scheduler
+from specexport.runtime.tree import DraftTree
 
 PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat", "x", "abcabcabcabc",
            "a much longer prompt that takes several chunks to prefill, " * 2, "zz"]
@@ -180,10 +181,19 @@ def test_pool_views_share_the_buffers_and_keep_their_own_lengths():
 
 # ---- the batch's tree budget, by hand -------------------------------------------------------------------------
 
+def chain(n: int, scores=None) -> DraftTree:
+    return DraftTree(list(range(10, 10 + n)), [-1] + list(range(n - 1)), scores=scores)
+
+
+def curves(rates: AcceptanceRates, sizes: list[int]) -> list[np.ndarray]:
+    """The expected-token curves of unscored chains of these sizes."""
+    return [rates.curve(chain(n)) for n in sizes]
+
+
 def test_acceptance_rates_count_per_node_index():
     rates = AcceptanceRates(4)
     for path in ([0, 1, 2], [0, 1], [0]):
-        rates.update(4, path)
+        rates.update(chain(4), path)
     # node 1 accepted 2 of 3, node 2 1 of 3, node 3 0 of 3 (Beta(1, 1) prior); the root always emits the bonus
     np.testing.assert_allclose(rates.expected(4), np.cumsum([1, 3 / 5, 2 / 5, 1 / 5]))
 
@@ -192,24 +202,52 @@ def test_the_width_shrinks_smoothly_as_sequences_are_added():
     rates, rng = AcceptanceRates(8), np.random.default_rng(0)
     for _ in range(400):  # a chain whose node i is accepted with probability 0.75^i
         depth = min(int(rng.geometric(0.25)) - 1, 7)
-        rates.update(8, list(range(depth + 1)))
+        rates.update(chain(8), list(range(depth + 1)))
     rows = lambda n, w: float(np.interp(n * w, [1, 8, 64, 128], [0.010, 0.014, 0.060, 0.115]))  # noqa: E731
     curve = BatchLatency([1, 2, 4, 8, 16], [1, 2, 4, 8], [[rows(n, w) for w in (1, 2, 4, 8)] for n in (1, 2, 4, 8, 16)])
-    widths = [choose_width([8] * n, rates, curve, 0.001) for n in (1, 2, 4, 8, 16)]  # a CPU-like call
+    widths = [choose_width(curves(rates, [8] * n), curve, 0.001) for n in (1, 2, 4, 8, 16)]  # a CPU-like call
     assert widths[0] >= 6 and widths[-1] <= 3, widths
     assert all(a >= b for a, b in zip(widths, widths[1:])), widths  # never wider with more sequences
     free = BatchLatency([1, 16], [1, 16], [[0.01, 0.01], [0.01, 0.01]])  # rows cost nothing: every tree whole
-    assert choose_width([8, 5, 3], rates, free, 0.0) == 8
+    assert choose_width(curves(rates, [8, 5, 3]), free, 0.0) == 8
     hopeless = AcceptanceRates(8)
     for _ in range(100):
-        hopeless.update(8, [0])
-    assert choose_width([8] * 4, hopeless, curve, 0.0) == 1  # nothing is ever accepted: plain decoding
+        hopeless.update(chain(8), [0])
+    assert choose_width(curves(hopeless, [8] * 4), curve, 0.0) == 1  # nothing is ever accepted: plain decoding
     # a kept (seeded) tree of 6 makes the call 6 wide anyway: the others may use those rows
-    assert choose_width([8, 8, 6], hopeless, curve, 0.0, kept=[False, False, True]) == 6
+    assert choose_width(curves(hopeless, [8, 8, 6]), curve, 0.0, kept=[False, False, True]) == 6
     # sampled trees cost the host per row it accepts: the dearer, the narrower, only the sampled ones counted
-    sampled = [choose_width([8] * 4, rates, free, 0.0, row_s=cost, sampled=[True] * 4) for cost in (0.0, 1e-3, 1e-2)]
+    sampled = [choose_width(curves(rates, [8] * 4), free, 0.0, row_s=cost, sampled=[True] * 4) for cost in (0.0, 1e-3, 1e-2)]
     assert sampled[0] == 8 and sampled[0] > sampled[1] > sampled[2] == 1, sampled
-    assert choose_width([8] * 4, rates, free, 0.0, row_s=1e-2, sampled=[False] * 4) == 8
+    assert choose_width(curves(rates, [8] * 4), free, 0.0, row_s=1e-2, sampled=[False] * 4) == 8
+
+
+def test_a_scored_tree_keeps_its_best_nodes_and_is_rated_by_its_calibrated_scores():
+    """DraftTree.scores (a proposer's estimate of each node's acceptance, as a log): `truncated` keeps the best nodes,
+    and the budget rates each node by its estimate, calibrated by what nodes of the same half-octave did."""
+    scored = DraftTree([9, 5, 6, 7], [-1, 0, 0, 2], scores=np.log([1.0, 0.3, 0.6, 0.5]).tolist())
+    cut = scored.truncated(3)  # 6 (0.6) and 6 7 (0.5) beat 5 (0.3), whatever their index
+    assert (cut.tokens, cut.parents) == ([9, 6, 7], [-1, 0, 1])
+    np.testing.assert_allclose(np.exp(cut.scores), [1.0, 0.6, 0.5])
+    assert scored.truncated(1).tokens == [9] and chain(4).truncated(2).tokens == [10, 11]  # unscored: the first nodes
+    rates = AcceptanceRates(4)
+    np.testing.assert_allclose(rates.curve(scored), [1.0, 1.6, 2.1, 2.4])  # nothing seen yet: the estimates as given
+    pair = DraftTree([9, 1, 2], [-1, 0, 0], scores=np.log([1.0, 0.9, 0.3]).tolist())
+    for k in range(100):  # the node estimated at 0.9 accepted one time in ten, the one at 0.3 every other time
+        rates.update(pair, [0, 1] if k % 10 == 0 else [0, 2] if k % 2 else [0])
+    confident = rates.curve(DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.9)]))
+    doubtful = rates.curve(DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.3)]))
+    assert confident[1] - 1 == pytest.approx((10 + 2 * 0.9) / (100 + 2))  # the estimate counts as two nodes
+    assert doubtful[1] - 1 == pytest.approx((50 + 2 * 0.3) / (100 + 2))
+    assert rates.curve(DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.05)]))[1] == pytest.approx(1.05)  # unseen
+    # the same four sequences, a row dearer per sequence than one token in three: their drafts decide the width
+    dear = BatchLatency([1, 4], [1, 2], [[0.010, 0.013], [0.010, 0.013]])
+    likely = DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.95)])
+    unlikely = DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.12)])
+    fresh = AcceptanceRates(2)
+    assert choose_width([fresh.curve(likely)] * 4, dear, 0.0) == 2
+    assert choose_width([fresh.curve(unlikely)] * 4, dear, 0.0) == 1
+    assert choose_width([fresh.curve(likely)] * 2 + [fresh.curve(unlikely)] * 2, dear, 0.0) == 2
 
 
 def test_drafting_pays_only_where_its_cost_is_covered():
@@ -217,7 +255,7 @@ def test_drafting_pays_only_where_its_cost_is_covered():
     sampled rows counted."""
     rates = AcceptanceRates(4)
     for k in range(200):
-        rates.update(4, [0, 1][:1 + k % 2])  # the first draft accepted every other step, no deeper one
+        rates.update(chain(4), [0, 1][:1 + k % 2])  # the first draft accepted every other step, no deeper one
     flat = BatchLatency([1, 8], [1, 4], [[0.01, 0.012], [0.02, 0.024]])
     assert worth_drafting(8, 4, rates, flat, 0.001, 0.002)
     assert not worth_drafting(8, 4, rates, flat, 0.001, 0.1)  # proposals dearer than the tokens they bring
@@ -231,9 +269,21 @@ def test_the_latency_table_interpolates_and_follows_the_calls_it_sees():
     assert table(2, 1) == pytest.approx(0.01 + 0.01 / 3)  # bilinear between the grid's points
     assert table(4, 4) == pytest.approx(0.02 + 0.04 * 3 / 7)
     assert table(8, 8) == pytest.approx(0.06 + 4 * (0.06 - 0.02) / 3)  # more sequences than the grid: linear
-    for _ in range(300):  # calls take 1.5x what was measured: every size scales alike
+    for _ in range(300):  # calls of one size take 1.5x what was measured: every size scales alike
         table.observe(4, 8, 0.09)
     assert table(4, 8) == pytest.approx(0.09, rel=1e-3) and table(1, 1) == pytest.approx(0.015, rel=1e-3)
+    # one row a sequence costs as measured, a second one more than measured (1.75x one row, not 1.35x): a few calls
+    # of each and the table has their ratio, which decides the budget's width; far from the calls, as measured
+    table = BatchLatency([1, 16], [1, 2], [[0.010, 0.012], [0.036, 0.048]])
+    for k in range(80):
+        table.observe(16, 1, 0.033)
+        if k % 4 == 0:
+            table.observe(16, 2, 0.033 * 1.75)
+    assert table(16, 1) == pytest.approx(0.033, rel=0.02) and table(16, 2) / table(16, 1) == pytest.approx(1.75, rel=0.02)
+    assert table(1, 2) / table(1, 1) == pytest.approx(1.2, rel=1e-6)
+    for _ in range(3000):  # no wider call since: the learned ratio fades back towards the table's (to try it again)
+        table.observe(16, 1, 0.033)
+    assert table(16, 2) / table(16, 1) < 1.45
     ms = {"batch_sequences": [1, 4], "batch_widths": [1, 8], "batch_ms": [[10.0, 20.0], [20.0, 60.0]]}
     assert BatchLatency.from_measurements(ms)(4, 8) == pytest.approx(0.06)
     assert BatchLatency.from_measurements({**ms, "batch_ms": [[10.0, 20.0]]}) is None  # malformed: measure instead
@@ -300,8 +350,8 @@ def test_batched_sampling_follows_plain_sampling(engines, params, monkeypatch):
     calls a slow moment on a shared machine would stop drafting (the budget's decisions follow the table alone)."""
     from specexport.runtime import scheduler as module
 
-    monkeypatch.setattr(module, "choose_width", lambda lengths, rates, latency, host_s, kept, **_:
-                        choose_width(lengths, rates, latency, 0.0, kept))
+    monkeypatch.setattr(module, "choose_width", lambda curves, latency, host_s, kept, **_:
+                        choose_width(curves, latency, 0.0, kept))
     monkeypatch.setattr(module, "worth_drafting", lambda sequences, size, rates, latency, host_s, draft_s, **_:
                         worth_drafting(sequences, size, rates, latency, 0.0, 0.0))
     engine = engines["self1-tree"]

@@ -120,14 +120,18 @@ def test_merge_shares_prefixes_and_keeps_the_better_score():
     local = Draft(4, 1, [5, 8], [-1, 0], [1.0, 1.0])  # 5 8 at 1.0
     stored = Draft(2, 10, [6, 1], [-1, 0], [0.5, 0.4])  # 6 (0.5 > EAGLE's 0.3), 6 1 (0.4)
     c = suffix.Candidates([local, stored], eagle)
-    tokens, parents = suffix.select(9, c, total=4, factor=8.0, min_prob=0.0)
+    tree = suffix.select(9, c, total=4, factor=8.0, min_prob=0.0)
     # merged: 5 (max(0.6, 1.0)), 5 8 (1.0 * 1.0), 6 (0.5), 6 1 (0.5 * 0.8), 5 7 (0.3)
-    assert (tokens, parents) == ([9, 5, 6, 8], [-1, 0, 0, 1])
-    assert suffix.select(9, c, total=6, factor=8.0, min_prob=0.0) == ([9, 5, 6, 7, 8, 1], [-1, 0, 0, 1, 1, 2])
+    assert (tree.tokens, tree.parents) == ([9, 5, 6, 8], [-1, 0, 0, 1])
+    np.testing.assert_allclose(np.exp(tree.scores), [1.0, 1.0, 0.5, 1.0])  # each node's estimate, for the budget
+    assert tree.candidates is c
+    tree = suffix.select(9, c, total=6, factor=8.0, min_prob=0.0)
+    assert (tree.tokens, tree.parents) == ([9, 5, 6, 7, 8, 1], [-1, 0, 0, 1, 1, 2])
+    np.testing.assert_allclose(np.exp(tree.scores), [1.0, 1.0, 0.5, 0.3, 1.0, 0.4])  # 5 7 kept its 0.6 x 0.5
     assert len(eagle) == 4 and eagle.tokens == [9, 5, 6, 7]  # the recorded candidates are left as they were
     # EAGLE's candidates one level deep (what a run with depth 1 grows): 5 7 is gone, the suffix's 5 8 stays
-    assert suffix.select(9, c, total=6, factor=8.0, min_prob=0.0, eagle_depth=1) == ([9, 5, 6, 8, 1],
-                                                                                       [-1, 0, 0, 1, 2])
+    tree = suffix.select(9, c, total=6, factor=8.0, min_prob=0.0, eagle_depth=1)
+    assert (tree.tokens, tree.parents) == ([9, 5, 6, 8, 1], [-1, 0, 0, 1, 2])
 
 
 @pytest.mark.parametrize("with_store", [True, False])
@@ -146,7 +150,8 @@ def test_replaying_tighter_settings_gives_the_trees_of_a_run_with_them(with_stor
         for total, factor, floor in [(2, 1.0, 0.1), (6, 0.5, 0.05), (12, 2.0, 0.2), (32, 4.0, 0.01)]:
             tight = suffix.SuffixLookup(suffix.Settings(total_tokens=total, match_factor=factor, min_prob=floor), store)
             tree = tight.propose(list(text))
-            assert suffix.select(text[-1], recorded, total, factor, floor) == (tree.tokens, tree.parents)
+            replayed = suffix.select(text[-1], recorded, total, factor, floor)
+            assert (replayed.tokens, replayed.parents, replayed.scores) == (tree.tokens, tree.parents, tree.scores)
 
 
 def _arrays(docs):

@@ -8,9 +8,13 @@ per second of the step:
 
     sum over sequences of E[tokens | W]  /  (latency(n sequences, width W) + the step's host time)
 
-E[tokens | W] = 1 + sum of p_i over the first W - 1 draft nodes, p_i the probability that node i of a step's tree is
-accepted, counted per node index over the steps this engine verified so far (`AcceptanceRates`, a Beta(1, 1) prior:
-calibrated on the running method's own trees, whatever the method). The latency comes from `BatchLatency`: the
+E[tokens | W] = 1 + sum of p_i over the W - 1 draft nodes a tree keeps, p_i the probability that node i is accepted
+(`AcceptanceRates`, calibrated on the running method's own trees over the steps this engine verified so far). Where
+the proposer scores its nodes (EAGLE's cumulative draft probability, suffix lookup's product of continuation
+frequencies) each node is rated by its own score, calibrated, and a tree cut to W keeps its W best nodes: the budget
+sees which sequences' drafts are likely this step (a suffix match seen many times, a confident draft) and which are
+not, instead of one average per node index. Trees without scores (Medusa's, n-gram's, a draft model's: the same
+shape every step) are rated per node index. The latency comes from `BatchLatency`: the
 target's call time by sequences and width, measured by `specexport profile` and kept in the profile (a bundle built
 with that profile carries it), or measured when the scheduler starts; refined by every call it makes. With one
 stream the budget weighs the same trade-off the profile tuned the method's tree for; as streams are added each row
@@ -35,6 +39,10 @@ from specexport.runtime import tree
 
 GRID = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # sequences and widths at which the latency is measured
 BLEND = 0.05  # weight of a new call's time in the table's scale
+CELL_BLEND = 0.3  # weight of a wider call's time in the grid points around it, relative to one-row calls
+FORGET = 0.002  # each call takes this share of every grid point's own correction back towards the table
+SCORE_BINS = 16  # half-octaves of a proposer's estimate of a node's acceptance, the last for 2^-7.5 and below
+PRIOR = 2.0  # how many nodes' worth the estimate itself counts for in its bin's calibration
 
 
 def grid(most: int) -> list[int]:
@@ -43,30 +51,57 @@ def grid(most: int) -> list[int]:
 
 
 class AcceptanceRates:
-    """P(node i of a step's tree is accepted), per node index i, over the steps seen (root: 1)."""
+    """P(a node of a step's tree is accepted), from the steps seen. A tree whose proposer scored its nodes
+    (DraftTree.scores: EAGLE's cumulative draft probability, suffix lookup's product of frequencies) is rated node by
+    node: the estimate, calibrated by the acceptance of the nodes seen with estimates in the same half-octave (the
+    estimate itself counts as PRIOR nodes of its bin, so a bin starts at what the proposer says). Others are rated by
+    node index (a static tree's node i is the same candidate every step). The root: 1."""
 
     def __init__(self, size: int):
-        self.verified = np.zeros(size)
-        self.accepted = np.zeros(size)
+        self.verified, self.accepted = np.zeros(size), np.zeros(size)  # by node index
+        self.scored_verified, self.scored_accepted = np.zeros(SCORE_BINS), np.zeros(SCORE_BINS)  # by estimate
 
-    def update(self, nodes: int, path: list[int]) -> None:
-        self.verified[:nodes] += 1
+    def update(self, draft: tree.DraftTree, path: list[int]) -> None:
+        """A verified tree and its accepted path (node indices, the root first)."""
+        self.verified[:len(draft)] += 1
         self.accepted[path] += 1
+        if draft.scores is not None and len(draft) > 1:
+            bins = _bins(draft.scores[1:])
+            np.add.at(self.scored_verified, bins, 1)
+            np.add.at(self.scored_accepted, bins[np.asarray(path[1:], np.int64) - 1], 1)
 
     def expected(self, nodes: int) -> np.ndarray:
-        """Expected tokens of the first 1..nodes nodes: 1 (the bonus) + the accepted drafts among them."""
+        """Expected tokens of the first 1..nodes nodes of a tree rated by index: 1 (the bonus) + the accepted drafts
+        among them."""
         p = (self.accepted[:nodes] + 1) / (self.verified[:nodes] + 2)
         p[0] = 1.0
         return np.cumsum(p)
 
+    def curve(self, draft: tree.DraftTree) -> np.ndarray:
+        """Expected tokens of the tree cut to 1..len(draft) nodes (DraftTree.truncated: its best nodes, by score)."""
+        if draft.scores is None:
+            return self.expected(len(draft))
+        estimate = np.exp(np.sort(np.asarray(draft.scores[1:], float))[::-1])
+        bins = _bins(np.log(np.maximum(estimate, 1e-30)))
+        p = (self.scored_accepted[bins] + PRIOR * estimate) / (self.scored_verified[bins] + PRIOR)
+        return np.concatenate(([1.0], 1.0 + np.cumsum(p)))
+
+
+def _bins(scores) -> np.ndarray:
+    """The half-octave of each log-estimate: 0 for (0.71, 1], 1 for (0.5, 0.71], ... the last for all below."""
+    return np.minimum((-np.asarray(scores, float) * 2 / np.log(2)).astype(np.int64), SCORE_BINS - 1)
+
 
 class BatchLatency:
     """Seconds of one target call of n sequences at width W (n x W rows): measured on a grid of both, bilinear
-    between its points (linear beyond its last ones)."""
+    between its points (linear beyond its last ones), and learned from the calls made (`observe`)."""
 
     def __init__(self, sequences: list[int], widths: list[int], seconds):
         self.sequences, self.widths = np.array(sequences, float), np.array(widths, float)
-        self.seconds = np.array(seconds, float).reshape(len(sequences), len(widths))
+        self.seconds = np.array(seconds, float).reshape(len(sequences), len(widths))  # as measured, x a common scale
+        self.local = np.zeros_like(self.seconds)  # each grid point's own correction (a log factor) from calls near it
+        self.base = np.zeros(len(sequences))  # one-row calls' recent miss (a log factor after the scale), by sequences
+        self.based = np.zeros(len(sequences))  # how much of `base` comes from calls (0: none yet)
 
     @classmethod
     def measure(cls, target, pool, sequences: list[int], widths: list[int], context: int = 128, repeats: int = 1
@@ -104,18 +139,37 @@ class BatchLatency:
 
     def __call__(self, sequences: int, width):
         """Seconds for `sequences` sequences at `width` (a number, or an array of widths)."""
-        by_width = np.array([_interp(sequences, self.sequences, column) for column in self.seconds.T])
+        table = self.seconds * np.exp(self.local)
+        by_width = np.array([_interp(sequences, self.sequences, column) for column in table.T])
         seconds = np.maximum(_interp(width, self.widths, by_width), 1e-6)
         return float(seconds) if seconds.ndim == 0 else seconds
 
     def observe(self, sequences: int, width: int, seconds: float) -> None:
-        """A call's measured time rescales the whole table towards it: what the measurement did not see (longer
-        contexts, a busier machine) scales every size alike, so the sizes a step compares keep the ratios they were
-        measured with (refining one point alone would favour the sizes seldom called)."""
+        """A call's measured time. The whole table's scale moves towards it (BLEND): what the measurement did not see
+        alike for every size (a busier machine, longer contexts). A wider call also teaches the grid points around
+        it what it costs relative to one-row calls of about as many sequences made lately (CELL_BLEND): the ratio
+        the budget decides by, which the measurement can miss (on the 2-core CPU a second row for each of 16
+        sequences measured 1.35x one row at 128 tokens of context, 1.75x in a serving run's calls). Calls of one
+        size alone scale every size alike. A point's own correction fades while no call comes near it (FORGET): a
+        width once measured dear is tried again later rather than never."""
         self.seconds *= 1 + BLEND * (seconds / self(sequences, width) - 1)
+        miss = float(np.log(seconds / self(sequences, width)))
+        near = _hats(sequences, self.sequences)
+        self.local *= 1 - FORGET
+        if width <= self.widths[0]:
+            self.base += CELL_BLEND * near * (miss - self.base)
+            self.based += CELL_BLEND * near * (1 - self.based)
+        elif near @ self.based > 0.5:
+            relative = miss - (near @ self.base)
+            self.local += CELL_BLEND * relative * np.outer(near, _hats(width, self.widths))
 
     def as_ms(self) -> list[list[float]]:
         return [[round(1000 * s, 3) for s in row] for row in self.seconds]
+
+
+def _hats(x: float, xs: np.ndarray) -> np.ndarray:
+    """The weights of the points `xs` in the linear interpolation at x (summing to 1; the nearest edge's beyond)."""
+    return np.array([np.interp(x, xs, row) for row in np.eye(len(xs))])
 
 
 def _interp(x, xs: np.ndarray, ys: np.ndarray):
@@ -126,20 +180,21 @@ def _interp(x, xs: np.ndarray, ys: np.ndarray):
     return y
 
 
-def choose_width(lengths: list[int], rates: AcceptanceRates, latency: BatchLatency, host_s: float,
-                 kept: list[bool] | None = None, row_s: float = 0.0, sampled: list[bool] | None = None) -> int:
-    """The width W (1..the longest tree) with the most expected tokens per second for trees of these lengths; the
-    trees marked `kept` stay whole (their rows make the call at least as wide as the longest of them). `host_s`: the
-    step's host time; `row_s`: the host's time per row of a `sampled` tree it accepts (the target's distribution
-    over the vocabulary, row by row)."""
-    kept = np.array(kept or [False] * len(lengths))
-    sampled = np.array(sampled or [False] * len(lengths))
-    sizes = np.array(lengths)
+def choose_width(curves: list[np.ndarray], latency: BatchLatency, host_s: float, kept: list[bool] | None = None,
+                 row_s: float = 0.0, sampled: list[bool] | None = None) -> int:
+    """The width W (1..the longest tree) with the most expected tokens per second for trees whose expected tokens
+    cut to 1, 2, ... nodes are `curves` (AcceptanceRates.curve); the trees marked `kept` stay whole (their rows make
+    the call at least as wide as the longest of them). `host_s`: the step's host time; `row_s`: the host's time per
+    row of a `sampled` tree it accepts (the target's distribution over the vocabulary, row by row)."""
+    kept = np.array(kept or [False] * len(curves))
+    sampled = np.array(sampled or [False] * len(curves))
+    sizes = np.array([len(c) for c in curves])
     floor = int(sizes[kept].max()) if kept.any() else 1
     widths = np.arange(1, int(sizes.max()) + 1)
     nodes = np.where(kept, sizes, np.minimum(widths[:, None], sizes))  # [widths, sequences]: each tree's nodes
-    tokens = rates.expected(int(sizes.max()))[nodes - 1].sum(axis=1)
-    rate = tokens / (latency(len(lengths), np.maximum(widths, floor)) + host_s + row_s * nodes[:, sampled].sum(axis=1))
+    table = np.array([np.pad(c, (0, len(widths) - len(c)), mode="edge") for c in curves])  # [sequences, widths]
+    tokens = table[np.arange(len(curves)), nodes - 1].sum(axis=1)
+    rate = tokens / (latency(len(curves), np.maximum(widths, floor)) + host_s + row_s * nodes[:, sampled].sum(axis=1))
     return int(widths[np.argmax(rate)])  # the first best: the narrowest of equals
 
 

@@ -388,9 +388,10 @@ class Scheduler:
             trees.append(draft.truncated(min(room, self.step_rows)))
             seqs.append(seq)
         if seqs:
-            if self.rates is not None:  # seeded sampling keeps its tree: its tokens must not depend on the batch
+            if self.rates is not None and proposing:  # the budget cuts the trees to one width
+                # seeded sampling keeps its tree: its tokens must not depend on the batch
                 kept, sampled = [_seeded(s) for s in seqs], [not s.sampler.params.greedy for s in seqs]
-                width = choose_width([len(t) for t in trees], self.rates, self.latency, self._host_s(), kept,
+                width = choose_width([self.rates.curve(t) for t in trees], self.latency, self._host_s(), kept,
                                      row_s=self.row_s or 0.0, sampled=sampled)
                 trees = [t if keep else t.truncated(width) for t, keep in zip(trees, kept)]
             out, placed, rows = self._verify(seqs, trees)
@@ -399,8 +400,8 @@ class Scheduler:
                 try:
                     if isinstance(acceptance, Exception):
                         raise acceptance
-                    if self.rates is not None:
-                        self.rates.update(len(draft), acceptance.path)
+                    if self.rates is not None and len(draft) > 1:
+                        self.rates.update(draft, acceptance.path)
                     self.pool.slot(seq.slot).commit(acceptance.path)
                     if proposing:
                         seq.proposer.accepted(acceptance.path)
@@ -469,7 +470,7 @@ class Scheduler:
         width = len(record.tree)
         self._count_call(1, width)
         if self.rates is not None:
-            self.rates.update(width, record.acceptance.path)
+            self.rates.update(record.tree, record.acceptance.path)
             self.latency.observe(1, width, target.seconds - before)
         seq.stats.record(record)
         if self._emit(seq, record.acceptance.tokens):

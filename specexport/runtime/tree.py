@@ -45,13 +45,17 @@ class DraftTree:
 
     `q` [len, V], for sampled drafts only: row r is the processed draft distribution node r's children were drawn
     from. `candidates`: what the proposer chose the tree from (Medusa: its heads' ranked tokens; EAGLE: the scored
-    candidate tree), kept for `specexport profile`, which replays other trees on the same steps."""
+    candidate tree), kept for `specexport profile`, which replays other trees on the same steps. `scores`: where the
+    proposer estimates how likely each node is to be accepted (EAGLE's cumulative draft probability, suffix lookup's
+    product of continuation frequencies), that estimate's log, node by node (the root's 0; a node's never above its
+    parent's): the tree budget calibrates it (runtime/budget.py) and `truncated` keeps the best nodes by it."""
 
     tokens: list[int]
     parents: list[int]
     mode: AcceptMode = AcceptMode.TOPK
     q: np.ndarray | None = None
     candidates: object = None
+    scores: list[float] | None = None
 
     @classmethod
     def root_only(cls, root: int) -> "DraftTree":
@@ -65,12 +69,24 @@ class DraftTree:
     def drafts(self) -> int:
         return len(self.tokens) - 1
 
+    def best_first(self) -> list[int]:
+        """The nodes in the order `truncated` keeps them: by score, best first (ties: the earlier node; a node
+        scores at most its parent, so every prefix of the order is ancestor-closed), or in index order unscored."""
+        if self.scores is None:
+            return list(range(len(self.tokens)))
+        return [0] + sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], i))
+
     def truncated(self, n: int) -> "DraftTree":
-        """The first n nodes (still a tree: parents come before children)."""
+        """The root and its n - 1 best nodes (`best_first`): still a tree, parents before children."""
         if n >= len(self.tokens):
             return self
-        q = None if self.q is None else self.q[:n]
-        return DraftTree(self.tokens[:n], self.parents[:n], self.mode, q, self.candidates)
+        if self.scores is None:
+            q = None if self.q is None else self.q[:n]
+            return DraftTree(self.tokens[:n], self.parents[:n], self.mode, q, self.candidates)
+        keep = sorted(self.best_first()[:n])
+        tokens, parents = subtree(self.tokens, self.parents, keep)
+        q = None if self.q is None else self.q[keep]
+        return DraftTree(tokens, parents, self.mode, q, self.candidates, [self.scores[i] for i in keep])
 
 
 def check_parents(parents) -> np.ndarray:

@@ -31,10 +31,9 @@ def predict(measured: Measured, rec: Recording, total: int, factor: float, min_p
     `depth`: the hybrid's EAGLE depth, at most the recording's, one draft call per level)."""
     taus, verify_ms = [], []
     for draft, emitted in rec.samples:
-        tokens, parents = select(draft.tokens[0], draft.candidates, total, factor, min_prob,
-                                 ANY_DEPTH if depth is None else depth)
-        taus.append(replay(tokens, parents, emitted))
-        verify_ms.append(measured.verify_at(len(tokens), context))
+        tree = select(draft.tokens[0], draft.candidates, total, factor, min_prob, ANY_DEPTH if depth is None else depth)
+        taus.append(replay(tree.tokens, tree.parents, emitted))
+        verify_ms.append(measured.verify_at(len(tree), context))
     tau = float(np.mean(taus))
     calls = rec.draft_calls / max(rec.steps, 1) if depth is None else depth  # EAGLE: a call per level
     ms = float(np.mean(verify_ms)) + calls * rec.draft_call_ms + rec.python_ms

@@ -64,8 +64,18 @@ class CandidateTree:
     def cut(self, depth: int, drafts: int) -> tuple[list[int], list[int]]:
         """The tree a step verifies: the root and the `drafts` best candidates at depth <= `depth`, as (tokens,
         parents) with parents re-indexed to the selection (the root stays node 0)."""
-        chosen = [0] + self.top([i for i in range(1, len(self)) if self.depths[i] <= depth], drafts)
-        return tree.subtree(self.tokens, self.parents, chosen)
+        return tree.subtree(self.tokens, self.parents, self._chosen(depth, drafts))
+
+    def draft(self, depth: int, drafts: int, candidates=None) -> DraftTree:
+        """`cut` as the step's DraftTree, its nodes scored by their cumulative log-probability (`candidates`: what
+        to keep for `specexport profile`, by default this tree)."""
+        chosen = self._chosen(depth, drafts)
+        tokens, parents = tree.subtree(self.tokens, self.parents, chosen)
+        return DraftTree(tokens, parents, candidates=self if candidates is None else candidates,
+                         scores=[self.scores[i] for i in chosen])
+
+    def _chosen(self, depth: int, drafts: int) -> list[int]:
+        return [0] + self.top([i for i in range(1, len(self)) if self.depths[i] <= depth], drafts)
 
 
 class Eagle(DraftingProposer):
@@ -123,8 +133,7 @@ class Eagle(DraftingProposer):
                 hidden_of[n] = out["hidden_out"][0, row]
                 made += self._grow(candidates, paths, n, out, row)
             frontier = made if self.static is not None else candidates.top(made, self.top_k)
-        tokens, parents = candidates.cut(self.depth, self.total - 1)
-        return DraftTree(tokens, parents, candidates=candidates)
+        return candidates.draft(self.depth, self.total - 1)
 
     def _grow(self, candidates: CandidateTree, paths: dict, parent: int, out: dict, row: int) -> list[int]:
         """Add the candidates below `parent` from draft output `row`: its top_k, or the static tree's ranks."""

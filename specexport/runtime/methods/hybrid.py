@@ -18,7 +18,6 @@ from specexport.errors import UserError
 from specexport.options import from_section, setting, with_given
 from specexport.runtime.drafting import DraftingProposer
 from specexport.runtime.methods import eagle, suffix
-from specexport.runtime.tree import DraftTree
 
 
 def _suffix_setting(name: str):
@@ -78,8 +77,7 @@ class HybridProposer(DraftingProposer):
         """`propose` as a generator of its draft calls (runtime/drafting.py)."""
         grown = yield from self.draft.drafting(history)
         c = suffix.Candidates(self.lookup.drafts(history), grown.candidates)
-        tokens, parents = suffix.select(history[-1], c, self.total, self.lookup.factor, self.lookup.min_prob)
-        return DraftTree(tokens, parents, candidates=c)
+        return suffix.select(history[-1], c, self.total, self.lookup.factor, self.lookup.min_prob)
 
 
 class Hybrid:

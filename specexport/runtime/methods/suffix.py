@@ -61,20 +61,21 @@ class Candidates:
 
 
 def select(root: int, c: Candidates, total: int, factor: float, min_prob: float, eagle_depth: int = ANY_DEPTH
-           ) -> tuple[list[int], list[int]]:
-    """The step's tree (tokens, parents), root first: the best `total - 1` of the merged candidates (of EAGLE's,
-    those at most `eagle_depth` deep: what a run with that depth grows)."""
+           ) -> DraftTree:
+    """The step's tree, root first: the best `total - 1` of the merged candidates (of EAGLE's, those at most
+    `eagle_depth` deep: what a run with that depth grows), scored by their log-probability, `c` kept with it."""
     if c.eagle is None and len(c.drafts) <= 1:  # nothing to merge: a draft's first nodes are its best, root-closed
         d = c.drafts[0] if c.drafts else Draft(0, 0, [], [], [])
         k = d.allowed(factor, min_prob, total - 1)
-        return [root] + d.tokens[:k], [-1] + [p + 1 for p in d.parents[:k]]
+        return DraftTree([root] + d.tokens[:k], [-1] + [p + 1 for p in d.parents[:k]], candidates=c,
+                         scores=[0.0] + [min(0.0, math.log(p)) for p in d.probs[:k]])
     tree = CandidateTree(root)
     if c.eagle is not None:  # a copy: the recorded candidates stay as they were
         keep = [i for i, d in enumerate(c.eagle.depths) if d <= eagle_depth]
         tree.tokens, tree.parents = subtree(c.eagle.tokens, c.eagle.parents, keep)
         tree.scores, tree.depths = [c.eagle.scores[i] for i in keep], [c.eagle.depths[i] for i in keep]
     merge(tree, c.drafts, factor, min_prob, total - 1)
-    return tree.cut(ANY_DEPTH, total - 1)
+    return tree.draft(ANY_DEPTH, total - 1, c)
 
 
 def merge(tree: CandidateTree, drafts: list[Draft], factor: float, min_prob: float, limit: int) -> None:
@@ -116,9 +117,7 @@ class SuffixLookup(Proposer):
         return [d for d in found if d is not None and d.tokens]
 
     def propose(self, history: list[int]) -> DraftTree:
-        c = Candidates(self.drafts(history))
-        tokens, parents = select(history[-1], c, self.total, self.factor, self.min_prob)
-        return DraftTree(tokens, parents, candidates=c)
+        return select(history[-1], Candidates(self.drafts(history)), self.total, self.factor, self.min_prob)
 
 
 def bundle_datastore(engine) -> datastores.Datastore | None:
