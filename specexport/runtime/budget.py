@@ -139,8 +139,7 @@ class BatchLatency:
 
     def __call__(self, sequences: int, width):
         """Seconds for `sequences` sequences at `width` (a number, or an array of widths)."""
-        table = self.seconds * np.exp(self.local)
-        by_width = np.array([_interp(sequences, self.sequences, column) for column in table.T])
+        by_width = _along(sequences, self.sequences, self.seconds * np.exp(self.local))
         seconds = np.maximum(_interp(width, self.widths, by_width), 1e-6)
         return float(seconds) if seconds.ndim == 0 else seconds
 
@@ -167,9 +166,19 @@ class BatchLatency:
         return [[round(1000 * s, 3) for s in row] for row in self.seconds]
 
 
+def _along(x: float, xs: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """The rows of `table` (one per point of `xs`) interpolated at x: linear between the points, along the last
+    segment beyond the last point, the first row before the first."""
+    if len(xs) == 1 or x <= xs[0]:
+        return table[0]
+    k = min(int(np.searchsorted(xs, x)), len(xs) - 1)  # xs[k - 1] < x <= xs[k], or the last segment beyond it
+    share = (x - xs[k - 1]) / (xs[k] - xs[k - 1])
+    return table[k - 1] + share * (table[k] - table[k - 1])
+
+
 def _hats(x: float, xs: np.ndarray) -> np.ndarray:
     """The weights of the points `xs` in the linear interpolation at x (summing to 1; the nearest edge's beyond)."""
-    return np.array([np.interp(x, xs, row) for row in np.eye(len(xs))])
+    return _along(min(x, xs[-1]), xs, np.eye(len(xs)))
 
 
 def _interp(x, xs: np.ndarray, ys: np.ndarray):
@@ -192,7 +201,9 @@ def choose_width(curves: list[np.ndarray], latency: BatchLatency, host_s: float,
     floor = int(sizes[kept].max()) if kept.any() else 1
     widths = np.arange(1, int(sizes.max()) + 1)
     nodes = np.where(kept, sizes, np.minimum(widths[:, None], sizes))  # [widths, sequences]: each tree's nodes
-    table = np.array([np.pad(c, (0, len(widths) - len(c)), mode="edge") for c in curves])  # [sequences, widths]
+    table = np.empty((len(curves), len(widths)))  # [sequences, widths]: a tree's tokens stop growing at its size
+    for row, c in zip(table, curves):
+        row[:len(c)], row[len(c):] = c, c[-1]
     tokens = table[np.arange(len(curves)), nodes - 1].sum(axis=1)
     rate = tokens / (latency(len(curves), np.maximum(widths, floor)) + host_s + row_s * nodes[:, sampled].sum(axis=1))
     return int(widths[np.argmax(rate)])  # the first best: the narrowest of equals
