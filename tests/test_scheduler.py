@@ -217,14 +217,15 @@ def test_the_width_shrinks_smoothly_as_sequences_are_added():
     # a kept (seeded) tree of 6 makes the call 6 wide anyway: the others may use those rows
     assert choose_width(curves(hopeless, [8, 8, 6]), curve, 0.0, kept=[False, False, True]) == 6
     # sampled trees cost the host per row it accepts: the dearer, the narrower, only the sampled ones counted
-    sampled = [choose_width(curves(rates, [8] * 4), free, 0.0, row_s=cost, sampled=[True] * 4) for cost in (0.0, 1e-3, 1e-2)]
+    sampled = [choose_width(curves(rates, [8] * 4), free, 0.0, row_s=cost, sampled=[True] * 4)
+               for cost in (0.0, 1e-3, 1e-2)]
     assert sampled[0] == 8 and sampled[0] > sampled[1] > sampled[2] == 1, sampled
     assert choose_width(curves(rates, [8] * 4), free, 0.0, row_s=1e-2, sampled=[False] * 4) == 8
 
 
 def test_a_scored_tree_keeps_its_best_nodes_and_is_rated_by_its_calibrated_scores():
     """DraftTree.scores (a proposer's estimate of each node's acceptance, as a log): `truncated` keeps the best nodes,
-    and the budget rates each node by its estimate, calibrated by what nodes of the same half-octave did."""
+    and the budget rates each node by its estimate, calibrated by what nodes of the same depth and half-octave did."""
     scored = DraftTree([9, 5, 6, 7], [-1, 0, 0, 2], scores=np.log([1.0, 0.3, 0.6, 0.5]).tolist())
     cut = scored.truncated(3)  # 6 (0.6) and 6 7 (0.5) beat 5 (0.3), whatever their index
     assert (cut.tokens, cut.parents) == ([9, 6, 7], [-1, 0, 1])
@@ -240,6 +241,8 @@ def test_a_scored_tree_keeps_its_best_nodes_and_is_rated_by_its_calibrated_score
     assert confident[1] - 1 == pytest.approx((10 + 2 * 0.9) / (100 + 2))  # the estimate counts as two nodes
     assert doubtful[1] - 1 == pytest.approx((50 + 2 * 0.3) / (100 + 2))
     assert rates.curve(DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.05)]))[1] == pytest.approx(1.05)  # unseen
+    deeper = rates.curve(DraftTree([9, 1, 2], [-1, 0, 1], scores=[0.0, np.log(0.9), np.log(0.9)]))  # depth 2: unseen
+    np.testing.assert_allclose(deeper, [1.0, 1 + 11.8 / 102, 1 + 11.8 / 102 + 0.9])
     # the same four sequences, a row dearer per sequence than one token in three: their drafts decide the width
     dear = BatchLatency([1, 4], [1, 2], [[0.010, 0.013], [0.010, 0.013]])
     likely = DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.95)])
@@ -279,7 +282,8 @@ def test_the_latency_table_interpolates_and_follows_the_calls_it_sees():
         table.observe(16, 1, 0.033)
         if k % 4 == 0:
             table.observe(16, 2, 0.033 * 1.75)
-    assert table(16, 1) == pytest.approx(0.033, rel=0.02) and table(16, 2) / table(16, 1) == pytest.approx(1.75, rel=0.02)
+    assert table(16, 1) == pytest.approx(0.033, rel=0.02)
+    assert table(16, 2) / table(16, 1) == pytest.approx(1.75, rel=0.02)
     assert table(1, 2) / table(1, 1) == pytest.approx(1.2, rel=1e-6)
     for _ in range(3000):  # no wider call since: the learned ratio fades back towards the table's (to try it again)
         table.observe(16, 1, 0.033)

@@ -42,7 +42,8 @@ BLEND = 0.05  # weight of a new call's time in the table's scale
 CELL_BLEND = 0.3  # weight of a wider call's time in the grid points around it, relative to one-row calls
 FORGET = 0.002  # each call takes this share of every grid point's own correction back towards the table
 SCORE_BINS = 16  # half-octaves of a proposer's estimate of a node's acceptance, the last for 2^-7.5 and below
-PRIOR = 2.0  # how many nodes' worth the estimate itself counts for in its bin's calibration
+DEPTHS = 4  # depths calibrated apart: 1, 2, 3, and 4 or deeper
+PRIOR = 2.0  # how many nodes' worth the estimate itself counts for in its cell's calibration
 
 
 def grid(most: int) -> list[int]:
@@ -53,22 +54,23 @@ def grid(most: int) -> list[int]:
 class AcceptanceRates:
     """P(a node of a step's tree is accepted), from the steps seen. A tree whose proposer scored its nodes
     (DraftTree.scores: EAGLE's cumulative draft probability, suffix lookup's product of frequencies) is rated node by
-    node: the estimate, calibrated by the acceptance of the nodes seen with estimates in the same half-octave (the
-    estimate itself counts as PRIOR nodes of its bin, so a bin starts at what the proposer says). Others are rated by
-    node index (a static tree's node i is the same candidate every step). The root: 1."""
+    node: the estimate, calibrated by the acceptance of the nodes seen at the same depth with estimates in the same
+    half-octave (the estimate itself counts as PRIOR nodes of its cell, so a cell starts at what the proposer says;
+    the depth, because a deep node needs its ancestors accepted too, which a suffix match's frequencies do not
+    price). Others are rated by node index (a static tree's node i is the same candidate every step). The root: 1."""
 
     def __init__(self, size: int):
         self.verified, self.accepted = np.zeros(size), np.zeros(size)  # by node index
-        self.scored_verified, self.scored_accepted = np.zeros(SCORE_BINS), np.zeros(SCORE_BINS)  # by estimate
+        self.scored_verified, self.scored_accepted = np.zeros(DEPTHS * SCORE_BINS), np.zeros(DEPTHS * SCORE_BINS)
 
     def update(self, draft: tree.DraftTree, path: list[int]) -> None:
         """A verified tree and its accepted path (node indices, the root first)."""
         self.verified[:len(draft)] += 1
         self.accepted[path] += 1
         if draft.scores is not None and len(draft) > 1:
-            bins = _bins(draft.scores[1:])
-            np.add.at(self.scored_verified, bins, 1)
-            np.add.at(self.scored_accepted, bins[np.asarray(path[1:], np.int64) - 1], 1)
+            cells = _cells(draft, np.arange(1, len(draft)))
+            np.add.at(self.scored_verified, cells, 1)
+            np.add.at(self.scored_accepted, cells[np.asarray(path[1:], np.int64) - 1], 1)
 
     def expected(self, nodes: int) -> np.ndarray:
         """Expected tokens of the first 1..nodes nodes of a tree rated by index: 1 (the bonus) + the accepted drafts
@@ -81,15 +83,19 @@ class AcceptanceRates:
         """Expected tokens of the tree cut to 1..len(draft) nodes (DraftTree.truncated: its best nodes, by score)."""
         if draft.scores is None:
             return self.expected(len(draft))
-        estimate = np.exp(np.sort(np.asarray(draft.scores[1:], float))[::-1])
-        bins = _bins(np.log(np.maximum(estimate, 1e-30)))
-        p = (self.scored_accepted[bins] + PRIOR * estimate) / (self.scored_verified[bins] + PRIOR)
+        order = np.array(draft.best_first()[1:], np.int64)
+        estimate = np.exp(np.asarray(draft.scores, float)[order])
+        cells = _cells(draft, order)
+        p = (self.scored_accepted[cells] + PRIOR * estimate) / (self.scored_verified[cells] + PRIOR)
         return np.concatenate(([1.0], 1.0 + np.cumsum(p)))
 
 
-def _bins(scores) -> np.ndarray:
-    """The half-octave of each log-estimate: 0 for (0.71, 1], 1 for (0.5, 0.71], ... the last for all below."""
-    return np.minimum((-np.asarray(scores, float) * 2 / np.log(2)).astype(np.int64), SCORE_BINS - 1)
+def _cells(draft: tree.DraftTree, nodes: np.ndarray) -> np.ndarray:
+    """The calibration cell of each node: its depth (DEPTHS and deeper together) and the half-octave of its estimate
+    (0 for (0.71, 1], 1 for (0.5, 0.71], ... the last for all below)."""
+    depth = np.minimum(tree.depths(draft.parents)[nodes], DEPTHS) - 1
+    half_octaves = (-np.asarray(draft.scores, float)[nodes] * 2 / np.log(2)).astype(np.int64)
+    return depth * SCORE_BINS + np.minimum(half_octaves, SCORE_BINS - 1)
 
 
 class BatchLatency:
