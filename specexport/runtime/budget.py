@@ -2,21 +2,21 @@
 
 The batched target call pads every sequence's tree to the widest (runtime/scheduler.py), so it computes n x W rows
 for n sequences at width W, whatever the trees hold: sharing rows unevenly would not make the call cheaper. The
-budget is therefore one width W for the step, each tree cut to its first W nodes (a prefix of a tree in topological
-order is a tree, and every proposer's truncation already works that way), W chosen to maximise the expected tokens
-per second of the step:
+budget is therefore one width W for the step, each tree cut to W nodes (DraftTree.truncated: its best-scored ones, or
+its first ones where unscored: either way still a tree), W chosen to maximise the expected tokens per second of the
+step:
 
     sum over sequences of E[tokens | W]  /  (latency(n sequences, width W) + the step's host time)
 
 E[tokens | W] = 1 + sum of p_i over the W - 1 draft nodes a tree keeps, p_i the probability that node i is accepted
 (`AcceptanceRates`, calibrated on the running method's own trees over the steps this engine verified so far). Where
 the proposer scores its nodes (EAGLE's cumulative draft probability, suffix lookup's product of continuation
-frequencies) each node is rated by its own score, calibrated, and a tree cut to W keeps its W best nodes: the budget
-sees which sequences' drafts are likely this step (a suffix match seen many times, a confident draft) and which are
-not, instead of one average per node index. Trees without scores (Medusa's, n-gram's, a draft model's: the same
-shape every step) are rated per node index. The latency comes from `BatchLatency`: the
-target's call time by sequences and width, measured by `specexport profile` and kept in the profile (a bundle built
-with that profile carries it), or measured when the scheduler starts; refined by every call it makes. With one
+frequencies) each node is rated by its own score, calibrated by depth and half-octave: the budget sees which
+sequences' drafts are likely this step and which are not, instead of one average per node index. Trees without
+scores (Medusa's, n-gram's, a draft model's: the same shape every step) are rated per node index. The latency comes
+from `BatchLatency`: the target's call time by sequences and width, measured by `specexport profile` and kept in the
+profile (a bundle built with that profile carries it), or measured when the scheduler starts; refined by every call
+it makes (the scale by every call, a wider width's cost relative to one row by the calls at it). With one
 stream the budget weighs the same trade-off the profile tuned the method's tree for; as streams are added each row
 costs more of the step and the trees shrink, smoothly, towards plain decoding (W = 1): no thresholds.
 

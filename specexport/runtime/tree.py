@@ -48,7 +48,9 @@ class DraftTree:
     candidate tree), kept for `specexport profile`, which replays other trees on the same steps. `scores`: where the
     proposer estimates how likely each node is to be accepted (EAGLE's cumulative draft probability, suffix lookup's
     product of continuation frequencies), that estimate's log, node by node (the root's 0; a node's never above its
-    parent's): the tree budget calibrates it (runtime/budget.py) and `truncated` keeps the best nodes by it."""
+    parent's): the tree budget calibrates it (runtime/budget.py) and `truncated` keeps the best nodes by it, which
+    renumbers them (a proposer whose `accepted(path)` reads its own tree's node numbers, a draft model's, scores
+    none)."""
 
     tokens: list[int]
     parents: list[int]
