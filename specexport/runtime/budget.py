@@ -146,7 +146,7 @@ class BatchLatency:
     def __call__(self, sequences: int, width):
         """Seconds for `sequences` sequences at `width` (a number, or an array of widths)."""
         by_width = _along(sequences, self.sequences, self.seconds * np.exp(self.local))
-        seconds = np.maximum(_interp(width, self.widths, by_width), 1e-6)
+        seconds = np.maximum(_along(width, self.widths, by_width), 1e-6)
         return float(seconds) if seconds.ndim == 0 else seconds
 
     def observe(self, sequences: int, width: int, seconds: float) -> None:
@@ -172,27 +172,20 @@ class BatchLatency:
         return [[round(1000 * s, 3) for s in row] for row in self.seconds]
 
 
-def _along(x: float, xs: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """The rows of `table` (one per point of `xs`) interpolated at x: linear between the points, along the last
-    segment beyond the last point, the first row before the first."""
-    if len(xs) == 1 or x <= xs[0]:
-        return table[0]
-    k = min(int(np.searchsorted(xs, x)), len(xs) - 1)  # xs[k - 1] < x <= xs[k], or the last segment beyond it
-    share = (x - xs[k - 1]) / (xs[k] - xs[k - 1])
+def _along(x, xs: np.ndarray, table: np.ndarray):
+    """`table` (one row, or one value, per point of `xs`) interpolated at x (a number, or an array of them against a
+    1-D table): linear between the points, along the last segment beyond the last point (a call wider than the grid
+    costs more, not the same), the first row before the first point."""
+    if len(xs) == 1:
+        return np.broadcast_to(table[0], np.shape(x)) if table.ndim == 1 else table[0]
+    k = np.clip(np.searchsorted(xs, x), 1, len(xs) - 1)  # xs[k - 1] < x <= xs[k], or the first or last segment
+    share = np.maximum((np.asarray(x, float) - xs[k - 1]) / (xs[k] - xs[k - 1]), 0.0)
     return table[k - 1] + share * (table[k] - table[k - 1])
 
 
 def _hats(x: float, xs: np.ndarray) -> np.ndarray:
     """The weights of the points `xs` in the linear interpolation at x (summing to 1; the nearest edge's beyond)."""
     return _along(min(x, xs[-1]), xs, np.eye(len(xs)))
-
-
-def _interp(x, xs: np.ndarray, ys: np.ndarray):
-    """np.interp, but linear beyond the last point (a call wider than the grid costs more, not the same)."""
-    y = np.interp(x, xs, ys)
-    if len(xs) > 1:
-        y = np.where(np.asarray(x) > xs[-1], ys[-1] + (np.asarray(x) - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), y)
-    return y
 
 
 def choose_width(curves: list[np.ndarray], latency: BatchLatency, host_s: float, kept: list[bool] | None = None,
