@@ -64,10 +64,12 @@ class AcceptanceRates:
         self.scored_verified, self.scored_accepted = np.zeros(DEPTHS * SCORE_BINS), np.zeros(DEPTHS * SCORE_BINS)
 
     def update(self, draft: tree.DraftTree, path: list[int]) -> None:
-        """A verified tree and its accepted path (node indices, the root first)."""
+        """A verified tree and its accepted path (node indices, the root first); a root alone tells nothing."""
+        if len(draft) < 2:
+            return
         self.verified[:len(draft)] += 1
         self.accepted[path] += 1
-        if draft.scores is not None and len(draft) > 1:
+        if draft.scores is not None:
             cells = _cells(draft, np.arange(1, len(draft)))
             np.add.at(self.scored_verified, cells, 1)
             np.add.at(self.scored_accepted, cells[np.asarray(path[1:], np.int64) - 1], 1)

@@ -400,7 +400,7 @@ class Scheduler:
                 try:
                     if isinstance(acceptance, Exception):
                         raise acceptance
-                    if self.rates is not None and len(draft) > 1:
+                    if self.rates is not None:
                         self.rates.update(draft, acceptance.path)
                     self.pool.slot(seq.slot).commit(acceptance.path)
                     if proposing:

@@ -72,11 +72,11 @@ class DraftTree:
         return len(self.tokens) - 1
 
     def best_first(self) -> list[int]:
-        """The nodes in the order `truncated` keeps them: by score, best first (ties: the earlier node; a node
-        scores at most its parent, so every prefix of the order is ancestor-closed), or in index order unscored."""
+        """The nodes in the order `truncated` keeps them: `by_score` (a node scores at most its parent, so every
+        prefix of the order is ancestor-closed), or in index order unscored."""
         if self.scores is None:
             return list(range(len(self.tokens)))
-        return [0] + sorted(range(1, len(self.tokens)), key=lambda i: (-self.scores[i], i))
+        return [0] + by_score(self.scores, range(1, len(self.tokens)))
 
     def truncated(self, n: int) -> "DraftTree":
         """The root and its n - 1 best nodes (`best_first`): still a tree, parents before children."""
@@ -89,6 +89,11 @@ class DraftTree:
         tokens, parents = subtree(self.tokens, self.parents, keep)
         q = None if self.q is None else self.q[keep]
         return DraftTree(tokens, parents, self.mode, q, self.candidates, [self.scores[i] for i in keep])
+
+
+def by_score(scores, nodes) -> list[int]:
+    """`nodes` best first by their `scores` (ties: the earlier node, so a parent scored as its child comes first)."""
+    return sorted(nodes, key=lambda i: (-scores[i], i))
 
 
 def check_parents(parents) -> np.ndarray:

@@ -59,23 +59,21 @@ class CandidateTree:
 
     def top(self, indices, k: int) -> list[int]:
         """The k best of `indices` by score (ties: the earlier node), in index order."""
-        return sorted(sorted(indices, key=lambda i: (-self.scores[i], i))[:k])
+        return sorted(tree.by_score(self.scores, indices)[:k])
 
     def cut(self, depth: int, drafts: int) -> tuple[list[int], list[int]]:
         """The tree a step verifies: the root and the `drafts` best candidates at depth <= `depth`, as (tokens,
         parents) with parents re-indexed to the selection (the root stays node 0)."""
-        return tree.subtree(self.tokens, self.parents, self._chosen(depth, drafts))
+        cut = self.draft(depth, drafts)
+        return cut.tokens, cut.parents
 
     def draft(self, depth: int, drafts: int, candidates=None) -> DraftTree:
         """`cut` as the step's DraftTree, its nodes scored by their cumulative log-probability (`candidates`: what
         to keep for `specexport profile`, by default this tree)."""
-        chosen = self._chosen(depth, drafts)
+        chosen = [0] + self.top([i for i in range(1, len(self)) if self.depths[i] <= depth], drafts)
         tokens, parents = tree.subtree(self.tokens, self.parents, chosen)
         return DraftTree(tokens, parents, candidates=self if candidates is None else candidates,
                          scores=[self.scores[i] for i in chosen])
-
-    def _chosen(self, depth: int, drafts: int) -> list[int]:
-        return [0] + self.top([i for i in range(1, len(self)) if self.depths[i] <= depth], drafts)
 
 
 class Eagle(DraftingProposer):
