@@ -17,13 +17,18 @@ Printed per configuration and C: aggregate tokens/s (all new tokens / wall time)
 (submit to first token: queueing and prefill included), time between tokens p50/p99 (the gap before each step's
 tokens divided by how many it brought, over all steps of all requests), the mean rows per target call and the
 scheduler's time outside the graph calls per step. Configurations alternate at each C, so they see the same
-machine. Greedy unless `--temperature` (then every request samples, with `--top-p`, unseeded: a seeded request keeps
-its whole tree, so that its tokens never depend on the batch), EOS suppressed (every request emits exactly
---new-tokens).
+machine, and each closed loop starts after one short untimed request on its configuration (the first calls after
+another bundle's run slower). With `--rounds R` each configuration runs R closed loops at each C (each round after
+the first in a shuffled order): the tokens/s printed is their median, the latencies are pooled, and the ratios are
+taken round by round (the budget over the better of plain and fixed in the same round), with the median and the
+range over rounds; plain then runs twice a round, and the ratio of the pair (`plain-again` / `plain`, an A/A test)
+shows how far such a ratio moves on this machine with nothing changed. Greedy unless `--temperature` (then every
+request samples, with `--top-p`, unseeded: a seeded request keeps its whole tree, so that its tokens never depend
+on the batch), EOS suppressed (every request emits exactly --new-tokens).
 
     python scripts/bench_batch.py --plain BUNDLE --method BUNDLE [--prompts bench/sharegpt40.jsonl]
-        [--concurrency 1,2,4,8,16] [--requests 2] [--new-tokens 128] [--temperature T [--top-p P]] [--threads N]
-        [--genai CACHE] [--json OUT]
+        [--concurrency 1,2,4,8,16] [--requests 2] [--rounds 1] [--new-tokens 128] [--temperature T [--top-p P]]
+        [--threads N] [--genai CACHE] [--json OUT]
 """
 
 from __future__ import annotations
@@ -31,11 +36,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -72,9 +80,13 @@ def closed_loop(submit, prompts: list[str], clients: int, per_client: int) -> di
     tokens = sum(r.result().stats.new_tokens for r in done)
     ttft = [r.arrivals[0][0] - r.submitted for r in done]
     tbt = [(t1 - t0) / n for r in done for (t0, _), (t1, n) in zip(r.arrivals, r.arrivals[1:]) if n]
-    return {"tokens_per_s": tokens / wall, "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
-            "tbt_p50_ms": 1e3 * pct(tbt, 50), "tbt_p99_ms": 1e3 * pct(tbt, 99), "requests": len(done),
-            "tokens": tokens, "wall_s": wall}
+    return loop_row(tokens, wall, len(done), ttft, tbt)
+
+
+def loop_row(tokens: int, wall: float, requests: int, ttft: list[float], tbt: list[float]) -> dict:
+    """One closed loop's figures (its latencies kept, seconds, so that rounds can be pooled)."""
+    return {"tokens_per_s": tokens / wall, "tokens": tokens, "wall_s": wall, "requests": requests, "ttft": ttft,
+            "tbt": tbt}
 
 
 class BatchOne:
@@ -160,10 +172,7 @@ def genai_closed_loop(python: Path, worker: Path, folder: Path, prompt_ids: list
     if done.returncode:
         sys.exit(f"onnxruntime-genai's engine failed at C={clients} (exit {done.returncode}); its error is above")
     r = json.loads(done.stdout.strip().splitlines()[-1])
-    return {"tokens_per_s": r["tokens"] / r["wall_s"], "ttft_p50_ms": 1e3 * pct(r["ttft"], 50),
-            "ttft_p99_ms": 1e3 * pct(r["ttft"], 99), "tbt_p50_ms": 1e3 * pct(r["tbt"], 50),
-            "tbt_p99_ms": 1e3 * pct(r["tbt"], 99), "requests": r["requests"], "tokens": r["tokens"],
-            "wall_s": r["wall_s"]}
+    return loop_row(r["tokens"], r["wall_s"], r["requests"], r["ttft"], r["tbt"])
 
 
 class _Done:
@@ -182,6 +191,9 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="closed loops per configuration and C, in rotating order (more than 1: plain runs twice a "
+                         "round, an A/A pair whose ratio shows the noise)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sample every request (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -189,6 +201,8 @@ def main() -> None:
                     help="add onnxruntime-genai's og.Engine (its venv and models in CACHE, as bench_plain.py makes them)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.rounds < 1 or args.requests < 1:
+        sys.exit("--rounds and --requests must be >= 1")
     prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
     levels = [int(c) for c in args.concurrency.split(",")]
     plain = Engine.load(args.plain, threads=args.threads)
@@ -222,42 +236,66 @@ def main() -> None:
     width_sums = dict.fromkeys(schedulers, 0)  # the widths of every target call, summed (Scheduler.on_step)
     for name, scheduler in schedulers.items():
         scheduler.on_step = lambda n, width, name=name: width_sums.__setitem__(name, width_sums[name] + width)
-    for scheduler in schedulers.values():  # warm-up: one short request each
-        scheduler.submit(prompts[0], max_new_tokens=8, stop_ids=()).result(timeout=600)
-    results = []
+    def one_run(name: str, c: int, r: int) -> dict:
+        """One closed loop of configuration `name` at C = c: its figures, and its scheduler's steps, rows, widths
+        and time outside the graph calls (sums: the rounds are pooled)."""
+        key = "plain" if name == "plain-again" else name
+        scheduler = schedulers.get(key)
+        if scheduler:  # warm-up, untimed: one short request (the first calls after another bundle's are slower)
+            scheduler.submit(prompts[0], max_new_tokens=8, stop_ids=()).result(timeout=600)
+        elif name == "batch-1":
+            plain.generate(prompts[0], max_new_tokens=8, stop_ids=())
+        before = (scheduler.steps, scheduler.rows, scheduler.overhead_s, width_sums[key]) if scheduler else None
+        if name == "genai":
+            row = genai_closed_loop(*genai[:3], genai[3], c, args.requests, new)
+        else:
+            row = closed_loop(submitter(key), prompts, c, args.requests)
+        row.update(config=name, concurrency=c, round=r)
+        if scheduler:
+            row.update(steps=scheduler.steps - before[0], rows=scheduler.rows - before[1],
+                       overhead_ms=1e3 * (scheduler.overhead_s - before[2]), width=width_sums[key] - before[3])
+        print(f"  C={c:<3} round {r} {name:<12} {row['tokens_per_s']:7.1f} tok/s", file=sys.stderr, flush=True)
+        return row
+
+    runs = []  # one closed loop each: (config, C, round)
     try:
         for c in levels:
-            names = (["batch-1"] if c == 1 else []) + list(schedulers) + (["genai"] if genai else [])
-            for name in names:
-                scheduler = schedulers.get(name)
-                before = (scheduler.steps, scheduler.rows, scheduler.overhead_s, width_sums[name]) if scheduler \
-                    else (0, 0, 0.0, 0)
-                if name == "genai":
-                    loop = genai_closed_loop(*genai[:3], genai[3], c, args.requests, new)
-                else:
-                    loop = closed_loop(submitter(name), prompts, c, args.requests)
-                row = {"config": name, "concurrency": c, **loop}
-                if scheduler:
-                    steps = scheduler.steps - before[0]
-                    row["rows_per_call"] = (scheduler.rows - before[1]) / max(steps, 1)
-                    row["overhead_ms_per_step"] = 1e3 * (scheduler.overhead_s - before[2]) / max(steps, 1)
-                    row["mean_width"] = (width_sums[name] - before[3]) / max(steps, 1)
-                results.append(row)
-                print(f"  C={c:<3} {name:<8} {row['tokens_per_s']:7.1f} tok/s", file=sys.stderr, flush=True)
+            names = (["batch-1"] if c == 1 else []) + list(schedulers) + (["plain-again"] if args.rounds > 1 else []) \
+                + (["genai"] if genai else [])
+            for r in range(args.rounds):
+                order = names if r == 0 else random.Random(f"{c}/{r}").sample(names, len(names))  # neighbours vary
+                for name in order:
+                    runs.append(one_run(name, c, r))
     finally:
         for s in schedulers.values():
             s.close()
+    report(args, levels, runs, genai is not None)
+
+
+def report(args, levels: list[int], runs: list[dict], genai: bool) -> None:
     how = f"temperature {args.temperature:g}, top-p {args.top_p:g}" if args.temperature else "greedy"
     print(f"{args.plain.name} vs {args.method.name if args.method else '-'}: closed loop, {args.requests} requests per "
-          f"client, {new} new tokens each, {how}, {args.threads} threads")
-    print(f"{'config':<9}{'C':>4}{'tokens/s':>10}{'TTFT p50':>10}{'p99':>8}{'TBT p50':>9}{'p99':>8}{'rows/call':>10}"
-          f"{'width':>7}{'host ms/step':>13}")
-    for r in results:
-        print(f"{r['config']:<9}{r['concurrency']:>4}{r['tokens_per_s']:>10.1f}{r['ttft_p50_ms']:>10.0f}"
-              f"{r['ttft_p99_ms']:>8.0f}{r['tbt_p50_ms']:>9.1f}{r['tbt_p99_ms']:>8.1f}"
-              f"{r.get('rows_per_call', 1):>10.1f}{r.get('mean_width', 1):>7.1f}"
-              f"{r.get('overhead_ms_per_step', float('nan')):>13.2f}")
-    by = {(r["config"], r["concurrency"]): r["tokens_per_s"] for r in results}
+          f"client, {args.new_tokens} new tokens each, {how}, {args.threads} threads, {args.rounds} round(s) per C")
+    print(f"{'config':<12}{'C':>4}{'tokens/s':>10}{'rounds':>14}{'TTFT p50':>10}{'p99':>8}{'TBT p50':>9}{'p99':>8}"
+          f"{'rows/call':>10}{'width':>7}{'host ms/step':>13}")
+    summary, by = [], {}
+    for c in levels:
+        for name in dict.fromkeys(r["config"] for r in runs if r["concurrency"] == c):
+            mine = [r for r in runs if r["config"] == name and r["concurrency"] == c]
+            speeds = [r["tokens_per_s"] for r in mine]
+            ttft, tbt = [t for r in mine for t in r["ttft"]], [t for r in mine for t in r["tbt"]]
+            steps = sum(r.get("steps", 0) for r in mine)
+            row = {"config": name, "concurrency": c, "tokens_per_s": float(np.median(speeds)),
+                   "tokens_per_s_rounds": speeds, "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
+                   "tbt_p50_ms": 1e3 * pct(tbt, 50), "tbt_p99_ms": 1e3 * pct(tbt, 99)}
+            if steps:
+                row.update({key: sum(r[key] for r in mine) / steps for key in ("rows", "width", "overhead_ms")})
+            summary.append(row)
+            by[(name, c)] = row["tokens_per_s"]
+            spread = f"{min(speeds):.0f}-{max(speeds):.0f}" if len(speeds) > 1 else ""
+            print(f"{name:<12}{c:>4}{row['tokens_per_s']:>10.1f}{spread:>14}{row['ttft_p50_ms']:>10.0f}"
+                  f"{row['ttft_p99_ms']:>8.0f}{row['tbt_p50_ms']:>9.1f}{row['tbt_p99_ms']:>8.1f}"
+                  f"{row.get('rows', 1):>10.1f}{row.get('width', 1):>7.1f}{row.get('overhead_ms', float('nan')):>13.2f}")
     if ("plain", 1) in by and ("plain", max(levels)) in by:
         print(f"plain batched C={max(levels)} / C=1: {by[('plain', max(levels))] / by[('plain', 1)]:.2f}x (target >= 3x)")
     if ("batch-1", 1) in by:
@@ -266,11 +304,26 @@ def main() -> None:
         print("plain batched / onnxruntime-genai's og.Engine, per C: " + ", ".join(
             f"C={c} {by[('plain', c)] / by[('genai', c)]:.2f}x" for c in levels))
     if args.method is not None:
-        print("budget / the better of plain and fixed, per C: " + ", ".join(
-            f"C={c} {by[('budget', c)] / max(by[('plain', c)], by[('fixed', c)]):.2f}x" for c in levels))
+        print("budget / the better of plain and fixed, per C: " + paired(runs, levels, "budget", ("plain", "fixed")))
+    if args.rounds > 1:
+        print("plain / plain again (A/A: the noise of such a ratio here), per C: "
+              + paired(runs, levels, "plain-again", ("plain",)))
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        strip = [{k: v for k, v in r.items() if k not in ("ttft", "tbt")} for r in runs]
+        args.json.write_text(json.dumps({"summary": summary, "runs": strip}, indent=1))
 
+
+def paired(runs: list[dict], levels: list[int], name: str, against: tuple[str, ...]) -> str:
+    """Per C: the median over rounds of `name`'s tokens/s over the best of `against` in the same round (and the
+    rounds' lowest and highest)."""
+    parts = []
+    for c in levels:
+        speed = {(r["config"], r["round"]): r["tokens_per_s"] for r in runs if r["concurrency"] == c}
+        rounds = sorted({r for _, r in speed})
+        ratios = [speed[(name, r)] / max(speed[(a, r)] for a in against) for r in rounds]
+        parts.append(f"C={c} {np.median(ratios):.2f}x" + (f" ({min(ratios):.2f}-{max(ratios):.2f})"
+                                                           if len(ratios) > 1 else ""))
+    return ", ".join(parts)
 
 if __name__ == "__main__":
     main()
