@@ -3,6 +3,7 @@ else runs with it; slots are refilled, prompts prefilled in chunks, requests can
 request; and the KV pool's slot bookkeeping on hand-built cases."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from specexport.runtime.budget import AcceptanceRates, BatchLatency, choose_widt
 from specexport.runtime.generate import Engine
 from specexport.runtime.kvcache import KVPool
 from specexport.runtime.sampling import SamplingParams
-from specexport.runtime.scheduler import PROBE_STEPS, Scheduler
+from specexport.runtime.scheduler import PLAIN_PROBE_STEPS, PROBE_STEPS, Scheduler
 from specexport.runtime.tree import DraftTree
 
 PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat", "x", "abcabcabcabc",
@@ -187,13 +188,13 @@ def chain(n: int, scores=None) -> DraftTree:
 
 def curves(rates: AcceptanceRates, sizes: list[int]) -> list[np.ndarray]:
     """The expected-token curves of unscored chains of these sizes."""
-    return [rates.curve(chain(n)) for n in sizes]
+    return rates.curves([chain(n) for n in sizes])
 
 
 def test_acceptance_rates_count_per_node_index():
     rates = AcceptanceRates(4)
     for path in ([0, 1, 2], [0, 1], [0]):
-        rates.update(chain(4), path)
+        rates.update([chain(4)], [path])
     # node 1 accepted 2 of 3, node 2 1 of 3, node 3 0 of 3 (Beta(1, 1) prior); the root always emits the bonus
     np.testing.assert_allclose(rates.expected(4), np.cumsum([1, 3 / 5, 2 / 5, 1 / 5]))
 
@@ -202,7 +203,7 @@ def test_the_width_shrinks_smoothly_as_sequences_are_added():
     rates, rng = AcceptanceRates(8), np.random.default_rng(0)
     for _ in range(400):  # a chain whose node i is accepted with probability 0.75^i
         depth = min(int(rng.geometric(0.25)) - 1, 7)
-        rates.update(chain(8), list(range(depth + 1)))
+        rates.update([chain(8)], [list(range(depth + 1))])
     rows = lambda n, w: float(np.interp(n * w, [1, 8, 64, 128], [0.010, 0.014, 0.060, 0.115]))  # noqa: E731
     curve = BatchLatency([1, 2, 4, 8, 16], [1, 2, 4, 8], [[rows(n, w) for w in (1, 2, 4, 8)] for n in (1, 2, 4, 8, 16)])
     widths = [choose_width(curves(rates, [8] * n), curve, 0.001) for n in (1, 2, 4, 8, 16)]  # a CPU-like call
@@ -212,7 +213,7 @@ def test_the_width_shrinks_smoothly_as_sequences_are_added():
     assert choose_width(curves(rates, [8, 5, 3]), free, 0.0) == 8
     hopeless = AcceptanceRates(8)
     for _ in range(100):
-        hopeless.update(chain(8), [0])
+        hopeless.update([chain(8)], [[0]])
     assert choose_width(curves(hopeless, [8] * 4), curve, 0.0) == 1  # nothing is ever accepted: plain decoding
     # a kept (seeded) tree of 6 makes the call 6 wide anyway: the others may use those rows
     assert choose_width(curves(hopeless, [8, 8, 6]), curve, 0.0, kept=[False, False, True]) == 6
@@ -232,33 +233,66 @@ def test_a_scored_tree_keeps_its_best_nodes_and_is_rated_by_its_calibrated_score
     np.testing.assert_allclose(np.exp(cut.scores), [1.0, 0.6, 0.5])
     assert scored.truncated(1).tokens == [9] and chain(4).truncated(2).tokens == [10, 11]  # unscored: the first nodes
     rates = AcceptanceRates(4)
-    np.testing.assert_allclose(rates.curve(scored), [1.0, 1.6, 2.1, 2.4])  # nothing seen yet: the estimates as given
+    np.testing.assert_allclose(rates.curves([scored])[0], [1.0, 1.6, 2.1, 2.4])  # nothing seen yet: the estimates as given
     pair = DraftTree([9, 1, 2], [-1, 0, 0], scores=np.log([1.0, 0.9, 0.3]).tolist())
     for k in range(100):  # the node estimated at 0.9 accepted one time in ten, the one at 0.3 every other time
-        rates.update(pair, [0, 1] if k % 10 == 0 else [0, 2] if k % 2 else [0])
-    confident = rates.curve(DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.9)]))
-    doubtful = rates.curve(DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.3)]))
+        rates.update([pair], [[0, 1] if k % 10 == 0 else [0, 2] if k % 2 else [0]])
+    confident = rates.curves([DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.9)])])[0]
+    doubtful = rates.curves([DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.3)])])[0]
     assert confident[1] - 1 == pytest.approx((10 + 2 * 0.9) / (100 + 2))  # the estimate counts as two nodes
     assert doubtful[1] - 1 == pytest.approx((50 + 2 * 0.3) / (100 + 2))
-    assert rates.curve(DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.05)]))[1] == pytest.approx(1.05)  # unseen
-    deeper = rates.curve(DraftTree([9, 1, 2], [-1, 0, 1], scores=[0.0, np.log(0.9), np.log(0.9)]))  # depth 2: unseen
+    assert rates.curves([DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.05)])])[0][1] == pytest.approx(1.05)  # unseen
+    deeper = rates.curves([DraftTree([9, 1, 2], [-1, 0, 1], scores=[0.0, np.log(0.9), np.log(0.9)])])[0]  # depth 2: unseen
     np.testing.assert_allclose(deeper, [1.0, 1 + 11.8 / 102, 1 + 11.8 / 102 + 0.9])
     # the same four sequences, a row dearer per sequence than one token in three: their drafts decide the width
     dear = BatchLatency([1, 4], [1, 2], [[0.010, 0.013], [0.010, 0.013]])
     likely = DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.95)])
     unlikely = DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.12)])
     fresh = AcceptanceRates(2)
-    assert choose_width([fresh.curve(likely)] * 4, dear, 0.0) == 2
-    assert choose_width([fresh.curve(unlikely)] * 4, dear, 0.0) == 1
-    assert choose_width([fresh.curve(likely)] * 2 + [fresh.curve(unlikely)] * 2, dear, 0.0) == 2
+    assert choose_width(fresh.curves([likely] * 4), dear, 0.0) == 2
+    assert choose_width(fresh.curves([unlikely] * 4), dear, 0.0) == 1
+    assert choose_width(fresh.curves([likely] * 2 + [unlikely] * 2), dear, 0.0) == 2
 
+
+
+def test_a_steps_trees_count_and_rate_at_once_as_one_by_one():
+    """AcceptanceRates.update and .curves take a step's trees together (scored and unscored, of any size, roots alone
+    among them): the same counts and curves as the trees taken one at a time."""
+    rng = np.random.default_rng(1)
+    drafts, paths = [], []
+    for k in range(60):
+        n = int(rng.integers(1, 7))
+        parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+        scores = None if k % 3 == 0 else np.log(rng.uniform(0.01, 1.0, n)).tolist()
+        drafts.append(DraftTree(list(range(n)), parents, scores=scores))
+        path, node = [0], 0
+        while (kids := [i for i in range(n) if parents[i] == node]) and rng.random() < 0.6:
+            node = int(rng.choice(kids))
+            path.append(node)
+        paths.append(path)
+    together, alone = AcceptanceRates(6), AcceptanceRates(6)
+    for start in range(0, 60, 12):
+        together.update(drafts[start:start + 12], paths[start:start + 12])
+    for draft, path in zip(drafts, paths):
+        alone.update([draft], [path])
+    for name in ("verified", "accepted", "scored_verified", "scored_accepted"):
+        np.testing.assert_array_equal(getattr(together, name), getattr(alone, name))
+    counted = [(d, p) for d, p in zip(drafts, paths) if len(d) > 1]  # a root alone tells nothing
+    np.testing.assert_array_equal(together.verified, [sum(len(d) > i for d, _ in counted) for i in range(6)])
+    np.testing.assert_array_equal(together.accepted, [sum(i in p for _, p in counted) for i in range(6)])
+    scored = [(d, p) for d, p in counted if d.scores is not None]
+    assert together.scored_verified.sum() == sum(len(d) - 1 for d, _ in scored) > 0
+    assert together.scored_accepted.sum() == sum(len(p) - 1 for _, p in scored) > 0
+    for got, draft in zip(together.curves(drafts), drafts):
+        np.testing.assert_allclose(got, together.curves([draft])[0])
+        assert len(got) == len(draft) and got[0] == 1.0 and np.all(np.diff(got) >= 0)
 
 def test_drafting_pays_only_where_its_cost_is_covered():
     """budget.worth_drafting: drafting against plain decoding, with the proposals' time and the host's acceptance of
     sampled rows counted."""
     rates = AcceptanceRates(4)
     for k in range(200):
-        rates.update(chain(4), [0, 1][:1 + k % 2])  # the first draft accepted every other step, no deeper one
+        rates.update([chain(4)], [[0, 1][:1 + k % 2]])  # the first draft accepted every other step, no deeper one
     flat = BatchLatency([1, 8], [1, 4], [[0.01, 0.012], [0.02, 0.024]])
     assert worth_drafting(8, 4, rates, flat, 0.001, 0.002)
     assert not worth_drafting(8, 4, rates, flat, 0.001, 0.1)  # proposals dearer than the tokens they bring
@@ -331,19 +365,38 @@ def test_the_budget_cuts_trees_under_load_and_a_fixed_tree_does_not(engines):
 
 
 def test_a_budget_that_stopped_drafting_proposes_again(engines):
-    """The proposals' time measured in a slow moment (here 10 s) stops drafting; one batched step in PROBE_STEPS
-    proposes anyway, its time replaces the stale average, and drafting pays again."""
+    """A proposing step's cost measured in a slow moment (here 10 s) stops drafting; one batched step in PROBE_STEPS
+    proposes anyway and its cost replaces the stale average."""
     engine = engines["self1-tree"]
     full = engine.method.tokens_per_step(engine.settings)
     scheduler = Scheduler(engine, max_batch=2, background=False)
     scheduler.latency = BatchLatency([1, 2], [1, full], [[0.01, 0.01], [0.02, 0.02]])  # rows are free
-    scheduler.propose_s = 10.0
+    scheduler.step_cost[True] = 10.0
     for p in PROMPTS[:2]:
         scheduler.submit(p, max_new_tokens=PROBE_STEPS + 20, stop_ids=())
     scheduler.run_until_idle()
     both = [w for n, w in scheduler.widths if n == 2]
     assert both[:PROBE_STEPS] == [1] * PROBE_STEPS  # no proposals while they seemed to cost 10 s
-    assert both[PROBE_STEPS] > 1 and scheduler.propose_s < 1.0  # the probe: measured afresh, drafting again
+    assert both[PROBE_STEPS] > 1 and scheduler.step_cost[True] < 1.0  # the probe: measured afresh
+
+
+def test_a_budget_that_drafts_verifies_the_roots_alone_now_and_then(engines, monkeypatch):
+    """While drafting pays, one batched step in PLAIN_PROBE_STEPS verifies the roots alone: a plain step's cost (and
+    the one-row call's) stays measured at the load of the moment. The requests keep their batch-1 tokens."""
+    from specexport.runtime import scheduler as module
+
+    monkeypatch.setattr(module, "worth_drafting", lambda *_, **__: True)
+    monkeypatch.setattr(module, "choose_width", lambda curves, *_, **__: max(len(c) for c in curves))  # whole trees
+    engine = engines["self1-tree"]
+    want = batch_one(engine, PROMPTS[:2], [90, 90])
+    scheduler = Scheduler(engine, max_batch=2, background=False)
+    requests = [scheduler.submit(p, max_new_tokens=90, stop_ids=()) for p in PROMPTS[:2]]
+    scheduler.run_until_idle()
+    assert [r.result().tokens for r in requests] == [w.tokens for w in want]
+    both = [w for n, w in scheduler.widths if n == 2]
+    period = PLAIN_PROBE_STEPS + 1  # the first batched step proposes (no cost known yet), then each kind in turn
+    assert len(both) > period and [k for k, w in enumerate(both) if w == 1] == list(range(period - 1, len(both), period))
+    assert scheduler.step_cost[False] is not None and scheduler.step_cost[True] is not None
 
 
 @pytest.mark.parametrize("params", [{"temperature": 0.5, "top_p": 0.9}, {"temperature": 0.5}])
@@ -384,22 +437,35 @@ def test_requests_that_reach_the_context_limit(engines, name):
     assert [r.result(timeout=0).tokens for r in requests] == [w.tokens for w in want]
 
 
+
+def slow(update, seconds: float):
+    """AcceptanceRates.update, `seconds` slower for a batched step whose trees hold drafts."""
+    def counting(drafts, paths):
+        if len(drafts) > 1 and any(len(d) > 1 for d in drafts):
+            time.sleep(seconds)
+        update(drafts, paths)
+    return counting
+
+
 @pytest.mark.parametrize("name", ["self1-tree", "ngram"])
 def test_steps_skip_proposals_that_do_not_pay(engines, name):
     """With proposals far dearer than the rows they would save (runtime/budget.worth_drafting), batched steps verify
     each root alone and no proposer runs; a sequence left alone drafts again (its proposer picks up the steps it
-    skipped) and every request keeps its batch-1 tokens. Cheap proposals are made."""
+    skipped) and every request keeps its batch-1 tokens. Cheap proposals are made, unless the proposing steps' own
+    host time is dear (here counting its verified trees takes 1 s: after the first step, no more proposals)."""
     engine = engines[name]
     lengths = [10, 12, 40]
     want = batch_one(engine, PROMPTS[:3], lengths)
     full = engine.method.tokens_per_step(engine.settings)
-    for propose_s, drafts in ((1.0, False), (0.0, True)):
+    for propose_s, counting_s, drafts in ((1.0, 0.0, False), (0.0, 0.0, True), (0.0, 1.0, None)):
         scheduler = Scheduler(engine, max_batch=3, background=False)
         scheduler.latency = BatchLatency([1, 3], [1, full], [[0.001, 0.0011], [0.003, 0.0033]])  # rows are cheap
-        scheduler.propose_s = propose_s
+        scheduler.step_cost[True] = propose_s
+        scheduler.rates.update = slow(scheduler.rates.update, counting_s)
         requests = [scheduler.submit(p, max_new_tokens=n, stop_ids=()) for p, n in zip(PROMPTS[:3], lengths)]
         scheduler.run_until_idle()
         assert [r.result().tokens for r in requests] == [w.tokens for w in want]
         batched = [w for n, w in scheduler.widths if n > 1]
-        assert batched and (max(batched) > 1) == drafts
+        drafted = [w for w in batched if w > 1]
+        assert batched and (len(drafted) == 1 if counting_s else bool(drafted) == drafts)  # dear: the first, no more
         assert max(w for n, w in scheduler.widths if n == 1) > 1  # alone, it drafts

@@ -20,9 +20,11 @@ it makes (the scale by every call, a wider width's cost relative to one row by t
 stream the budget weighs the same trade-off the profile tuned the method's tree for; as streams are added each row
 costs more of the step and the trees shrink, smoothly, towards plain decoding (W = 1): no thresholds.
 
-Proposing costs too where a draft graph runs (EAGLE, a draft model): before a step proposes, `worth_drafting` weighs
-the best width with the proposals' measured time (the scheduler's average over its last steps) against plain decoding
-(W = 1) without it; when drafting does not pay, the step verifies every sequence's root alone and no proposer runs.
+Proposing costs host time too (a draft graph's calls for EAGLE or a draft model; a lookup for suffix and n-gram; for
+every method the scoring, the width's choice and the longer paths' bookkeeping): before a step proposes,
+`worth_drafting` weighs the best width with that cost (the scheduler's measured host time of its last proposing steps
+over its last plain ones) against plain decoding (W = 1) without it; when drafting does not pay, the step verifies
+every sequence's root alone and no proposer runs.
 
 A request sampled with a seed keeps its proposer's whole tree: speculative sampling's tokens depend on the tree
 (not their distribution, which is exact either way), and a seeded request must give the same tokens whatever it is
@@ -63,16 +65,23 @@ class AcceptanceRates:
         self.verified, self.accepted = np.zeros(size), np.zeros(size)  # by node index
         self.scored_verified, self.scored_accepted = np.zeros(DEPTHS * SCORE_BINS), np.zeros(DEPTHS * SCORE_BINS)
 
-    def update(self, draft: tree.DraftTree, path: list[int]) -> None:
-        """A verified tree and its accepted path (node indices, the root first); a root alone tells nothing."""
-        if len(draft) < 2:
+    def update(self, drafts: list[tree.DraftTree], paths: list[list[int]]) -> None:
+        """Verified trees and their accepted paths (node indices, the root first), a step's at once; a root alone
+        tells nothing."""
+        seen = [(d, p) for d, p in zip(drafts, paths) if len(d) > 1]
+        if not seen:
             return
-        self.verified[:len(draft)] += 1
-        self.accepted[path] += 1
-        if draft.scores is not None:
-            cells = _cells(draft, np.arange(1, len(draft)))
-            np.add.at(self.scored_verified, cells, 1)
-            np.add.at(self.scored_accepted, cells[np.asarray(path[1:], np.int64) - 1], 1)
+        size = len(self.verified)
+        sizes = np.minimum([len(d) for d, _ in seen], size)
+        self.verified += np.cumsum(np.bincount(sizes, minlength=size + 1)[::-1])[::-1][1:]  # trees longer than i
+        self.accepted += np.bincount(np.concatenate([p for _, p in seen]), minlength=size)[:size]
+        scored = [(d, np.asarray(p[1:], np.int64) - 1) for d, p in seen if d.scores is not None]
+        if scored:
+            cells = _cells([d for d, _ in scored], [np.arange(1, len(d)) for d, _ in scored])
+            starts = np.cumsum([0] + [len(d) - 1 for d, _ in scored[:-1]])
+            hits = cells[np.concatenate([p + start for (_, p), start in zip(scored, starts)])]
+            self.scored_verified += np.bincount(cells, minlength=DEPTHS * SCORE_BINS)
+            self.scored_accepted += np.bincount(hits, minlength=DEPTHS * SCORE_BINS)
 
     def expected(self, nodes: int) -> np.ndarray:
         """Expected tokens of the first 1..nodes nodes of a tree rated by index: 1 (the bonus) + the accepted drafts
@@ -81,22 +90,27 @@ class AcceptanceRates:
         p[0] = 1.0
         return np.cumsum(p)
 
-    def curve(self, draft: tree.DraftTree) -> np.ndarray:
-        """Expected tokens of the tree cut to 1..len(draft) nodes (DraftTree.truncated: its best nodes, by score)."""
-        if draft.scores is None:
-            return self.expected(len(draft))
-        order = np.array(draft.best_first()[1:], np.int64)
-        estimate = np.exp(np.asarray(draft.scores, float)[order])
-        cells = _cells(draft, order)
-        p = (self.scored_accepted[cells] + PRIOR * estimate) / (self.scored_verified[cells] + PRIOR)
-        return np.concatenate(([1.0], 1.0 + np.cumsum(p)))
+    def curves(self, drafts: list[tree.DraftTree]) -> list[np.ndarray]:
+        """Expected tokens of each tree cut to 1..len(draft) nodes (DraftTree.truncated: its best nodes, by score), a
+        step's trees at once."""
+        curves = [self.expected(len(d)) if d.scores is None or len(d) < 2 else None for d in drafts]
+        scored = [d for d, c in zip(drafts, curves) if c is None]
+        if scored:
+            orders = [np.array(d.best_first()[1:], np.int64) for d in scored]
+            estimate = np.exp(np.concatenate([np.asarray(d.scores, float)[o] for d, o in zip(scored, orders)]))
+            cells = _cells(scored, orders)
+            p = (self.scored_accepted[cells] + PRIOR * estimate) / (self.scored_verified[cells] + PRIOR)
+            parts = iter(np.split(p, np.cumsum([len(o) for o in orders])[:-1]))
+            curves = [np.concatenate(([1.0], 1.0 + np.cumsum(next(parts)))) if c is None else c for c in curves]
+        return curves
 
 
-def _cells(draft: tree.DraftTree, nodes: np.ndarray) -> np.ndarray:
-    """The calibration cell of each node: its depth (DEPTHS and deeper together) and the half-octave of its estimate
-    (0 for (0.71, 1], 1 for (0.5, 0.71], ... the last for all below)."""
-    depth = np.minimum(tree.depths(draft.parents)[nodes], DEPTHS) - 1
-    half_octaves = (-np.asarray(draft.scores, float)[nodes] * 2 / np.log(2)).astype(np.int64)
+def _cells(drafts: list[tree.DraftTree], nodes: list[np.ndarray]) -> np.ndarray:
+    """The calibration cell of each tree's `nodes`, concatenated: the node's depth (DEPTHS and deeper together) and
+    the half-octave of its estimate (0 for (0.71, 1], 1 for (0.5, 0.71], ... the last for all below)."""
+    depth = np.minimum(np.concatenate([tree.depths(d.parents)[n] for d, n in zip(drafts, nodes)]), DEPTHS) - 1
+    scores = np.concatenate([np.asarray(d.scores, float)[n] for d, n in zip(drafts, nodes)])
+    half_octaves = (-scores * 2 / np.log(2)).astype(np.int64)
     return depth * SCORE_BINS + np.minimum(half_octaves, SCORE_BINS - 1)
 
 
@@ -193,7 +207,7 @@ def _hats(x: float, xs: np.ndarray) -> np.ndarray:
 def choose_width(curves: list[np.ndarray], latency: BatchLatency, host_s: float, kept: list[bool] | None = None,
                  row_s: float = 0.0, sampled: list[bool] | None = None) -> int:
     """The width W (1..the longest tree) with the most expected tokens per second for trees whose expected tokens
-    cut to 1, 2, ... nodes are `curves` (AcceptanceRates.curve); the trees marked `kept` stay whole (their rows make
+    cut to 1, 2, ... nodes are `curves` (AcceptanceRates.curves); the trees marked `kept` stay whole (their rows make
     the call at least as wide as the longest of them). `host_s`: the step's host time; `row_s`: the host's time per
     row of a `sampled` tree it accepts (the target's distribution over the vocabulary, row by row)."""
     kept = np.array(kept or [False] * len(curves))

@@ -16,8 +16,9 @@ scheduler runs one loop (its own thread, or `run_until_idle` called by the owner
    its rows with its own sampling settings and random stream (runtime/verify.accept: a seeded request gives the
    same tokens whatever else is in the batch), commits its path in its slot, and emits. A sequence running alone
    takes the engine's own step (Engine.step: its whole tree, the acceptance fused into the graph), as batch 1 does.
-   With a tree budget (runtime/budget.py) the step first asks whether drafting pays at all (the proposals' measured
-   time against the rows they would save); where it does not, every sequence verifies its root alone.
+   With a tree budget (runtime/budget.py) the step first asks whether drafting pays at all (what a proposing step
+   costs outside the target's call against a plain one, both measured, weighed with the rows drafting would save);
+   where it does not, every sequence verifies its root alone.
 
 The KV cache is a pool of slots (runtime/kvcache.KVPool) with the running sequences in a prefix, bound in place:
 the batched call takes a view of the first n slots, no copy. A finished sequence's slot is refilled by moving the
@@ -55,8 +56,9 @@ from specexport.runtime.verify import Acceptance, accept, accept_greedy
 
 _DONE = object()
 BATCH_ACCEPT = ("batch_accept_mask", "batch_accept_len", "batch_bonus")  # the graph's batched greedy acceptance
-STEP_BLEND = 0.1  # the last step's weight in the running averages (the proposals' time, the host's per sampled row)
+STEP_BLEND = 0.1  # the last step's weight in the running averages (the steps' costs, the host's per sampled row)
 PROBE_STEPS = 64  # while drafting does not pay, one batched step in this many proposes anyway (see _drafting_pays)
+PLAIN_PROBE_STEPS = 16  # while drafting pays, one batched step in this many verifies the roots alone (likewise)
 WIDTHS_KEPT = 10_000  # target calls whose (sequences, width) the scheduler keeps (a server runs for weeks)
 
 
@@ -197,8 +199,14 @@ class Scheduler:
             widths = grid(self.step_rows)  # at 128 rows of context, or what the model's positions leave
             self.latency = profiled_latency(engine) or BatchLatency.measure(
                 engine.target, self.pool, grid(max_batch), widths, min(128, engine.max_context - max(widths)))
-        self.propose_s = None  # the proposals' time per batched step (an average over the last ones; None: not yet)
+        # a batched step's time outside the target's calls, by whether it proposed (True) or not (False): the host's
+        # work (the proposals, their scoring, the width's choice, the bookkeeping of the accepted paths) and the
+        # draft graphs' calls, less the acceptance of sampled rows (priced per row, `row_s`); an average over the
+        # last steps of the kind, None before the first
+        self.step_cost: dict[bool, float | None] = {True: None, False: None}
         self.unproposed = 0  # batched steps since the last that proposed
+        self.proposed = 0  # batched steps that proposed since the last that did not
+        self._batched = None  # the current step's batched call: (proposed, a probe, its draft graphs' seconds)
         self.row_s = None  # the host's time to accept one sampled row (an average over the last steps; None: not yet)
         self.sampled_s = 0.0  # the host's time accepting sampled rows so far (part of overhead_s)
         self.draft_pool = None  # the draft graph's caches, slot for slot with `pool` (made for the first proposer)
@@ -303,7 +311,8 @@ class Scheduler:
     def step(self) -> bool:
         """One scheduler step (the module docstring); returns whether any request is left."""
         graphs = [self.engine.target] + self.engine.side_graphs()
-        start, inside = time.perf_counter(), sum(g.seconds for g in graphs)
+        start, inside, sampled = time.perf_counter(), sum(g.seconds for g in graphs), self.sampled_s
+        self._batched = None
         self._drop_cancelled()
         self._admit()
         if self.prefilling is not None:
@@ -311,7 +320,12 @@ class Scheduler:
         if self.running:
             self._decode()
         graphs = [self.engine.target] + self.engine.side_graphs()
-        self.overhead_s += time.perf_counter() - start - (sum(g.seconds for g in graphs) - inside)
+        host = time.perf_counter() - start - (sum(g.seconds for g in graphs) - inside)
+        self.overhead_s += host
+        if self._batched is not None:
+            proposed, probe, drafts_s = self._batched
+            cost, known = host - (self.sampled_s - sampled) + drafts_s, self.step_cost[proposed]
+            self.step_cost[proposed] = cost if probe or known is None else _blend(known, cost)
         return self.active > 0
 
     def _drop_cancelled(self) -> None:
@@ -378,8 +392,11 @@ class Scheduler:
         seqs, trees, leaving, started = [], [], [], time.perf_counter()
         live = [seq for seq in self.running if not seq.request.cancelled]  # a cancelled one's row is padding
         proposing = self._drafting_pays(live)
+        probe = self._probe_due if proposing else self.proposed >= PLAIN_PROBE_STEPS
+        drafts_s = sum(g.seconds for g in self.engine.side_graphs())  # draft graphs' calls (EAGLE's, a draft model's)
         proposals = self._propose(live) if proposing else [tree.DraftTree([s.history[-1]], [-1]) for s in live]
-        self.unproposed = 0 if proposing else self.unproposed + 1
+        self._batched = (proposing, probe, sum(g.seconds for g in self.engine.side_graphs()) - drafts_s)
+        self.unproposed, self.proposed = (0, self.proposed + 1) if proposing else (self.unproposed + 1, 0)
         for seq, draft in zip(live, proposals):
             if isinstance(draft, Exception):  # one request's failure ends that request only
                 leaving.append((seq, _message(draft)))
@@ -391,17 +408,19 @@ class Scheduler:
             if self.rates is not None and proposing:  # the budget cuts the trees to one width
                 # seeded sampling keeps its tree: its tokens must not depend on the batch
                 kept, sampled = [_seeded(s) for s in seqs], [not s.sampler.params.greedy for s in seqs]
-                width = choose_width([self.rates.curve(t) for t in trees], self.latency, self._host_s(), kept,
+                width = choose_width(self.rates.curves(trees), self.latency, self.step_cost[True] or 0.0, kept,
                                      row_s=self.row_s or 0.0, sampled=sampled)
                 trees = [t if keep else t.truncated(width) for t, keep in zip(trees, kept)]
             out, placed, rows = self._verify(seqs, trees)
             verified = time.perf_counter()
-            for seq, draft, acceptance in zip(seqs, trees, self._accept_all(seqs, trees, out, placed, rows)):
+            accepted = self._accept_all(seqs, trees, out, placed, rows)
+            if self.rates is not None:
+                fine = [(t, a.path) for t, a in zip(trees, accepted) if not isinstance(a, Exception)]
+                self.rates.update([t for t, _ in fine], [path for _, path in fine])
+            for seq, draft, acceptance in zip(seqs, trees, accepted):
                 try:
                     if isinstance(acceptance, Exception):
                         raise acceptance
-                    if self.rates is not None:
-                        self.rates.update(draft, acceptance.path)
                     self.pool.slot(seq.slot).commit(acceptance.path)
                     if proposing:
                         seq.proposer.accepted(acceptance.path)
@@ -418,33 +437,33 @@ class Scheduler:
             self._retire(seq, error)
 
     def _drafting_pays(self, seqs: list[_Sequence]) -> bool:
-        """Whether this step proposes (runtime/budget.worth_drafting): always without a budget, before the proposals'
-        time is known, while a request sampled with a seed runs (its tree stays whole), and once in PROBE_STEPS
-        steps while it does not pay, to measure the proposals' time afresh (a slow moment on a shared machine, or a
-        load that has passed, must not stop drafting for good)."""
-        if self.rates is None or self.propose_s is None or not seqs or self._probe_due:
+        """Whether this step proposes (runtime/budget.worth_drafting, with the measured cost of each kind of step
+        outside the target's call, `step_cost`): always without a budget, before a proposing step's cost is known,
+        and while a request sampled with a seed runs (its tree stays whole). Each kind is tried now and then, so that
+        both stay measured at the load of the moment: while drafting does not pay, one batched step in PROBE_STEPS
+        proposes anyway (a slow moment on a shared machine, or a load that has passed, must not stop drafting for
+        good); while it pays, one in PLAIN_PROBE_STEPS verifies the roots alone (what plain decoding's call and step
+        cost, which the choice is made against: otherwise only the latency table, measured at another context and
+        on another machine, would say). A probe's cost replaces its kind's average."""
+        if self.rates is None or not seqs or self.step_cost[True] is None or self._probe_due:
             return True
         if any(_seeded(s) for s in seqs):
             return True
+        if self.proposed >= PLAIN_PROBE_STEPS:
+            return False
+        plain = self.step_cost[False] or 0.0  # before a plain step: all of a proposing step's cost counts
         sampled = sum(not s.sampler.params.greedy for s in seqs)
-        return worth_drafting(len(seqs), self.step_rows, self.rates, self.latency, self._host_s(), self.propose_s,
-                              row_s=self.row_s or 0.0, sampled=sampled)
+        return worth_drafting(len(seqs), self.step_rows, self.rates, self.latency, plain,
+                              max(self.step_cost[True] - plain, 0.0), row_s=self.row_s or 0.0, sampled=sampled)
 
     @property
     def _probe_due(self) -> bool:
-        """Drafting was skipped for PROBE_STEPS batched steps: the next proposes, and its time replaces the average
+        """Drafting was skipped for PROBE_STEPS batched steps: the next proposes, and its cost replaces the average
         (which is as old as the last proposal)."""
         return self.unproposed >= PROBE_STEPS
 
-    def _host_s(self) -> float:
-        """The scheduler's time per step outside the graph calls, less the host's acceptance of sampled rows (which
-        grows with the rows: `row_s` each)."""
-        return (self.overhead_s - self.sampled_s) / self.steps if self.steps else 0.0
-
     def _propose(self, seqs: list[_Sequence]) -> list:
-        """Each sequence's tree (or the exception its proposer raised); draft graphs' calls made together. Their time
-        is averaged into `propose_s`."""
-        start = time.perf_counter()
+        """Each sequence's tree (or the exception its proposer raised); draft graphs' calls made together."""
         if self.draft_pool is not None and len(seqs) > 1:
             trees = drafting.together([s.proposer.drafting(s.history) for s in seqs], [s.slot for s in seqs],
                                       seqs[0].proposer.session, self.draft_pool, len(self.running), self.draft_limit)
@@ -455,8 +474,6 @@ class Scheduler:
                     trees.append(seq.proposer.propose(seq.history))
                 except Exception as e:  # noqa: BLE001
                     trees.append(e)
-        seconds = time.perf_counter() - start
-        self.propose_s = seconds if self._probe_due else _blend(self.propose_s, seconds)
         return trees
 
     def _single_step(self, seq: _Sequence) -> None:
@@ -470,7 +487,7 @@ class Scheduler:
         width = len(record.tree)
         self._count_call(1, width)
         if self.rates is not None:
-            self.rates.update(record.tree, record.acceptance.path)
+            self.rates.update([record.tree], [record.acceptance.path])
             self.latency.observe(1, width, target.seconds - before)
         seq.stats.record(record)
         if self._emit(seq, record.acceptance.tokens):
