@@ -20,11 +20,11 @@ it makes (the scale by every call, a wider width's cost relative to one row by t
 stream the budget weighs the same trade-off the profile tuned the method's tree for; as streams are added each row
 costs more of the step and the trees shrink, smoothly, towards plain decoding (W = 1): no thresholds.
 
-Proposing costs host time too (a draft graph's calls for EAGLE or a draft model; a lookup for suffix and n-gram; for
-every method the scoring, the width's choice and the longer paths' bookkeeping): before a step proposes,
-`worth_drafting` weighs the best width with that cost (the scheduler's measured host time of its last proposing steps
-over its last plain ones) against plain decoding (W = 1) without it; when drafting does not pay, the step verifies
-every sequence's root alone and no proposer runs.
+Proposing costs time outside the target's call too (a draft graph's calls for EAGLE or a draft model; a lookup for
+suffix and n-gram; for every method the scoring, the width's choice and the longer paths' bookkeeping): before a
+step proposes, `worth_drafting` weighs the best width with that cost (what the scheduler measured its last proposing
+steps to cost over its last plain ones) against plain decoding (W = 1) without it; when drafting does not pay, the
+step verifies every sequence's root alone and no proposer runs.
 
 A request sampled with a seed keeps its proposer's whole tree: speculative sampling's tokens depend on the tree
 (not their distribution, which is exact either way), and a seeded request must give the same tokens whatever it is
