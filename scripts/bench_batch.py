@@ -192,8 +192,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=1,
-                    help="closed loops per configuration and C, in rotating order (more than 1: plain runs twice a "
-                         "round, an A/A pair whose ratio shows the noise)")
+                    help="closed loops per configuration and C, each round after the first in a shuffled order "
+                         "(more than 1: plain runs twice a round, an A/A pair whose ratio shows the noise)")
     ap.add_argument("--temperature", type=float, default=0.0, help="sample every request (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -324,6 +324,7 @@ def paired(runs: list[dict], levels: list[int], name: str, against: tuple[str, .
         parts.append(f"C={c} {np.median(ratios):.2f}x" + (f" ({min(ratios):.2f}-{max(ratios):.2f})"
                                                            if len(ratios) > 1 else ""))
     return ", ".join(parts)
+
 
 if __name__ == "__main__":
     main()
