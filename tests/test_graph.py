@@ -267,3 +267,55 @@ def test_weights_are_loaded_strictly():
     misshapen = {**state, "model.norm.weight": torch.ones(65)}
     with pytest.raises(UserError, match=r"weight 'model.norm.weight' has shape \(65,\), expected \(64,\)"):
         arch.extract_weights(spec, dims, misshapen)
+
+
+# ---- ragged rows: a batched step computes its real rows only --------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])  # qwen3: its q/k head norms run in the padded layout
+def test_ragged_rows_equal_the_padded_call(kind, tmp_path):
+    """A batched step of trees of different sizes, padded to the widest: told which rows are real (`live`), the
+    ort tree graph computes only those, and their logits, hidden states, layer inputs and cache rows are the padded
+    call's, bit for bit at fp32; a batch row with no real row (a cancelled sequence) writes nothing anyone reads."""
+    m = model(kind)
+    s = session(m, tmp_path, aux_layers=(1,))
+    assert s.ragged and {"live_rows", "padded_rows"} <= {i["name"] for i in s.info["inputs"]}
+    rng = np.random.default_rng(3)
+    n, width, lengths = 4, 5, [7, 12, 3, 9]
+    caches = []
+    for _ in range(2):  # one pool for the padded call, one for the ragged one, both after the same prefills
+        pool = s.new_pool(n, 32)
+        for b, length in enumerate(lengths):
+            ids = np.random.default_rng(b).integers(0, m.config.vocab_size, (1, length))
+            s.forward(pool.slot(b), ids, np.arange(length)[None], tree.causal_mask(length), np.array([length - 1]))
+            pool.slot(b).commit(list(range(length)))
+        caches.append(pool)
+    live = np.array([5, 1, 3, 0])
+    trees = {0: [-1, 0, 0, 1, 2], 1: [-1], 2: [-1, 0, 1]}
+    ids = rng.integers(0, m.config.vocab_size, (n, width))
+    positions = np.array(lengths)[:, None] + np.zeros(width, np.int64)
+    mask = np.broadcast_to(np.eye(width, dtype=np.bool_), (n, width, width)).copy()
+    rows = []
+    for b, parents in trees.items():
+        positions[b, :len(parents)] += tree.depths(parents)
+        mask[b, :len(parents), :len(parents)] = tree.ancestor_mask(parents)
+        rows += [b * width + r for r in range(len(parents))]
+    want = ("logits", "hidden_states", "layer_input.1")
+    padded = s.forward(caches[0].rows(n), ids, positions, mask, np.array(rows), want)
+    ragged = s.forward(caches[1].rows(n), ids, positions, mask, np.array(rows), want, live=live)
+    np.testing.assert_array_equal(ragged["logits"], padded["logits"])
+    for name in want[1:]:
+        for b, parents in trees.items():
+            np.testing.assert_array_equal(ragged[name][b, :len(parents)], padded[name][b, :len(parents)])
+    for ours, theirs in zip(caches[1].buffers, caches[0].buffers):
+        for b, parents in trees.items():  # the past and the step's real rows
+            np.testing.assert_array_equal(ours[b, :, :lengths[b] + len(parents)], theirs[b, :, :lengths[b] + len(parents)])
+        np.testing.assert_array_equal(ours[3, :, :lengths[3]], theirs[3, :, :lengths[3]])  # no real row: its past kept
+    with pytest.raises(ValueError, match="do not fit"):
+        s.forward(caches[1].rows(n), ids, positions, mask, np.array(rows), want, live=np.array([6, 1, 3, 0]))
+
+
+def test_a_chain_only_graph_takes_no_ragged_rows(tmp_path):
+    """Plain decoding's chain-only graph has no padding to skip (every row is real): no ragged inputs."""
+    s = session(model("llama"), tmp_path, chain_only=True)
+    assert not s.ragged and "live_rows" not in {i["name"] for i in s.info["inputs"]}

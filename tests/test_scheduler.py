@@ -13,7 +13,7 @@ from specexport import chisquare
 from specexport.errors import UserError
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
-from specexport.runtime.budget import AcceptanceRates, BatchLatency, choose_width, worth_drafting
+from specexport.runtime.budget import AcceptanceRates, BatchLatency, share, worth_drafting
 from specexport.runtime.generate import Engine
 from specexport.runtime.kvcache import KVPool
 from specexport.runtime.sampling import SamplingParams
@@ -199,29 +199,55 @@ def test_acceptance_rates_count_per_node_index():
     np.testing.assert_allclose(rates.expected(4), np.cumsum([1, 3 / 5, 2 / 5, 1 / 5]))
 
 
-def test_the_width_shrinks_smoothly_as_sequences_are_added():
+def test_the_trees_shrink_smoothly_as_sequences_are_added():
     rates, rng = AcceptanceRates(8), np.random.default_rng(0)
     for _ in range(400):  # a chain whose node i is accepted with probability 0.75^i
         depth = min(int(rng.geometric(0.25)) - 1, 7)
         rates.update([chain(8)], [list(range(depth + 1))])
     rows = lambda n, w: float(np.interp(n * w, [1, 8, 64, 128], [0.010, 0.014, 0.060, 0.115]))  # noqa: E731
     curve = BatchLatency([1, 2, 4, 8, 16], [1, 2, 4, 8], [[rows(n, w) for w in (1, 2, 4, 8)] for n in (1, 2, 4, 8, 16)])
-    widths = [choose_width(curves(rates, [8] * n), curve, 0.001) for n in (1, 2, 4, 8, 16)]  # a CPU-like call
-    assert widths[0] >= 6 and widths[-1] <= 3, widths
-    assert all(a >= b for a, b in zip(widths, widths[1:])), widths  # never wider with more sequences
+    for ragged in (True, False):  # a CPU-like call, its real rows computed or every tree padded to the widest
+        nodes = [share(curves(rates, [8] * n), curve, 0.001, ragged=ragged) for n in (1, 2, 4, 8, 16)]
+        widths = [k.max() for k in nodes]
+        assert widths[0] >= 6 and widths[-1] <= 3, nodes
+        assert all(a >= b for a, b in zip(widths, widths[1:])), nodes  # never wider with more sequences
+        assert all(k.max() - k.min() <= 1 for k in nodes), nodes  # alike trees: alike cuts
+        if not ragged:
+            assert all(len(set(k)) == 1 for k in nodes), nodes  # one width: every tree cut to it
     free = BatchLatency([1, 16], [1, 16], [[0.01, 0.01], [0.01, 0.01]])  # rows cost nothing: every tree whole
-    assert choose_width(curves(rates, [8, 5, 3]), free, 0.0) == 8
+    assert share(curves(rates, [8, 5, 3]), free, 0.0).tolist() == [8, 5, 3]
     hopeless = AcceptanceRates(8)
     for _ in range(100):
         hopeless.update([chain(8)], [[0]])
-    assert choose_width(curves(hopeless, [8] * 4), curve, 0.0) == 1  # nothing is ever accepted: plain decoding
-    # a kept (seeded) tree of 6 makes the call 6 wide anyway: the others may use those rows
-    assert choose_width(curves(hopeless, [8, 8, 6]), curve, 0.0, kept=[False, False, True]) == 6
-    # sampled trees cost the host per row it accepts: the dearer, the narrower, only the sampled ones counted
-    sampled = [choose_width(curves(rates, [8] * 4), free, 0.0, row_s=cost, sampled=[True] * 4)
+    assert share(curves(hopeless, [8] * 4), curve, 0.0).tolist() == [1] * 4  # nothing is ever accepted: plain decoding
+    # a kept (seeded) tree of 6 stays whole; padded, its width is paid anyway: the others may use those rows
+    assert share(curves(hopeless, [8, 8, 6]), curve, 0.0, kept=[False, False, True]).tolist() == [1, 1, 6]
+    assert share(curves(hopeless, [8, 8, 6]), curve, 0.0, kept=[False, False, True], ragged=False).tolist() == [6, 6, 6]
+    # sampled trees cost the host per row it accepts: the dearer, the fewer rows, only the sampled ones counted
+    sampled = [share(curves(rates, [8] * 4), free, 0.0, row_s=cost, sampled=[True] * 4).sum()
                for cost in (0.0, 1e-3, 1e-2)]
-    assert sampled[0] == 8 and sampled[0] > sampled[1] > sampled[2] == 1, sampled
-    assert choose_width(curves(rates, [8] * 4), free, 0.0, row_s=1e-2, sampled=[False] * 4) == 8
+    assert sampled[0] == 32 and sampled[0] > sampled[1] > sampled[2] == 4, sampled
+    assert share(curves(rates, [8] * 4), free, 0.0, row_s=1e-2, sampled=[False] * 4).sum() == 32
+    mixed = share(curves(rates, [8] * 4), free, 0.0, row_s=1e-2, sampled=[True, False] * 2)
+    assert mixed.tolist() == [1, 8, 1, 8]  # the rows go where they cost no host time
+
+
+def test_the_rows_go_to_the_likeliest_nodes_of_the_batch():
+    """With ragged rows (the call costs its real rows) the budget shares the step's rows unevenly: nodes of confident
+    drafts anywhere in the batch first; padded, every tree pays the widest's width, so it cuts them all to one."""
+    fresh = AcceptanceRates(4)
+    likely = DraftTree([9, 1, 2, 3], [-1, 0, 1, 2], scores=np.log([1.0, 0.95, 0.9, 0.85]).tolist())
+    unlikely = DraftTree([9, 1, 2, 3], [-1, 0, 1, 0], scores=np.log([1.0, 0.12, 0.05, 0.04]).tolist())
+    # 8 sequences, a row costs the call about a third of one sequence's token: only likely nodes pay
+    rows = BatchLatency([1, 8], [1, 2, 4], [[0.010, 0.013, 0.019], [0.010, 0.013, 0.019]])
+    trees = [likely, unlikely] * 4
+    ragged = share(fresh.curves(trees), rows, 0.0)
+    assert ragged.tolist() == [4, 1] * 4, ragged
+    padded = share(fresh.curves(trees), rows, 0.0, ragged=False)
+    assert len(set(padded.tolist())) == 1, padded  # one width: the unlikely trees pay the likely ones' rows
+    tokens = lambda nodes: sum(c[k - 1] for c, k in zip(fresh.curves(trees), nodes))  # noqa: E731
+    rate = lambda nodes, width: tokens(nodes) / rows(8, width)  # noqa: E731
+    assert rate(ragged, ragged.mean()) > rate(padded, padded.max())  # ragged rows buy more tokens per second
 
 
 def test_a_scored_tree_keeps_its_best_nodes_and_is_rated_by_its_calibrated_scores():
@@ -249,9 +275,10 @@ def test_a_scored_tree_keeps_its_best_nodes_and_is_rated_by_its_calibrated_score
     likely = DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.95)])
     unlikely = DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.12)])
     fresh = AcceptanceRates(2)
-    assert choose_width(fresh.curves([likely] * 4), dear, 0.0) == 2
-    assert choose_width(fresh.curves([unlikely] * 4), dear, 0.0) == 1
-    assert choose_width(fresh.curves([likely] * 2 + [unlikely] * 2), dear, 0.0) == 2
+    assert share(fresh.curves([likely] * 4), dear, 0.0).tolist() == [2] * 4
+    assert share(fresh.curves([unlikely] * 4), dear, 0.0).tolist() == [1] * 4
+    assert share(fresh.curves([likely] * 2 + [unlikely] * 2), dear, 0.0).tolist() == [2, 2, 1, 1]
+    assert share(fresh.curves([likely] * 2 + [unlikely] * 2), dear, 0.0, ragged=False).tolist() == [2] * 4
 
 
 
@@ -288,16 +315,14 @@ def test_a_steps_trees_count_and_rate_at_once_as_one_by_one():
         assert len(got) == len(draft) and got[0] == 1.0 and np.all(np.diff(got) >= 0)
 
 def test_drafting_pays_only_where_its_cost_is_covered():
-    """budget.worth_drafting: drafting against plain decoding, with the proposals' time and the host's acceptance of
-    sampled rows counted."""
-    rates = AcceptanceRates(4)
-    for k in range(200):
-        rates.update([chain(4)], [[0, 1][:1 + k % 2]])  # the first draft accepted every other step, no deeper one
+    """budget.worth_drafting: what the last proposing steps chose (tokens and rows per sequence) against plain
+    decoding, with the proposals' time and the host's acceptance of sampled rows counted."""
     flat = BatchLatency([1, 8], [1, 4], [[0.01, 0.012], [0.02, 0.024]])
-    assert worth_drafting(8, 4, rates, flat, 0.001, 0.002)
-    assert not worth_drafting(8, 4, rates, flat, 0.001, 0.1)  # proposals dearer than the tokens they bring
-    assert worth_drafting(8, 4, rates, flat, 0.001, 0.002, row_s=1e-4, sampled=8)
-    assert not worth_drafting(8, 4, rates, flat, 0.001, 0.002, row_s=5e-3, sampled=8)  # sampled rows are dear
+    assert worth_drafting(8, 1.5, 2.0, flat, 0.001, 0.002)
+    assert not worth_drafting(8, 1.5, 2.0, flat, 0.001, 0.1)  # proposals dearer than the tokens they bring
+    assert not worth_drafting(8, 1.0, 1.0, flat, 0.001, 0.0)  # the last steps kept no draft: nothing to gain
+    assert worth_drafting(8, 1.5, 2.0, flat, 0.001, 0.002, row_s=1e-4, sampled=8)
+    assert not worth_drafting(8, 1.5, 2.0, flat, 0.001, 0.002, row_s=5e-3, sampled=8)  # sampled rows are dear
 
 
 def test_the_latency_table_interpolates_and_follows_the_calls_it_sees():
@@ -386,7 +411,7 @@ def test_a_budget_that_drafts_verifies_the_roots_alone_now_and_then(engines, mon
     from specexport.runtime import scheduler as module
 
     monkeypatch.setattr(module, "worth_drafting", lambda *_, **__: True)
-    monkeypatch.setattr(module, "choose_width", lambda curves, *_, **__: max(len(c) for c in curves))  # whole trees
+    monkeypatch.setattr(module, "share", lambda curves, *_, **__: np.array([len(c) for c in curves]))  # whole trees
     engine = engines["self1-tree"]
     want = batch_one(engine, PROMPTS[:2], [90, 90])
     scheduler = Scheduler(engine, max_batch=2, background=False)
@@ -407,10 +432,10 @@ def test_batched_sampling_follows_plain_sampling(engines, params, monkeypatch):
     calls a slow moment on a shared machine would stop drafting (the budget's decisions follow the table alone)."""
     from specexport.runtime import scheduler as module
 
-    monkeypatch.setattr(module, "choose_width", lambda curves, latency, host_s, kept, **_:
-                        choose_width(curves, latency, 0.0, kept))
-    monkeypatch.setattr(module, "worth_drafting", lambda sequences, size, rates, latency, host_s, draft_s, **_:
-                        worth_drafting(sequences, size, rates, latency, 0.0, 0.0))
+    monkeypatch.setattr(module, "share", lambda curves, latency, host_s, kept, **kw:
+                        share(curves, latency, 0.0, kept, ragged=kw["ragged"]))
+    monkeypatch.setattr(module, "worth_drafting", lambda sequences, tokens, width, latency, host_s, draft_s, **_:
+                        worth_drafting(sequences, tokens, width, latency, 0.0, 0.0))
     engine = engines["self1-tree"]
     scheduler = Scheduler(engine, max_batch=8, background=False)
     full = engine.method.tokens_per_step(engine.settings)

@@ -19,6 +19,12 @@ builds its additive attention bias from them inside the graph (`DecoderGraphBuil
   the fused acceptance is greedy only (sampling is accepted by the runtime: exporter/fused.py says why). fp32 is
   allowed for validation on ONNX Runtime's CPU provider.
 
+Ragged rows (the ort flavour's tree graphs): a batched step pads every sequence's tree to the widest, but the graph
+computes the per-row work (norms, projections, MLP: nearly all of it) for the real rows only. `live_rows [R, 2]`
+names them (batch row, position) and `padded_rows [B, T]` maps each position of the padded layout to one of them;
+attention runs in the padded layout, where a padding row repeats some real row, sees only itself (its tree mask)
+and writes cache rows past its sequence's length, which nothing reads. A dense step passes every row.
+
 Rotary: the ort flavour's GroupQueryAttention rotates Q and K itself at the step's `position_ids` (the tree's
 depths after the past) and takes the packed QKV projection, so a layer has no Split or RotaryEmbedding nodes
 (given `query_seqlens`, GQA honours every position id, a branching tree with no past included: validated);
@@ -185,6 +191,7 @@ class DecoderGraphBuilder:
         self.rope = rope
         self.ort, self.trt = options.flavour == "ort", options.flavour == "trt"
         self.capacity = rope[0].shape[0]  # the trt flavour's static S_max: positions never pass the cache's rows
+        self.ragged = False  # build(): the step graph's real rows only (module docstring); other graphs' blocks pad
 
     # -- building blocks -------------------------------------------------------------------
     def linear(self, x: str, name: str, w: np.ndarray, bias: np.ndarray | None = None) -> str:
@@ -283,21 +290,29 @@ class DecoderGraphBuilder:
                         for i in self.opt.aux_layers]
         cos, sin, bias, attn_args = self.step_attention()
         seq_len = attn_args["seq"]
+        self.ragged = self.ort and not self.opt.chain_only  # ragged rows: per-row ops on the R real rows only
+        if self.ragged:
+            inputs[5:5] = [helper.make_tensor_value_info("live_rows", TensorProto.INT64, ["live", 2]),
+                           helper.make_tensor_value_info("padded_rows", TensorProto.INT64, ["batch", "seq"])]
+        padded = (lambda x: g.op("Gather", [x, "padded_rows"], axis=0)) if self.ragged else (lambda x: x)  # noqa: E731
 
         embed = g.const("embed", w["embed"], compute=True)
         x = g.op("Gather", [embed, "input_ids"])
+        if self.ragged:  # [live, hidden] from here on, but for attention
+            x = g.op("GatherND", [x, "live_rows"])
         residual = None
         for i in range(d.layers):
             p = f"layers.{i}."
             h, residual = self.norm(x, residual, w[p + "attn_norm"], p + "attn_norm")
             if i in self.opt.aux_layers:
-                g.op("Identity", [residual], outputs=[f"layer_input.{i}"])
+                g.op("Identity", [padded(residual)], outputs=[f"layer_input.{i}"])
             attn = self.attention(i, h, cos, sin, bias, attn_args)
             x = self.linear(attn, p + "o", w[p + "o"])
             h, residual = self.norm(x, residual, w[p + "mlp_norm"], p + "mlp_norm")
             x = self.mlp(h, p, w[p + "gate"], w[p + "up"], w[p + "down"])
             on_layer(i)
         final, _ = self.norm(x, residual, w["norm"], "norm")
+        final = padded(final)
         g.op("Identity", [final], outputs=["hidden_states"])
         flat = g.op("Reshape", [final, g.const("flat_hidden", np.array([-1, d.hidden], np.int64))])
         logits = self.lm_head(g.op("Gather", [flat, "logits_indices"], axis=0))
@@ -405,6 +420,8 @@ class DecoderGraphBuilder:
         qkv_w = np.concatenate([w[p + "q"], w[p + "k"], w[p + "v"]])
         qkv_b = np.concatenate([w[p + "q_bias"], w[p + "k_bias"], w[p + "v_bias"]]) if self.spec.qkv_bias else None
         qkv = self.linear(h, p + "qkv", qkv_w, qkv_b)
+        if self.ragged:  # attention in the step's padded layout [B, T, qkv] (a padding row repeats a real row)
+            qkv = g.op("Gather", [qkv, "padded_rows"], axis=0)
         past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
         present_k, present_v = f"present.{i}.key", f"present.{i}.value"
         if self.ort and not self.spec.qk_norm:  # GQA takes the packed projection: no Split
@@ -420,7 +437,7 @@ class DecoderGraphBuilder:
             inputs += [""] * 5 + [lengths["query_seqlens"]]
             out, _, _ = g.op("GroupQueryAttention", inputs, outputs=[f"attn_{i}", present_k, present_v], domain="com.microsoft",
                              num_heads=d.heads, kv_num_heads=d.kv_heads, do_rotary=1, causal=1)
-            return out
+            return g.op("GatherND", [out, "live_rows"]) if self.ragged else out
         heads = []
         for t, n in ((q, d.heads), (k, d.kv_heads), (v, d.kv_heads)):
             split = g.op("Reshape", [t, g.const(f"{t}.shape", np.array([0, 0, n, d.head_dim], np.int64))])

@@ -1,14 +1,17 @@
 """One tree budget for a batch: how many rows each sequence's tree gets in a batched step.
 
-The batched target call pads every sequence's tree to the widest (runtime/scheduler.py), so it computes n x W rows
-for n sequences at width W, whatever the trees hold: sharing rows unevenly would not make the call cheaper. The
-budget is therefore one width W for the step, each tree cut to W nodes (DraftTree.truncated: its best-scored ones, or
-its first ones where unscored: either way still a tree), W chosen to maximise the expected tokens per second of the
-step:
+The batched target call pads every sequence's tree to the widest (runtime/scheduler.py), but a graph that takes
+ragged rows (exporter/graph.py: the ort flavour's tree graphs) computes the real rows only: n sequences whose trees
+keep k_1 .. k_n nodes cost about what n chains of (k_1 + .. + k_n) / n rows cost. The budget (`share`) therefore
+gives the step's rows to the nodes with the most value across the batch: each tree cut to its best k_i nodes
+(DraftTree.truncated: its best-scored ones, or its first ones where unscored: either way still a tree), the k_i
+chosen to maximise the expected tokens per second of the step:
 
-    sum over sequences of E[tokens | W]  /  (latency(n sequences, width W) + the step's host time)
+    sum over sequences of E[tokens | k_i]  /  (latency(n sequences, (k_1 + .. + k_n) / n rows each) + host time)
 
-E[tokens | W] = 1 + sum of p_i over the W - 1 draft nodes a tree keeps, p_i the probability that node i is accepted
+(a graph without ragged rows pays the widest tree's width for every sequence: there the trees share one width).
+
+E[tokens | k] = 1 + sum of p_i over the k - 1 draft nodes a tree keeps, p_i the probability that node i is accepted
 (`AcceptanceRates`, calibrated on the running method's own trees over the steps this engine verified so far). Where
 the proposer scores its nodes (EAGLE's cumulative draft probability, suffix lookup's product of continuation
 frequencies) each node is rated by its own score, calibrated by depth and half-octave: the budget sees which
@@ -18,13 +21,15 @@ from `BatchLatency`: the target's call time by sequences and width, measured by 
 profile (a bundle built with that profile carries it), or measured when the scheduler starts; refined by every call
 it makes (the scale by every call, a wider width's cost relative to one row by the calls at it). With one
 stream the budget weighs the same trade-off the profile tuned the method's tree for; as streams are added each row
-costs more of the step and the trees shrink, smoothly, towards plain decoding (W = 1): no thresholds.
+costs more of the step and the trees shrink, smoothly, towards plain decoding (one row each): no thresholds; in
+between, the sequences whose drafts are likely keep nodes and the others verify their root alone.
 
 Proposing costs time outside the target's call too (a draft graph's calls for EAGLE or a draft model; a lookup for
 suffix and n-gram; for every method the scoring, the width's choice and the longer paths' bookkeeping): before a
-step proposes, `worth_drafting` weighs the best width with that cost (what the scheduler measured its last proposing
-steps to cost over its last plain ones) against plain decoding (W = 1) without it; when drafting does not pay, the
-step verifies every sequence's root alone and no proposer runs.
+step proposes, `worth_drafting` weighs what the last proposing steps chose (their expected tokens and rows per
+sequence) with that cost (what the scheduler measured its last proposing steps to cost over its last plain ones)
+against plain decoding without it; when drafting does not pay, the step verifies every sequence's root alone and no
+proposer runs.
 
 A request sampled with a seed keeps its proposer's whole tree: speculative sampling's tokens depend on the tree
 (not their distribution, which is exact either way), and a seeded request must give the same tokens whatever it is
@@ -217,34 +222,50 @@ def _weights(x: float, xs: tuple[float, ...]) -> np.ndarray:
     return weights
 
 
-def choose_width(curves: list[np.ndarray], latency: BatchLatency, host_s: float, kept: list[bool] | None = None,
-                 row_s: float = 0.0, sampled: list[bool] | None = None) -> int:
-    """The width W (1..the longest tree) with the most expected tokens per second for trees whose expected tokens
-    cut to 1, 2, ... nodes are `curves` (AcceptanceRates.curves); the trees marked `kept` stay whole (their rows make
-    the call at least as wide as the longest of them). `host_s`: the step's host time; `row_s`: the host's time per
-    row of a `sampled` tree it accepts (the target's distribution over the vocabulary, row by row)."""
-    kept = np.array(kept or [False] * len(curves))
-    sampled = np.array(sampled or [False] * len(curves))
+def share(curves: list[np.ndarray], latency: BatchLatency, host_s: float, kept: list[bool] | None = None,
+          row_s: float = 0.0, sampled: list[bool] | None = None, ragged: bool = True) -> np.ndarray:
+    """How many nodes each tree keeps (1..its size) for the most expected tokens per second, the trees' expected tokens
+    cut to 1, 2, ... nodes being `curves` (AcceptanceRates.curves); the trees marked `kept` stay whole. The draft nodes
+    of all trees are ranked together and the step takes the first k of the ranking, for the best k. Where the graph
+    takes ragged rows, the call costs its real rows (n sequences at R / n rows each) and the nodes rank by the tokens
+    each adds per second its row costs, made non-increasing along its tree (so the first k keep a prefix of every
+    tree: the nodes its cut keeps): the rows go to the likeliest nodes of the whole batch. Else every tree is padded to the widest, so rows
+    are taken a width at a time (every tree's second node, then every third, ...). Besides the call, the step costs
+    `host_s` (its host time) and `row_s` for each row of a `sampled` tree (the host accepts those from the target's
+    distribution, row by row)."""
+    n = len(curves)
+    kept = np.array(kept or [False] * n)
+    sampled = np.array(sampled or [False] * n)
     sizes = np.array([len(c) for c in curves])
-    floor = int(sizes[kept].max()) if kept.any() else 1
-    widths = np.arange(1, int(sizes.max()) + 1)
-    nodes = np.where(kept, sizes, np.minimum(widths[:, None], sizes))  # [widths, sequences]: each tree's nodes
-    table = np.empty((len(curves), len(widths)))  # [sequences, widths]: a tree's tokens stop growing at its size
-    for row, c in zip(table, curves):
-        row[:len(c)], row[len(c):] = c, c[-1]
-    tokens = table[np.arange(len(curves)), nodes - 1].sum(axis=1)
-    rate = tokens / (latency(len(curves), np.maximum(widths, floor)) + host_s + row_s * nodes[:, sampled].sum(axis=1))
-    return int(widths[np.argmax(rate)])  # the first best: the narrowest of equals
+    cut = ~kept & (sizes > 1)
+    gains = [np.diff(curves[i]) for i in np.flatnonzero(cut)]
+    owner = np.repeat(np.flatnonzero(cut), sizes[cut] - 1)  # each candidate node's tree
+    counts = np.where(kept, sizes, 1)
+    if not gains:
+        return counts
+    # a row's cost: the call's (a row more for one of n sequences) and, for a sampled tree's, the host's acceptance
+    row = max((latency(n, 2) - latency(n, 1)) / n, 1e-9) + row_s * sampled[np.flatnonzero(cut)]
+    ranked = np.concatenate([np.minimum.accumulate(g) / r for g, r in zip(gains, row)])
+    place = np.concatenate([np.arange(2, len(g) + 2) for g in gains])  # each node's place in its tree's cut
+    order = np.argsort(-ranked, kind="stable") if ragged else np.lexsort((-ranked, place))
+    tokens = sum(float(curves[i][k - 1]) for i, k in enumerate(counts)) + np.cumsum(
+        np.concatenate(([0.0], np.concatenate(gains)[order])))
+    rows = counts.sum() + np.arange(len(order) + 1)
+    sampled_rows = counts[sampled].sum() + np.cumsum(np.concatenate(([0], sampled[owner[order]])))
+    if ragged:
+        width = rows / n
+    else:  # the widest tree so far
+        width = np.maximum.accumulate(np.concatenate(([counts.max()], place[order])))
+    rate = tokens / (latency(n, width) + host_s + row_s * sampled_rows)
+    best = int(np.argmax(rate))  # the first best: the fewest rows of equals
+    return counts + np.bincount(owner[order[:best]], minlength=n)
 
 
-def worth_drafting(sequences: int, size: int, rates: AcceptanceRates, latency: BatchLatency, host_s: float,
-                   draft_s: float, row_s: float = 0.0, sampled: int = 0) -> bool:
-    """Whether a step of `sequences` sequences should propose trees (of `size` nodes at most): the most expected tokens
-    per second over widths 2..size, `draft_s` (the proposals' time) and the host's acceptance of the `sampled` ones'
-    rows (`row_s` each) included, beat plain decoding's (width 1)."""
-    if size < 2:
-        return False
-    widths = np.arange(2, size + 1)
-    tokens = sequences * rates.expected(size)[widths - 1]
-    drafting = tokens / (latency(sequences, widths) + host_s + draft_s + row_s * sampled * widths)
-    return bool(drafting.max() > sequences / (latency(sequences, 1) + host_s + row_s * sampled))
+def worth_drafting(sequences: int, tokens: float, width: float, latency: BatchLatency, host_s: float, draft_s: float,
+                   row_s: float = 0.0, sampled: int = 0) -> bool:
+    """Whether a step of `sequences` sequences should propose trees, expecting what the last proposing steps chose
+    (`share`): `tokens` per sequence from a call `width` rows wide (its rows per sequence where the graph takes ragged
+    rows), at the cost of `draft_s` (the proposals' time) and the host's acceptance of the `sampled` ones' rows
+    (`row_s` each), against plain decoding's one row per sequence."""
+    drafting = sequences * tokens / (latency(sequences, width) + host_s + draft_s + row_s * sampled * width)
+    return bool(drafting > sequences / (latency(sequences, 1) + host_s + row_s * sampled))

@@ -117,9 +117,10 @@ def _batched(session, pool, n: int, calls: dict[int, tuple[int, DraftCall]], beh
     mask = np.zeros((n, width, behind + width), np.bool_)
     mask[:, np.arange(width), behind + np.arange(width)] = True  # a padded row sees only itself
     inputs: dict[str, np.ndarray] = {}
-    rows, first = [], {}
+    rows, first, live = [], {}, np.zeros(n, np.int64)
     for key, (b, call) in calls.items():
         t, k = len(call.ids), call.mask.shape[1]
+        live[b] = t
         ids[b, :t] = call.ids
         positions[b, :t] = call.positions
         mask[b, :t] = False
@@ -131,7 +132,8 @@ def _batched(session, pool, n: int, calls: dict[int, tuple[int, DraftCall]], beh
         first[key] = len(rows)
         rows.extend(b * width + r for r in call.rows)
     want = tuple(sorted({w for _, c in calls.values() for w in c.want}))
-    out = session.forward(pool.rows(n), ids, positions, mask, np.asarray(rows, np.int64), want=want, inputs=inputs)
+    out = session.forward(pool.rows(n), ids, positions, mask, np.asarray(rows, np.int64), want=want, inputs=inputs,
+                          live=live)
     return {key: {name: out[name][b:b + 1, :len(call.ids)] if name in session.batch_outputs
                   else out[name][first[key]:first[key] + len(call.rows)] for name in call.want}
             for key, (b, call) in calls.items()}

@@ -12,13 +12,15 @@ scheduler runs one loop (its own thread, or `run_until_idle` called by the owner
    prefilled together finish together and come back as a burst, whose prefill stalls every stream.)
 4. One target call verifies every running sequence's tree: each sequence proposes its tree with its own proposer,
    the trees are padded to the widest (a padded row sees only itself and writes cache rows past its sequence's
-   length, which nothing reads), each row with its sequence's past length and positions. Each sequence accepts
+   length, which nothing reads; a graph with ragged rows computes the real rows only, exporter/graph.py), each row
+   with its sequence's past length and positions. Each sequence accepts
    its rows with its own sampling settings and random stream (runtime/verify.accept: a seeded request gives the
    same tokens whatever else is in the batch), commits its path in its slot, and emits. A sequence running alone
    takes the engine's own step (Engine.step: its whole tree, the acceptance fused into the graph), as batch 1 does.
    With a tree budget (runtime/budget.py) the step first asks whether drafting pays at all (what a proposing step
-   costs outside the target's call against a plain one, both measured, weighed with the rows drafting would save);
-   where it does not, every sequence verifies its root alone.
+   costs outside the target's call against a plain one, both measured, weighed with what the last proposing steps
+   chose); where it does not, every sequence verifies its root alone; where it does, the budget shares the step's
+   rows among the trees.
 
 The KV cache is a pool of slots (runtime/kvcache.KVPool) with the running sequences in a prefix, bound in place:
 the batched call takes a view of the first n slots, no copy. A finished sequence's slot is refilled by moving the
@@ -48,7 +50,7 @@ import numpy as np
 
 from specexport.errors import UserError
 from specexport.runtime import drafting, tree
-from specexport.runtime.budget import AcceptanceRates, BatchLatency, choose_width, grid, worth_drafting
+from specexport.runtime.budget import AcceptanceRates, BatchLatency, grid, share, worth_drafting
 from specexport.runtime.drafting import DraftingProposer
 from specexport.runtime.generate import PREFILL_CHUNK, Engine, Generation, Output, Stats, StepRecord
 from specexport.runtime.sampling import Sampler, SamplingParams
@@ -204,6 +206,10 @@ class Scheduler:
         # draft graphs' calls, less the acceptance of sampled rows (priced per row, `row_s`); an average over the
         # last steps of the kind, None before the first
         self.step_cost: dict[bool, float | None] = {True: None, False: None}
+        # what the budget chose at its last proposing steps: (expected tokens per sequence, the call's width), whole
+        # trees before the first; a step proposes where that, at its cost, beats plain decoding
+        self.choice = None if self.rates is None else (float(self.rates.expected(self.step_rows)[-1]),
+                                                       float(self.step_rows))
         self.unproposed = 0  # batched steps since the last that proposed
         self.proposed = 0  # batched steps that proposed since the last that did not
         self._batched = None  # the current step's batched call: (proposed, a probe, its draft graphs' seconds)
@@ -220,7 +226,7 @@ class Scheduler:
         self._ids = 0
         self._closed = False
         self.steps = 0  # batched target calls so far
-        self.rows = 0  # rows they computed (padding included)
+        self.rows = 0  # rows they computed (padding included, where the graph computes it)
         self.overhead_s = 0.0  # the steps' time outside every graph call (the scheduler's own work)
         self._thread = None
         if background:
@@ -405,12 +411,14 @@ class Scheduler:
             trees.append(draft.truncated(min(room, self.step_rows)))
             seqs.append(seq)
         if seqs:
-            if self.rates is not None and proposing:  # the budget cuts the trees to one width
+            if self.rates is not None and proposing:  # the budget shares the step's rows among the trees
                 # seeded sampling keeps its tree: its tokens must not depend on the batch
                 kept, sampled = [_seeded(s) for s in seqs], [not s.sampler.params.greedy for s in seqs]
-                width = choose_width(self.rates.curves(trees), self.latency, self.step_cost[True] or 0.0, kept,
-                                     row_s=self.row_s or 0.0, sampled=sampled)
-                trees = [t if keep else t.truncated(width) for t, keep in zip(trees, kept)]
+                curves = self.rates.curves(trees)
+                nodes = share(curves, self.latency, self.step_cost[True] or 0.0, kept, row_s=self.row_s or 0.0,
+                              sampled=sampled, ragged=self.engine.target.ragged)
+                trees = [t.truncated(int(k)) for t, k in zip(trees, nodes)]
+                self._chose(curves, nodes, probe)
             out, placed, rows = self._verify(seqs, trees)
             verified = time.perf_counter()
             accepted = self._accept_all(seqs, trees, out, placed, rows)
@@ -453,8 +461,18 @@ class Scheduler:
             return False
         plain = self.step_cost[False] or 0.0  # before a plain step: all of a proposing step's cost counts
         sampled = sum(not s.sampler.params.greedy for s in seqs)
-        return worth_drafting(len(seqs), self.step_rows, self.rates, self.latency, plain,
-                              max(self.step_cost[True] - plain, 0.0), row_s=self.row_s or 0.0, sampled=sampled)
+        return worth_drafting(len(seqs), *self.choice, self.latency, plain, max(self.step_cost[True] - plain, 0.0),
+                              row_s=self.row_s or 0.0, sampled=sampled)
+
+    def _chose(self, curves: list, nodes: np.ndarray, probe: bool) -> None:
+        """Keep what the budget chose (`choice`: expected tokens per sequence, and the call's width: its rows per
+        sequence where the graph takes ragged rows), averaged over the last proposing steps (a probe's replaces)."""
+        tokens = float(np.mean([c[k - 1] for c, k in zip(curves, nodes)]))
+        width = float(nodes.mean() if self.engine.target.ragged else nodes.max())
+        if probe:
+            self.choice = (tokens, width)
+        else:
+            self.choice = (_blend(self.choice[0], tokens), _blend(self.choice[1], width))
 
     @property
     def _probe_due(self) -> bool:
@@ -485,7 +503,7 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
             return self._retire(seq, _message(e))
         width = len(record.tree)
-        self._count_call(1, width)
+        self._count_call(1, width, width)
         if self.rates is not None:
             self.rates.update([record.tree], [record.acceptance.path])
             self.latency.observe(1, width, target.seconds - before)
@@ -503,9 +521,10 @@ class Scheduler:
         ids = np.zeros((n, width), np.int64)
         positions = np.repeat(self.pool.lengths[:n, None], width, axis=1)
         mask = np.broadcast_to(np.eye(width, dtype=np.bool_), (n, width, width)).copy()
-        rows, first = [], {}
+        rows, first, live = [], {}, np.zeros(n, np.int64)  # live: each batch row's real rows (a cancelled one's: 0)
         for seq, draft in zip(seqs, trees):
             b, t = seq.slot, len(draft)
+            live[b] = t
             ids[b, :t] = draft.tokens
             positions[b, :t] += tree.depths(draft.parents)
             mask[b, :t, :t] = tree.ancestor_mask(draft.parents)
@@ -518,10 +537,11 @@ class Scheduler:
         logits = ("logits",) if not in_graph or not all(greedy) else ()
         want = logits + in_graph + tuple(sorted({w for ws in wants.values() for w in ws}))
         before = target.seconds
-        out = target.forward(self.pool.rows(n), ids, positions, mask, np.array(rows, np.int64), want=want)
-        self._count_call(n, width)
-        if self.latency is not None:
-            self.latency.observe(n, width, target.seconds - before)
+        out = target.forward(self.pool.rows(n), ids, positions, mask, np.array(rows, np.int64), want=want, live=live)
+        computed = len(rows) if target.ragged else n * width
+        self._count_call(n, width, computed)
+        if self.latency is not None:  # the table's width: the rows the call computed, per sequence
+            self.latency.observe(n, computed / n, target.seconds - before)
 
         def placed(seq: _Sequence, t: int, out: dict, names: tuple[str, ...] | None = None) -> dict:
             b, start = first[seq.request.id]
@@ -557,8 +577,8 @@ class Scheduler:
             self.row_s = _blend(self.row_s, seconds / sampled_rows)
         return accepted
 
-    def _count_call(self, sequences: int, width: int) -> None:
-        self.steps, self.rows = self.steps + 1, self.rows + sequences * width
+    def _count_call(self, sequences: int, width: int, rows: int) -> None:
+        self.steps, self.rows = self.steps + 1, self.rows + rows
         self.widths.append((sequences, width))
         if self.on_step is not None:
             self.on_step(sequences, width)

@@ -56,7 +56,7 @@ class Backend(Protocol):
     (a graph with a static cache length returns one of that length).
 
     `forward(cache, input_ids, position_ids, tree_mask, logits_indices, want=("logits",), inputs=None,
-    accept=None) -> {name: numpy array}`: one step over T new tokens, their K/V written at rows
+    accept=None, live=None) -> {name: numpy array}`: one step over T new tokens, their K/V written at rows
     [cache.length, cache.length + T); it does not move cache.length (the caller advances or commits).
       - input_ids, position_ids: [B, T] integers.
       - tree_mask: [T, K] or [B, T, K] bool, K >= T: the visibility among the last K rows of cache + step. Row i
@@ -65,6 +65,8 @@ class Backend(Protocol):
         before the step are tree nodes written by earlier calls (a draft growing its tree level by level). The
         backend turns it into what its graph takes (the graphs build their attention bias from it themselves).
       - logits_indices: [n] flat rows (b * T + t) whose logits (and per-row outputs) are wanted.
+      - live: [B] how many rows at the start of each batch row are real (a batched step's trees padded to the
+        widest); a graph with ragged rows (exporter/graph.py) computes those only. None: every row.
       - want: the outputs to bring back to the host, nothing else crosses.
       - inputs: the graph's other inputs by name (an EAGLE draft's `hidden`); accept: the fused acceptance's inputs
         (`verify.fused_inputs`), greedy when None.
@@ -82,8 +84,8 @@ class Backend(Protocol):
 
     def forward(self, cache: Cache, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
                 logits_indices: np.ndarray, want: tuple[str, ...] = ("logits",),
-                inputs: dict[str, np.ndarray] | None = None, accept: dict[str, np.ndarray] | None = None
-                ) -> dict[str, np.ndarray]: ...
+                inputs: dict[str, np.ndarray] | None = None, accept: dict[str, np.ndarray] | None = None,
+                live: np.ndarray | None = None) -> dict[str, np.ndarray]: ...
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
@@ -136,6 +138,7 @@ class GraphSession:
         names = {i.name for i in self.session.get_inputs()}
         self.fused_inputs = "sample_u" in names  # exporter/fused.py
         self.wide_bias = "attention_bias" in names  # bundles exported before the compact tree mask
+        self.ragged = "live_rows" in names  # computes a batched step's real rows only (exporter/graph.py)
         self.calls, self.seconds = 0, 0.0  # forward calls so far and their time (for `specexport profile`)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
@@ -154,8 +157,8 @@ class GraphSession:
 
     def forward(self, cache: KVCache, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
                 logits_indices: np.ndarray, want: tuple[str, ...] = ("logits",),
-                inputs: dict[str, np.ndarray] | None = None, accept: dict[str, np.ndarray] | None = None
-                ) -> dict[str, np.ndarray]:
+                inputs: dict[str, np.ndarray] | None = None, accept: dict[str, np.ndarray] | None = None,
+                live: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """One step (the `Backend` protocol)."""
         b, t = input_ids.shape
         past = cache.past_lengths(b)
@@ -173,6 +176,9 @@ class GraphSession:
             stage("tree_mask", np.broadcast_to(mask, (b,) + mask.shape[1:]), np.bool_)
         stage("past_len", past, np.int32)
         stage("logits_indices", logits_indices, np.int64)
+        if self.ragged:
+            for name, value in ragged_inputs(b, t, live).items():
+                stage(name, value, np.int64)
         for name, value in (inputs or {}).items():
             stage(name, value, self.dtype)
         if self.fused_inputs:
@@ -231,6 +237,22 @@ def load_session(graph_path: Path, threads: int | None, device: str, spin: bool)
         raise
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
         raise UserError(f"cannot load graph {graph_path.name}: {str(e).splitlines()[0]}") from None
+
+
+def ragged_inputs(b: int, t: int, live: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """A ragged-rows graph's `live_rows` [R, 2] (each real row's batch row and position) and `padded_rows` [B, T]
+    (the real row each position of the padded layout takes: its own, or for padding the first real row) for a step
+    of B x T rows whose batch row b holds live[b] real rows first (None: all T)."""
+    if live is None:
+        cells = np.indices((b, t)).reshape(2, -1).T
+        return {"live_rows": cells, "padded_rows": np.arange(b * t).reshape(b, t)}
+    live = np.asarray(live, np.int64)
+    if live.shape != (b,) or live.min(initial=0) < 0 or live.max(initial=0) > t or not live.sum():
+        raise ValueError(f"live rows {live.tolist()} do not fit a step of {b} x {t} rows")
+    real = np.arange(t) < live[:, None]  # [B, T]
+    padded = np.zeros((b, t), np.int64)
+    padded[real] = np.arange(int(live.sum()))
+    return {"live_rows": np.argwhere(real), "padded_rows": padded}
 
 
 def check_step(cache, t: int, tree_mask: np.ndarray, past: np.ndarray | None = None) -> None:

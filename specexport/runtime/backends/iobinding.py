@@ -20,7 +20,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specexport.errors import UserError
-from specexport.runtime.backends.host import check_step, load_session, session_options
+from specexport.runtime.backends.host import check_step, load_session, ragged_inputs, session_options
 from specexport.runtime.kvcache import CacheRows
 from specexport.runtime.verify import greedy_inputs
 
@@ -65,6 +65,7 @@ class DeviceSession:
             raise UserError(f"{graph_path.name} takes the wide attention bias of bundles exported before the compact "
                             f"tree mask: re-export the bundle to run it on a device")
         self.fused_inputs = "sample_u" in names  # exporter/fused.py
+        self.ragged = "live_rows" in names  # exporter/graph.py
         self.calls, self.seconds = 0, 0.0
         self.staged: dict[tuple, ort.OrtValue] = {}  # (input name, shape) -> its device buffer
         self.results: dict[str, ort.OrtValue] = {}  # output name -> its device buffer, grown to the largest step
@@ -76,8 +77,8 @@ class DeviceSession:
 
     def forward(self, cache: DeviceCache, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
                 logits_indices: np.ndarray, want: tuple[str, ...] = ("logits",),
-                inputs: dict[str, np.ndarray] | None = None, accept: dict[str, np.ndarray] | None = None
-                ) -> dict[str, np.ndarray]:
+                inputs: dict[str, np.ndarray] | None = None, accept: dict[str, np.ndarray] | None = None,
+                live: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """One step (the `Backend` protocol)."""
         b, t = input_ids.shape
         check_step(cache, t, tree_mask)
@@ -88,6 +89,9 @@ class DeviceSession:
         self._stage(io, "tree_mask", np.broadcast_to(mask, (b,) + mask.shape[1:]), np.bool_)
         self._stage(io, "past_len", np.full(b, cache.length), np.int32)
         self._stage(io, "logits_indices", logits_indices, np.int64)
+        if self.ragged:
+            for name, value in ragged_inputs(b, t, live).items():
+                self._stage(io, name, value, np.int64)
         for name, value in (inputs or {}).items():
             self._stage(io, name, value, self.dtype)
         if self.fused_inputs:

@@ -313,9 +313,10 @@ class TensorRTSession:
 
     def forward(self, cache: DeviceCache, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
                 logits_indices: np.ndarray, want: tuple[str, ...] = ("logits",),
-                inputs: dict[str, np.ndarray] | None = None, accept: dict[str, np.ndarray] | None = None
-                ) -> dict[str, np.ndarray]:
-        """One step (the Backend protocol): feeds in, `execute_async_v3` (or its CUDA graph), `want` out."""
+                inputs: dict[str, np.ndarray] | None = None, accept: dict[str, np.ndarray] | None = None,
+                live: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """One step (the Backend protocol): feeds in, `execute_async_v3` (or its CUDA graph), `want` out (batch 1: a
+        step's rows are all real, `live` changes nothing)."""
         b, t = input_ids.shape
         if b != 1:
             raise ValueError(f"the TensorRT engines run batch 1, not {b}")
