@@ -8,6 +8,7 @@ C side turns it into the status and the thread's last error, and never prints a 
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import queue
@@ -111,8 +112,23 @@ def _settings(text: str | None) -> dict:
 
 
 def collect() -> None:
-    """After an engine is dropped: free its sessions (and their threads) now rather than at some later collection."""
+    """After an engine is dropped: free its sessions (and their threads) now rather than at some later collection,
+    and hand the freed heap back to the system where the C library is glibc's (`malloc_trim`: else the KV caches' and
+    ONNX Runtime's freed blocks stay in the process; a service opening and closing the tiny EAGLE-3 bundle grew
+    ~0.5 MB a cycle without it, ~20 KB with it)."""
     gc.collect()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _malloc_trim():
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
 
 
 def generate(engine: Embedded, prompt: str | None, prompt_ids: list[int] | None, raw: bool, max_new_tokens: int,

@@ -20,8 +20,8 @@ builds its additive attention bias from them inside the graph (`DecoderGraphBuil
   allowed for validation on ONNX Runtime's CPU provider.
 
 Ragged rows (the ort flavour's tree graphs): a batched step pads every sequence's tree to the widest, but the graph
-computes the per-row work (norms, projections, MLP: nearly all of it) for the real rows only. `live_rows [R, 2]`
-names them (batch row, position) and `padded_rows [B, T]` maps each position of the padded layout to one of them;
+computes the per-row work (norms, projections, MLP: nearly all of it) for the real rows only. `live_rows [R]`
+names them (b * T + t) and `padded_rows [B, T]` maps each position of the padded layout to one of them;
 attention runs in the padded layout, where a padding row repeats some real row, sees only itself (its tree mask)
 and writes cache rows past its sequence's length, which nothing reads. A dense step passes every row.
 
@@ -292,14 +292,16 @@ class DecoderGraphBuilder:
         seq_len = attn_args["seq"]
         self.ragged = self.ort and not self.opt.chain_only  # ragged rows: per-row ops on the R real rows only
         if self.ragged:
-            inputs[5:5] = [helper.make_tensor_value_info("live_rows", TensorProto.INT64, ["live", 2]),
+            inputs[5:5] = [helper.make_tensor_value_info("live_rows", TensorProto.INT64, ["live"]),
                            helper.make_tensor_value_info("padded_rows", TensorProto.INT64, ["batch", "seq"])]
         padded = (lambda x: g.op("Gather", [x, "padded_rows"], axis=0)) if self.ragged else (lambda x: x)  # noqa: E731
+        self._rows = lambda x, width: g.op("Gather", [  # noqa: E731  [B, T, width] -> the real rows [R, width]
+            g.op("Reshape", [x, g.const(f"ragged.{width}", np.array([-1, width], np.int64))]), "live_rows"], axis=0)
 
         embed = g.const("embed", w["embed"], compute=True)
         x = g.op("Gather", [embed, "input_ids"])
         if self.ragged:  # [live, hidden] from here on, but for attention
-            x = g.op("GatherND", [x, "live_rows"])
+            x = self._rows(x, d.hidden)
         residual = None
         for i in range(d.layers):
             p = f"layers.{i}."
@@ -437,7 +439,7 @@ class DecoderGraphBuilder:
             inputs += [""] * 5 + [lengths["query_seqlens"]]
             out, _, _ = g.op("GroupQueryAttention", inputs, outputs=[f"attn_{i}", present_k, present_v], domain="com.microsoft",
                              num_heads=d.heads, kv_num_heads=d.kv_heads, do_rotary=1, causal=1)
-            return g.op("GatherND", [out, "live_rows"]) if self.ragged else out
+            return self._rows(out, d.q_size) if self.ragged else out
         heads = []
         for t, n in ((q, d.heads), (k, d.kv_heads), (v, d.kv_heads)):
             split = g.op("Reshape", [t, g.const(f"{t}.shape", np.array([0, 0, n, d.head_dim], np.int64))])

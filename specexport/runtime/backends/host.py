@@ -240,19 +240,19 @@ def load_session(graph_path: Path, threads: int | None, device: str, spin: bool)
 
 
 def ragged_inputs(b: int, t: int, live: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """A ragged-rows graph's `live_rows` [R, 2] (each real row's batch row and position) and `padded_rows` [B, T]
-    (the real row each position of the padded layout takes: its own, or for padding the first real row) for a step
-    of B x T rows whose batch row b holds live[b] real rows first (None: all T)."""
+    """A ragged-rows graph's `live_rows` [R] (each real row as b * T + t) and `padded_rows` [B, T] (the real row each
+    position of the padded layout takes: its own, or for padding the first real row) for a step of B x T rows whose
+    batch row b holds live[b] real rows first (None: all T)."""
     if live is None:
-        cells = np.indices((b, t)).reshape(2, -1).T
-        return {"live_rows": cells, "padded_rows": np.arange(b * t).reshape(b, t)}
+        every = np.arange(b * t)
+        return {"live_rows": every, "padded_rows": every.reshape(b, t)}
     live = np.asarray(live, np.int64)
     if live.shape != (b,) or live.min(initial=0) < 0 or live.max(initial=0) > t or not live.sum():
         raise ValueError(f"live rows {live.tolist()} do not fit a step of {b} x {t} rows")
-    real = np.arange(t) < live[:, None]  # [B, T]
-    padded = np.zeros((b, t), np.int64)
+    real = (np.arange(t) < live[:, None]).reshape(-1)  # [B * T]
+    padded = np.zeros(b * t, np.int64)
     padded[real] = np.arange(int(live.sum()))
-    return {"live_rows": np.argwhere(real), "padded_rows": padded}
+    return {"live_rows": np.flatnonzero(real), "padded_rows": padded.reshape(b, t)}
 
 
 def check_step(cache, t: int, tree_mask: np.ndarray, past: np.ndarray | None = None) -> None:
