@@ -325,6 +325,18 @@ def test_drafting_pays_only_where_its_cost_is_covered():
     assert not worth_drafting(8, 1.5, 2.0, flat, 0.001, 0.002, row_s=5e-3, sampled=8)  # sampled rows are dear
 
 
+def test_calls_between_one_row_and_the_next_width_teach_the_wider_point():
+    """Ragged calls take fractional widths (22 rows for 16 sequences: 1.375 a sequence): what they cost beyond the
+    table goes to the wider grid point until the interpolation meets it, while one-row calls keep the one-row point."""
+    table = BatchLatency([1, 4], [1, 2, 4], [[0.01, 0.012, 0.02], [0.02, 0.024, 0.04]])
+    for _ in range(200):
+        table.observe(4, 1, 0.02)  # one row a sequence: as measured
+        table.observe(4, 1.5, 0.03)  # the table says 0.022
+    assert table(4, 1) == pytest.approx(0.02, rel=0.02)
+    assert table(4, 1.5) == pytest.approx(0.03, rel=0.03)
+    assert table(4, 2) > 0.03  # the wider point learned it (the only way the interpolation can reach 0.03)
+
+
 def test_the_latency_table_interpolates_and_follows_the_calls_it_sees():
     table = BatchLatency([1, 4], [1, 8], [[0.01, 0.02], [0.02, 0.06]])
     assert table(1, 1) == pytest.approx(0.01) and table(4, 8) == pytest.approx(0.06)
@@ -429,7 +441,8 @@ def test_batched_sampling_follows_plain_sampling(engines, params, monkeypatch):
     """1500 unseeded sampled requests through the batched engine, their trees cut by a budget that finds rows dear:
     the same distribution as plain sampling (two-sample chi-square at a 1e-4 tail). The host's acceptance of sampled
     rows is left out of the budget, and so are the measured host and proposal times: against this table's 1-2 ms
-    calls a slow moment on a shared machine would stop drafting (the budget's decisions follow the table alone)."""
+    calls a slow moment on a shared machine would stop drafting (the budget's decisions follow the table alone, which
+    does not learn from the calls here)."""
     from specexport.runtime import scheduler as module
 
     monkeypatch.setattr(module, "share", lambda curves, latency, host_s, kept, **kw:
@@ -439,8 +452,10 @@ def test_batched_sampling_follows_plain_sampling(engines, params, monkeypatch):
     engine = engines["self1-tree"]
     scheduler = Scheduler(engine, max_batch=8, background=False)
     full = engine.method.tokens_per_step(engine.settings)
-    # three rows per sequence cost no more than one, more are dear: trees cut to about three nodes
+    # three rows per sequence cost no more than one, more are dear: trees cut to about three nodes; the table stays
+    # as given (the calls it would learn from take ~0.1 ms here, a wider one relatively dearer: drafting would stop)
     scheduler.latency = BatchLatency([1, 8], [1, 3, full], [[0.001, 0.001, 0.002], [0.002, 0.002, 0.05]])
+    monkeypatch.setattr(scheduler.latency, "observe", lambda *_: None)
     spec, lengths = chisquare.sampled_counts(engine, "the cat", False, 2000, 0, 3, scheduler, **params)
     plain = chisquare.sampled_counts(engine, "the cat", True, 2000, 100_000, 3, **params)[0]
     stat, dof = chisquare.two_sample(spec, plain)

@@ -179,7 +179,9 @@ class BatchLatency:
         the budget decides by, which the measurement can miss (on the 2-core CPU a second row for each of 16
         sequences measured 1.35x one row at 128 tokens of context, 1.75x in a serving run's calls). Calls of one
         size alone scale every size alike. A point's own correction fades while no call comes near it (FORGET): a
-        width once measured dear is tried again later rather than never."""
+        width once measured dear is tried again later rather than never. A call between one row and the next width
+        (ragged rows: 1.3 rows a sequence) corrects that wider point alone, until the interpolation meets it: the
+        one-row point is what one-row calls measure, not what the wider calls would have it be."""
         predicted = self(sequences, width)
         scale = 1 + BLEND * (seconds / predicted - 1)
         self.seconds *= scale
@@ -189,9 +191,11 @@ class BatchLatency:
         if width <= self.widths[0]:
             self.base += CELL_BLEND * near * (miss - self.base)
             self.based += CELL_BLEND * near * (1 - self.based)
-        elif near @ self.based > 0.5:
+        elif near @ self.based > 0.5:  # the wider points around it (one-row calls alone correct the first)
             relative = miss - (near @ self.base)
-            self.local += CELL_BLEND * relative * np.outer(near, _hats(width, self.widths))
+            wider = _hats(width, self.widths).copy()
+            wider[0] = 0.0
+            self.local += CELL_BLEND * relative * np.outer(near, wider / wider.sum())
 
     def as_ms(self) -> list[list[float]]:
         return [[round(1000 * s, 3) for s in row] for row in self.seconds]
@@ -224,15 +228,15 @@ def _weights(x: float, xs: tuple[float, ...]) -> np.ndarray:
 
 def share(curves: list[np.ndarray], latency: BatchLatency, host_s: float, kept: list[bool] | None = None,
           row_s: float = 0.0, sampled: list[bool] | None = None, ragged: bool = True) -> np.ndarray:
-    """How many nodes each tree keeps (1..its size) for the most expected tokens per second, the trees' expected tokens
-    cut to 1, 2, ... nodes being `curves` (AcceptanceRates.curves); the trees marked `kept` stay whole. The draft nodes
-    of all trees are ranked together and the step takes the first k of the ranking, for the best k. Where the graph
-    takes ragged rows, the call costs its real rows (n sequences at R / n rows each) and the nodes rank by the tokens
-    each adds per second its row costs, made non-increasing along its tree (so the first k keep a prefix of every
-    tree: the nodes its cut keeps): the rows go to the likeliest nodes of the whole batch. Else every tree is padded to the widest, so rows
-    are taken a width at a time (every tree's second node, then every third, ...). Besides the call, the step costs
-    `host_s` (its host time) and `row_s` for each row of a `sampled` tree (the host accepts those from the target's
-    distribution, row by row)."""
+    """How many nodes each tree keeps (1..its size) for the most expected tokens per second, the trees' expected
+    tokens cut to 1, 2, ... nodes being `curves` (AcceptanceRates.curves); the trees marked `kept` stay whole. The
+    draft nodes of all trees are ranked together and the step takes the first k of the ranking, for the best k.
+    Where the graph takes ragged rows, the call costs its real rows (n sequences at R / n rows each) and the nodes
+    rank by the tokens each adds per second its row costs, made non-increasing along its tree (so the first k keep
+    a prefix of every tree: the nodes its cut keeps): the rows go to the likeliest nodes of the whole batch. Else
+    every tree is padded to the widest, so rows are taken a width at a time (every tree's second node, then every
+    third, ...). Besides the call, the step costs `host_s` (its host time) and `row_s` for each row of a `sampled`
+    tree (the host accepts those from the target's distribution, row by row)."""
     n = len(curves)
     kept = np.array(kept or [False] * n)
     sampled = np.array(sampled or [False] * n)
