@@ -295,13 +295,11 @@ class DecoderGraphBuilder:
             inputs[5:5] = [helper.make_tensor_value_info("live_rows", TensorProto.INT64, ["live"]),
                            helper.make_tensor_value_info("padded_rows", TensorProto.INT64, ["batch", "seq"])]
         padded = (lambda x: g.op("Gather", [x, "padded_rows"], axis=0)) if self.ragged else (lambda x: x)  # noqa: E731
-        self._rows = lambda x, width: g.op("Gather", [  # noqa: E731  [B, T, width] -> the real rows [R, width]
-            g.op("Reshape", [x, g.const(f"ragged.{width}", np.array([-1, width], np.int64))]), "live_rows"], axis=0)
 
         embed = g.const("embed", w["embed"], compute=True)
         x = g.op("Gather", [embed, "input_ids"])
         if self.ragged:  # [live, hidden] from here on, but for attention
-            x = self._rows(x, d.hidden)
+            x = self.real_rows(x, d.hidden)
         residual = None
         for i in range(d.layers):
             p = f"layers.{i}."
@@ -408,6 +406,11 @@ class DecoderGraphBuilder:
         bias = g.op("Unsqueeze", [g.op("GatherElements", [ext, index], axis=2), i64("axis1", [1])])
         return cos, sin, bias, lengths
 
+    def real_rows(self, x: str, width: int) -> str:
+        """A ragged step's real rows [R, width] of x [B, T, width] (`live_rows`)."""
+        flat = self.g.op("Reshape", [x, self.g.const(f"ragged.{width}", np.array([-1, width], np.int64))])
+        return self.g.op("Gather", [flat, "live_rows"], axis=0)
+
     def lm_head(self, rows: str) -> str:
         """Logits of hidden rows [n, hidden] (compute type); the weights are created once and shared."""
         g, d = self.g, self.d
@@ -439,7 +442,7 @@ class DecoderGraphBuilder:
             inputs += [""] * 5 + [lengths["query_seqlens"]]
             out, _, _ = g.op("GroupQueryAttention", inputs, outputs=[f"attn_{i}", present_k, present_v], domain="com.microsoft",
                              num_heads=d.heads, kv_num_heads=d.kv_heads, do_rotary=1, causal=1)
-            return self._rows(out, d.q_size) if self.ragged else out
+            return self.real_rows(out, d.q_size) if self.ragged else out
         heads = []
         for t, n in ((q, d.heads), (k, d.kv_heads), (v, d.kv_heads)):
             split = g.op("Reshape", [t, g.const(f"{t}.shape", np.array([0, 0, n, d.head_dim], np.int64))])
