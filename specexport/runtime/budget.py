@@ -241,14 +241,14 @@ def share(curves: list[np.ndarray], latency: BatchLatency, host_s: float, kept: 
     kept = np.array(kept or [False] * n)
     sampled = np.array(sampled or [False] * n)
     sizes = np.array([len(c) for c in curves])
-    cut = ~kept & (sizes > 1)
-    gains = [np.diff(curves[i]) for i in np.flatnonzero(cut)]
-    owner = np.repeat(np.flatnonzero(cut), sizes[cut] - 1)  # each candidate node's tree
+    cut = np.flatnonzero(~kept & (sizes > 1))  # the trees whose cut is chosen
+    gains = [np.diff(curves[i]) for i in cut]
+    owner = np.repeat(cut, sizes[cut] - 1)  # each candidate node's tree
     counts = np.where(kept, sizes, 1)
     if not gains:
         return counts
     # a row's cost: the call's (a row more for one of n sequences) and, for a sampled tree's, the host's acceptance
-    row = max((latency(n, 2) - latency(n, 1)) / n, 1e-9) + row_s * sampled[np.flatnonzero(cut)]
+    row = max((latency(n, 2) - latency(n, 1)) / n, 1e-9) + row_s * sampled[cut]
     ranked = np.concatenate([np.minimum.accumulate(g) / r for g, r in zip(gains, row)])
     place = np.concatenate([np.arange(2, len(g) + 2) for g in gains])  # each node's place in its tree's cut
     order = np.argsort(-ranked, kind="stable") if ragged else np.lexsort((-ranked, place))
