@@ -52,6 +52,8 @@ def line_of(text, needle):
     (lambda: edited("[eagle]", "[measurements]\nbatch_sequences = [4, 1]\nbatch_widths = [1]\nbatch_ms = [[1.0], [2.0]]"
                                "\n[eagle]"), "batch_sequences", "batch_sequences must rise from 1 or more"),
     (lambda: edited("[eagle]", "[measurements]\nbatch_ms = [[\"fast\"]]\n[eagle]"), "batch_ms", "must be a float"),
+    (lambda: edited("[eagle]", "[measurements]\nbatch_sequences = [1]\nbatch_widths = [1, 2]\nbatch_ms = [[1.0, 2.0]]"
+                               "\nbatch_single_ms = [[1.0]]\n[eagle]"), "batch_single_ms", "must have batch_ms's shape"),
 ])  # fmt: skip
 def test_bad_profiles_fail_with_file_and_line(text, needle, message):
     text = text()
@@ -144,7 +146,9 @@ def test_profile_command_measures_chooses_and_reports(tiny_folder, tmp_path):
     m = profile.measurements  # the batched call by sequences (default --max-batch 16) and width (to --max-tokens)
     assert m.batch_sequences == (1, 2, 4, 8, 16) and m.batch_widths == (1, 2, 4, 8) and m.batch_context == 16
     assert len(m.batch_ms) == 5 and all(len(row) == 4 and min(row) > 0 for row in m.batch_ms)
-    assert "## Batched verification latency (ms)" in report
+    # the graph takes ragged rows: the same calls with one real row a sequence (what a width costs alone)
+    assert len(m.batch_single_ms) == 5 and all(len(row) == 4 and min(row) > 0 for row in m.batch_single_ms)
+    assert "## Batched verification latency (ms)" in report and "one real row a sequence" in report
     for png in ("latency.png", "accept_lengths.png", "predicted_vs_measured.png"):
         assert (tmp_path / "measured-report" / png).read_bytes()[:4] == b"\x89PNG"
     # the measured profile builds: its explicit tree becomes the bundle's
@@ -158,6 +162,7 @@ def test_profile_command_measures_chooses_and_reports(tiny_folder, tmp_path):
     # measured on an fp32 bundle: another precision's kernels scale otherwise, and the scheduler would measure)
     table = profiled_latency(Engine.load(tmp_path / "c", threads=1))
     assert table is not None and table.as_ms() == [list(row) for row in m.batch_ms]
+    assert table.as_ms(single=True) == [list(row) for row in m.batch_single_ms]
     again = CliRunner().invoke(main, ["profile", str(tmp_path / "b"), "--output", str(out)])
     assert again.exit_code == 1 and "already exists" in again.output
 

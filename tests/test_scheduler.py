@@ -191,6 +191,13 @@ def curves(rates: AcceptanceRates, sizes: list[int]) -> list[np.ndarray]:
     return rates.curves([chain(n) for n in sizes])
 
 
+def ragged(sequences, widths, seconds, width_s=0.0) -> BatchLatency:
+    """A table for a graph with ragged rows: a call costs its real rows, and each width past the first `width_s`."""
+    seconds = np.array(seconds, float).reshape(len(sequences), len(widths))
+    single = seconds[:, :1] + width_s * (np.array(widths, float) - 1)
+    return BatchLatency(sequences, widths, np.maximum(seconds, single), single)
+
+
 def test_acceptance_rates_count_per_node_index():
     rates = AcceptanceRates(4)
     for path in ([0, 1, 2], [0, 1], [0]):
@@ -205,24 +212,28 @@ def test_the_trees_shrink_smoothly_as_sequences_are_added():
         depth = min(int(rng.geometric(0.25)) - 1, 7)
         rates.update([chain(8)], [list(range(depth + 1))])
     rows = lambda n, w: float(np.interp(n * w, [1, 8, 64, 128], [0.010, 0.014, 0.060, 0.115]))  # noqa: E731
-    curve = BatchLatency([1, 2, 4, 8, 16], [1, 2, 4, 8], [[rows(n, w) for w in (1, 2, 4, 8)] for n in (1, 2, 4, 8, 16)])
-    for ragged in (True, False):  # a CPU-like call, its real rows computed or every tree padded to the widest
-        nodes = [share(curves(rates, [8] * n), curve, 0.001, ragged=ragged) for n in (1, 2, 4, 8, 16)]
+    table = [[rows(n, w) for w in (1, 2, 4, 8)] for n in (1, 2, 4, 8, 16)]
+    sizes = ([1, 2, 4, 8, 16], [1, 2, 4, 8])
+    # a CPU-like call: its real rows computed (a width alone costing nothing, or 1 ms), or every tree padded
+    for curve in (ragged(*sizes, table), ragged(*sizes, table, 0.001), BatchLatency(*sizes, table)):
+        nodes = [share(curves(rates, [8] * n), curve, 0.001) for n in (1, 2, 4, 8, 16)]
         widths = [k.max() for k in nodes]
         assert widths[0] >= 6 and widths[-1] <= 3, nodes
         assert all(a >= b for a, b in zip(widths, widths[1:])), nodes  # never wider with more sequences
         assert all(k.max() - k.min() <= 1 for k in nodes), nodes  # alike trees: alike cuts
-        if not ragged:
+        if curve.single is None:
             assert all(len(set(k)) == 1 for k in nodes), nodes  # one width: every tree cut to it
-    free = BatchLatency([1, 16], [1, 16], [[0.01, 0.01], [0.01, 0.01]])  # rows cost nothing: every tree whole
+    free = ragged([1, 16], [1, 16], [[0.01, 0.01], [0.01, 0.01]])  # rows cost nothing: every tree whole
     assert share(curves(rates, [8, 5, 3]), free, 0.0).tolist() == [8, 5, 3]
     hopeless = AcceptanceRates(8)
     for _ in range(100):
         hopeless.update([chain(8)], [[0]])
+    curve = ragged(*sizes, table)
     assert share(curves(hopeless, [8] * 4), curve, 0.0).tolist() == [1] * 4  # nothing is ever accepted: plain decoding
     # a kept (seeded) tree of 6 stays whole; padded, its width is paid anyway: the others may use those rows
     assert share(curves(hopeless, [8, 8, 6]), curve, 0.0, kept=[False, False, True]).tolist() == [1, 1, 6]
-    assert share(curves(hopeless, [8, 8, 6]), curve, 0.0, kept=[False, False, True], ragged=False).tolist() == [6, 6, 6]
+    padded = BatchLatency(*sizes, table)
+    assert share(curves(hopeless, [8, 8, 6]), padded, 0.0, kept=[False, False, True]).tolist() == [6, 6, 6]
     # sampled trees cost the host per row it accepts: the dearer, the fewer rows, only the sampled ones counted
     sampled = [share(curves(rates, [8] * 4), free, 0.0, row_s=cost, sampled=[True] * 4).sum()
                for cost in (0.0, 1e-3, 1e-2)]
@@ -239,15 +250,19 @@ def test_the_rows_go_to_the_likeliest_nodes_of_the_batch():
     likely = DraftTree([9, 1, 2, 3], [-1, 0, 1, 2], scores=np.log([1.0, 0.95, 0.9, 0.85]).tolist())
     unlikely = DraftTree([9, 1, 2, 3], [-1, 0, 1, 0], scores=np.log([1.0, 0.12, 0.05, 0.04]).tolist())
     # 8 sequences, a row costs the call about a third of one sequence's token: only likely nodes pay
-    rows = BatchLatency([1, 8], [1, 2, 4], [[0.010, 0.013, 0.019], [0.010, 0.013, 0.019]])
+    sizes, table = ([1, 8], [1, 2, 4]), [[0.010, 0.013, 0.019], [0.010, 0.013, 0.019]]
     trees = [likely, unlikely] * 4
-    ragged = share(fresh.curves(trees), rows, 0.0)
-    assert ragged.tolist() == [4, 1] * 4, ragged
-    padded = share(fresh.curves(trees), rows, 0.0, ragged=False)
+    real = share(fresh.curves(trees), ragged(*sizes, table), 0.0)
+    assert real.tolist() == [4, 1] * 4, real
+    padded = share(fresh.curves(trees), BatchLatency(*sizes, table), 0.0)
     assert len(set(padded.tolist())) == 1, padded  # one width: the unlikely trees pay the likely ones' rows
     tokens = lambda nodes: sum(c[k - 1] for c, k in zip(fresh.curves(trees), nodes))  # noqa: E731
-    rate = lambda nodes, width: tokens(nodes) / rows(8, width)  # noqa: E731
-    assert rate(ragged, ragged.mean()) > rate(padded, padded.max())  # ragged rows buy more tokens per second
+    rate = lambda nodes, latency: tokens(nodes) / latency(8, nodes.max(), nodes.sum())  # noqa: E731
+    assert rate(real, ragged(*sizes, table)) > rate(padded, BatchLatency(*sizes, table))  # ragged rows buy more
+    # where a width costs much alone (attention runs on the padded rows), the likely trees stop short of it
+    dear = ragged(*sizes, table, width_s=0.004)
+    assert share(fresh.curves(trees), dear, 0.0).max() < 4
+    assert share(fresh.curves(trees), ragged(*sizes, table, width_s=0.03), 0.0).tolist() == [1] * 8
 
 
 def test_a_scored_tree_keeps_its_best_nodes_and_is_rated_by_its_calibrated_scores():
@@ -271,14 +286,15 @@ def test_a_scored_tree_keeps_its_best_nodes_and_is_rated_by_its_calibrated_score
     deeper = rates.curves([DraftTree([9, 1, 2], [-1, 0, 1], scores=[0.0, np.log(0.9), np.log(0.9)])])[0]  # depth 2: unseen
     np.testing.assert_allclose(deeper, [1.0, 1 + 11.8 / 102, 1 + 11.8 / 102 + 0.9])
     # the same four sequences, a row dearer per sequence than one token in three: their drafts decide the width
-    dear = BatchLatency([1, 4], [1, 2], [[0.010, 0.013], [0.010, 0.013]])
+    sizes, table = ([1, 4], [1, 2]), [[0.010, 0.013], [0.010, 0.013]]
+    dear = ragged(*sizes, table)
     likely = DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.95)])
     unlikely = DraftTree([9, 1], [-1, 0], scores=[0.0, np.log(0.12)])
     fresh = AcceptanceRates(2)
     assert share(fresh.curves([likely] * 4), dear, 0.0).tolist() == [2] * 4
     assert share(fresh.curves([unlikely] * 4), dear, 0.0).tolist() == [1] * 4
     assert share(fresh.curves([likely] * 2 + [unlikely] * 2), dear, 0.0).tolist() == [2, 2, 1, 1]
-    assert share(fresh.curves([likely] * 2 + [unlikely] * 2), dear, 0.0, ragged=False).tolist() == [2] * 4
+    assert share(fresh.curves([likely] * 2 + [unlikely] * 2), BatchLatency(*sizes, table), 0.0).tolist() == [2] * 4
 
 
 
@@ -315,26 +331,41 @@ def test_a_steps_trees_count_and_rate_at_once_as_one_by_one():
         assert len(got) == len(draft) and got[0] == 1.0 and np.all(np.diff(got) >= 0)
 
 def test_drafting_pays_only_where_its_cost_is_covered():
-    """budget.worth_drafting: what the last proposing steps chose (tokens and rows per sequence) against plain
-    decoding, with the proposals' time and the host's acceptance of sampled rows counted."""
+    """budget.worth_drafting: what the last proposing steps chose (tokens and rows per sequence, the call's width)
+    against plain decoding, with the proposals' time and the host's acceptance of sampled rows counted."""
     flat = BatchLatency([1, 8], [1, 4], [[0.01, 0.012], [0.02, 0.024]])
-    assert worth_drafting(8, 1.5, 2.0, flat, 0.001, 0.002)
-    assert not worth_drafting(8, 1.5, 2.0, flat, 0.001, 0.1)  # proposals dearer than the tokens they bring
-    assert not worth_drafting(8, 1.0, 1.0, flat, 0.001, 0.0)  # the last steps kept no draft: nothing to gain
-    assert worth_drafting(8, 1.5, 2.0, flat, 0.001, 0.002, row_s=1e-4, sampled=8)
-    assert not worth_drafting(8, 1.5, 2.0, flat, 0.001, 0.002, row_s=5e-3, sampled=8)  # sampled rows are dear
+    assert worth_drafting(8, 1.5, 2.0, 2.0, flat, 0.001, 0.002)
+    assert not worth_drafting(8, 1.5, 2.0, 2.0, flat, 0.001, 0.1)  # proposals dearer than the tokens they bring
+    assert not worth_drafting(8, 1.0, 1.0, 1.0, flat, 0.001, 0.0)  # the last steps kept no draft: nothing to gain
+    assert worth_drafting(8, 1.5, 2.0, 2.0, flat, 0.001, 0.002, row_s=1e-4, sampled=8)
+    assert not worth_drafting(8, 1.5, 2.0, 2.0, flat, 0.001, 0.002, row_s=5e-3, sampled=8)  # sampled rows are dear
+    # ragged rows: 1.3 real rows a sequence, padded to 4, pay where the width alone is cheap, not where it is dear
+    cheap = ragged([1, 8], [1, 4], [[0.01, 0.03], [0.02, 0.08]], width_s=0.0005)
+    assert worth_drafting(8, 1.4, 1.3, 4.0, cheap, 0.001, 0.0005)
+    dear = ragged([1, 8], [1, 4], [[0.01, 0.03], [0.02, 0.08]], width_s=0.003)
+    assert not worth_drafting(8, 1.4, 1.3, 4.0, dear, 0.001, 0.0005)
 
 
-def test_calls_between_one_row_and_the_next_width_teach_the_wider_point():
-    """Ragged calls take fractional widths (22 rows for 16 sequences: 1.375 a sequence): what they cost beyond the
-    table goes to the wider grid point until the interpolation meets it, while one-row calls keep the one-row point."""
-    table = BatchLatency([1, 4], [1, 2, 4], [[0.01, 0.012, 0.02], [0.02, 0.024, 0.04]])
+def test_a_ragged_call_costs_its_width_and_its_real_rows():
+    """A graph with ragged rows computes the real rows, but attention runs on the padded width: a call of R real rows
+    at width W costs the width alone (one real row a sequence) plus its share of the rest, linearly. Calls measured
+    dearer than that teach the points of their width, while one-row calls keep the one-row point."""
+    table = BatchLatency([1, 4], [1, 2, 4], [[0.01, 0.012, 0.02], [0.02, 0.024, 0.04]],
+                         [[0.01, 0.011, 0.012], [0.02, 0.022, 0.025]])
+    assert table(4, 1, 4) == pytest.approx(0.02) and table(4, 2, 8) == pytest.approx(0.024)
+    assert table(4, 2, 4) == pytest.approx(0.022)  # one real row a sequence: the width alone
+    assert table(4, 2, 6) == pytest.approx(0.023)  # half the padding computed
+    assert table(4, 4, 10) == pytest.approx(0.025 + 0.015 * 6 / 12)
+    assert table(4, 3, 5) == pytest.approx(0.0235 + (0.032 - 0.0235) / 8)  # between the widths: both grids
+    assert table(4, 2) == pytest.approx(0.024)  # rows not given: every row
+    assert BatchLatency([1, 4], [1, 2], [[0.01, 0.012], [0.02, 0.024]])(4, 2, 5) == pytest.approx(0.024)  # padded
+    np.testing.assert_allclose(table(4, np.array([2, 4]), np.array([4, 16])), [0.022, 0.04])
     for _ in range(200):
-        table.observe(4, 1, 0.02)  # one row a sequence: as measured
-        table.observe(4, 1.5, 0.03)  # the table says 0.022
-    assert table(4, 1) == pytest.approx(0.02, rel=0.02)
-    assert table(4, 1.5) == pytest.approx(0.03, rel=0.03)
-    assert table(4, 2) > 0.03  # the wider point learned it (the only way the interpolation can reach 0.03)
+        table.observe(4, 1, 0.02, 4)  # one row a sequence: as measured
+        table.observe(4, 2, 0.03, 5)  # the table says 0.0225
+    assert table(4, 1, 4) == pytest.approx(0.02, rel=0.02)
+    assert table(4, 2, 5) == pytest.approx(0.03, rel=0.03)
+    assert table(1, 1, 1) == pytest.approx(0.01, rel=0.02)
 
 
 def test_the_latency_table_interpolates_and_follows_the_calls_it_sees():
@@ -371,12 +402,17 @@ def test_the_scheduler_measures_the_batched_call_or_reads_the_profiles_table(eng
     measured = Scheduler(engine, max_batch=4, background=False).latency  # this bundle's profile has no table
     assert list(measured.sequences) == [1, 2, 4] and measured.widths[-1] == full
     assert measured.seconds.shape == (3, len(measured.widths)) and (measured.seconds > 0).all()
+    assert engine.target.ragged and measured.single.shape == measured.seconds.shape and (measured.single > 0).all()
     manifest, saved = engine.bundle.manifest, engine.bundle.manifest.get("profile")
-    table = {"batch_sequences": [1, 8], "batch_widths": [1, 4], "batch_ms": [[5.0, 6.0], [9.0, 30.0]]}
+    table = {"batch_sequences": [1, 8], "batch_widths": [1, 4], "batch_ms": [[5.0, 6.0], [9.0, 30.0]],
+             "batch_single_ms": [[5.0, 5.5], [9.0, 12.0]]}
     try:
         manifest["profile"] = {"measured": True, "engine": {"precision": engine.bundle.precision},
                                "measurements": table}
-        assert Scheduler(engine, max_batch=4, background=False).latency(8, 4) == pytest.approx(0.030)
+        latency = Scheduler(engine, max_batch=4, background=False).latency
+        assert latency(8, 4) == pytest.approx(0.030) and latency(8, 4, 8) == pytest.approx(0.012)
+        del table["batch_single_ms"]  # measured without ragged rows' cost of a width alone: this graph's own
+        assert list(Scheduler(engine, max_batch=4, background=False).latency.sequences) == [1, 2, 4]
         manifest["profile"]["engine"] = {"precision": "int4" if engine.bundle.precision != "int4" else "int8"}
         assert list(Scheduler(engine, max_batch=4, background=False).latency.sequences) == [1, 2, 4]  # not its own
     finally:
@@ -445,10 +481,9 @@ def test_batched_sampling_follows_plain_sampling(engines, params, monkeypatch):
     does not learn from the calls here)."""
     from specexport.runtime import scheduler as module
 
-    monkeypatch.setattr(module, "share", lambda curves, latency, host_s, kept, **kw:
-                        share(curves, latency, 0.0, kept, ragged=kw["ragged"]))
-    monkeypatch.setattr(module, "worth_drafting", lambda sequences, tokens, width, latency, host_s, draft_s, **_:
-                        worth_drafting(sequences, tokens, width, latency, 0.0, 0.0))
+    monkeypatch.setattr(module, "share", lambda curves, latency, host_s, kept, **_: share(curves, latency, 0.0, kept))
+    monkeypatch.setattr(module, "worth_drafting", lambda n, tokens, rows, width, latency, host_s, draft_s, **_:
+                        worth_drafting(n, tokens, rows, width, latency, 0.0, 0.0))
     engine = engines["self1-tree"]
     scheduler = Scheduler(engine, max_batch=8, background=False)
     full = engine.method.tokens_per_step(engine.settings)

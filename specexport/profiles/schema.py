@@ -73,6 +73,9 @@ class Measurements:
     batch_sequences: tuple[int, ...] = ()
     batch_widths: tuple[int, ...] = ()
     batch_ms: tuple[tuple[float, ...], ...] = ()
+    # the same calls with one real row a sequence (a graph with ragged rows: what a width costs alone; empty: not
+    # measured, and the batched engine measures it when it starts)
+    batch_single_ms: tuple[tuple[float, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -251,6 +254,8 @@ def _check(p: Profile, fail) -> None:
     checks.append(("measurements", "batch_ms", len(m.batch_ms) == len(m.batch_sequences) and all(
         len(row) == len(m.batch_widths) for row in m.batch_ms), "batch_ms must have a row per batch_sequences entry "
                    "and a column per batch_widths entry"))
+    checks.append(("measurements", "batch_single_ms", not m.batch_single_ms or [len(r) for r in m.batch_single_ms] == [
+        len(r) for r in m.batch_ms], "batch_single_ms, where given, must have batch_ms's shape"))
     for key in ("batch_sequences", "batch_widths"):
         values = getattr(m, key)
         checks.append(("measurements", key, all(v >= 1 for v in values) and list(values) == sorted(set(values)),

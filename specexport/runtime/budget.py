@@ -1,15 +1,15 @@
 """One tree budget for a batch: how many rows each sequence's tree gets in a batched step.
 
-The batched target call pads every sequence's tree to the widest (runtime/scheduler.py), but a graph that takes
-ragged rows (exporter/graph.py: the ort flavour's tree graphs) computes the real rows only: n sequences whose trees
-keep k_1 .. k_n nodes cost about what n chains of (k_1 + .. + k_n) / n rows cost. The budget (`share`) therefore
-gives the step's rows to the nodes with the most value across the batch: each tree cut to its best k_i nodes
-(DraftTree.truncated: its best-scored ones, or its first ones where unscored: either way still a tree), the k_i
-chosen to maximise the expected tokens per second of the step:
+The batched target call pads every sequence's tree to the widest (runtime/scheduler.py); a graph that takes ragged
+rows (exporter/graph.py: the ort flavour's tree graphs) computes the real rows only, but its attention runs in the
+padded layout, so a call costs its real rows and its width (`BatchLatency`). The budget (`share`) gives the step's
+rows to the nodes with the most value across the batch: each tree cut to its best k_i nodes (DraftTree.truncated:
+its best-scored ones, or its first ones where unscored: either way still a tree), the k_i chosen to maximise the
+expected tokens per second of the step:
 
-    sum over sequences of E[tokens | k_i]  /  (latency(n sequences, (k_1 + .. + k_n) / n rows each) + host time)
+    sum over sequences of E[tokens | k_i]  /  (latency(n sequences, width max k_i, k_1 + .. + k_n real rows) + host)
 
-(a graph without ragged rows pays the widest tree's width for every sequence: there the trees share one width).
+(a graph without ragged rows computes n x max k_i rows: there a width's rows cost nothing more once it is paid).
 
 E[tokens | k] = 1 + sum of p_i over the k - 1 draft nodes a tree keeps, p_i the probability that node i is accepted
 (`AcceptanceRates`, calibrated on the running method's own trees over the steps this engine verified so far). Where
@@ -17,12 +17,13 @@ the proposer scores its nodes (EAGLE's cumulative draft probability, suffix look
 frequencies) each node is rated by its own score, calibrated by depth and half-octave: the budget sees which
 sequences' drafts are likely this step and which are not, instead of one average per node index. Trees without
 scores (Medusa's, n-gram's, a draft model's: the same shape every step) are rated per node index. The latency comes
-from `BatchLatency`: the target's call time by sequences and width, measured by `specexport profile` and kept in the
-profile (a bundle built with that profile carries it), or measured when the scheduler starts; refined by every call
-it makes (the scale by every call, a wider width's cost relative to one row by the calls at it). With one
-stream the budget weighs the same trade-off the profile tuned the method's tree for; as streams are added each row
-costs more of the step and the trees shrink, smoothly, towards plain decoding (one row each): no thresholds; in
-between, the sequences whose drafts are likely keep nodes and the others verify their root alone.
+from `BatchLatency`: the target's call time by sequences and width (and, for ragged rows, the same widths with one
+real row a sequence), measured by `specexport profile` and kept in the profile (a bundle built with that profile
+carries it), or measured when the scheduler starts; refined by every call it makes (the scale by every call, a wider
+width's cost relative to one row by the calls at it). With one stream the budget weighs the same trade-off the
+profile tuned the method's tree for; as streams are added each row costs more of the step and the trees shrink,
+smoothly, towards plain decoding (one row each): no thresholds; in between, the sequences whose drafts are likely
+keep nodes and the others verify their root alone.
 
 Proposing costs time outside the target's call too (a draft graph's calls for EAGLE or a draft model; a lookup for
 suffix and n-gram; for every method the scoring, the width's choice and the longer paths' bookkeeping): before a
@@ -122,12 +123,22 @@ def _cells(drafts: list[tree.DraftTree], nodes: list[np.ndarray]) -> np.ndarray:
 
 
 class BatchLatency:
-    """Seconds of one target call of n sequences at width W (n x W rows): measured on a grid of both, bilinear
-    between its points (linear beyond its last ones), and learned from the calls made (`observe`)."""
+    """Seconds of one target call of n sequences padded to width W (n x W rows): measured on a grid of both, bilinear
+    between its points (linear beyond its last ones), and learned from the calls made (`observe`).
 
-    def __init__(self, sequences: list[int], widths: list[int], seconds):
+    A graph with ragged rows (exporter/graph.py) computes a call's real rows only, but attention still runs in the
+    padded layout: a call's cost is not its rows alone. On the 2-core CPU (16 sequences, 300 rows of context) 16 rows
+    at width 1 took 52.7 ms, 17 rows at width 2 61.0 ms, 32 rows at width 2 80.7 ms, 33 at width 3 88.8: every row
+    ~1.3 ms, and every width ~7 ms more. So where the graph takes ragged rows the table keeps a second grid, `single`:
+    the call at width W with one real row a sequence (its width's cost alone), and a call of R real rows costs
+    single + (dense - single) * (R - n) / (n W - n), linear in its real rows between the two (measured so)."""
+
+    def __init__(self, sequences: list[int], widths: list[int], seconds, single=None):
         self.sequences, self.widths = np.array(sequences, float), np.array(widths, float)
-        self.seconds = np.array(seconds, float).reshape(len(sequences), len(widths))  # as measured, x a common scale
+        shape = (len(sequences), len(widths))
+        self.seconds = np.array(seconds, float).reshape(shape)  # as measured, x a common scale
+        # one real row a sequence at each width (graphs with ragged rows; None: every row is computed)
+        self.single = None if single is None else np.array(single, float).reshape(shape)
         self.local = np.zeros_like(self.seconds)  # each grid point's own correction (a log factor) from calls near it
         self.base = np.zeros(len(sequences))  # one-row calls' recent miss (a log factor after the scale), by sequences
         self.based = np.zeros(len(sequences))  # how much of `base` comes from calls (0: none yet)
@@ -136,55 +147,71 @@ class BatchLatency:
     def measure(cls, target, pool, sequences: list[int], widths: list[int], context: int = 128, repeats: int = 1
                 ) -> "BatchLatency":
         """Time calls of n chains of W tokens, each after `context` rows of its own (the pool's first n slots; the
-        rows are scratch: nothing is committed, and the slots' lengths are restored). The best of `repeats` calls
-        after one warm-up (a shape's first call is slower)."""
+        rows are scratch: nothing is committed, and the slots' lengths are restored), and where the graph takes
+        ragged rows the same calls with one real row a sequence. The best of `repeats` calls after one warm-up (a
+        shape's first call is slower)."""
         context = max(0, min(context, pool.capacity - max(widths)))
         saved = pool.lengths.copy()
-        seconds = np.zeros((len(sequences), len(widths)))
+        seconds = np.zeros((2, len(sequences), len(widths)))
         try:
             for i, n in enumerate(sequences):
                 pool.lengths[:n] = context
                 for j, w in enumerate(widths):
                     ids, positions = np.zeros((n, w), np.int64), np.broadcast_to(context + np.arange(w), (n, w))
                     mask = np.broadcast_to(tree.causal_mask(w), (n, w, w))
-                    best = float("inf")
-                    for _ in range(repeats + 1):
-                        start = time.perf_counter()
-                        target.forward(pool.rows(n), ids, positions, mask, np.arange(n * w), want=("logits",))
-                        best = min(best, time.perf_counter() - start)
-                    seconds[i, j] = best
+                    calls = [(None, np.arange(n * w))]
+                    if target.ragged:
+                        calls.append((np.ones(n, np.int64), np.arange(n) * w) if w > 1 else calls[0])
+                    for k, (live, selected) in enumerate(calls):
+                        best = float("inf")
+                        for _ in range(repeats + 1):
+                            start = time.perf_counter()
+                            target.forward(pool.rows(n), ids, positions, mask, selected, want=("logits",), live=live)
+                            best = min(best, time.perf_counter() - start)
+                        seconds[k, i, j] = best
         finally:
             pool.lengths[:] = saved
-        return cls(sequences, widths, seconds)
+        return cls(sequences, widths, seconds[0], seconds[1] if target.ragged else None)
 
     @classmethod
     def from_measurements(cls, measurements: dict) -> "BatchLatency | None":
-        """The table a profile's [measurements] keeps (batch_sequences, batch_widths, batch_ms); None without one."""
+        """The table a profile's [measurements] keeps (batch_sequences, batch_widths, batch_ms, and batch_single_ms
+        where it measured a graph with ragged rows); None without one."""
         sequences, widths = measurements.get("batch_sequences") or (), measurements.get("batch_widths") or ()
-        ms = measurements.get("batch_ms") or ()
+        ms, single = measurements.get("batch_ms") or (), measurements.get("batch_single_ms") or ()
         if not sequences or not widths or np.shape(ms) != (len(sequences), len(widths)):
             return None
-        return cls(list(sequences), list(widths), np.array(ms, float) / 1000)
+        single = np.array(single, float) / 1000 if np.shape(single) == np.shape(ms) else None
+        return cls(list(sequences), list(widths), np.array(ms, float) / 1000, single)
 
-    def __call__(self, sequences: int, width):
-        """Seconds for `sequences` sequences at `width` (a number, or an array of widths)."""
-        by_width = _along(sequences, self.sequences, self.seconds * np.exp(self.local))
-        seconds = np.maximum(_along(width, self.widths, by_width), 1e-6)
+    def __call__(self, sequences: int, width, rows=None):
+        """Seconds for `sequences` sequences padded to `width`, of which `rows` real rows in all where the graph takes
+        ragged rows (None: every row; width and rows: numbers, or arrays of one shape)."""
+        local = np.exp(self.local)
+        seconds = _along(width, self.widths, _along(sequences, self.sequences, self.seconds * local))
+        if self.single is not None and rows is not None:
+            single = _along(width, self.widths, _along(sequences, self.sequences, self.single * local))
+            padded = sequences * np.maximum(np.asarray(width, float), 1.0)
+            real = np.clip((np.asarray(rows, float) - sequences) / np.maximum(padded - sequences, 1e-9), 0.0, 1.0)
+            seconds = single + real * (seconds - single)
+        seconds = np.maximum(seconds, 1e-6)
         return float(seconds) if seconds.ndim == 0 else seconds
 
-    def observe(self, sequences: int, width: int, seconds: float) -> None:
-        """A call's measured time. The whole table's scale moves towards it (BLEND): what the measurement did not see
-        alike for every size (a busier machine, longer contexts). A wider call also teaches the grid points around
-        it what it costs relative to one-row calls of about as many sequences made lately (CELL_BLEND): the ratio
-        the budget decides by, which the measurement can miss (on the 2-core CPU a second row for each of 16
-        sequences measured 1.35x one row at 128 tokens of context, 1.75x in a serving run's calls). Calls of one
-        size alone scale every size alike. A point's own correction fades while no call comes near it (FORGET): a
-        width once measured dear is tried again later rather than never. A call between one row and the next width
-        (ragged rows: 1.3 rows a sequence) corrects that wider point alone, until the interpolation meets it: the
-        one-row point is what one-row calls measure, not what the wider calls would have it be."""
-        predicted = self(sequences, width)
+    def observe(self, sequences: int, width: int, seconds: float, rows: int | None = None) -> None:
+        """A call's measured time (`rows`: its real rows, where the graph takes ragged rows). The whole table's scale
+        moves towards it (BLEND): what the measurement did not see alike for every size (a busier machine, longer
+        contexts). A wider call also teaches the grid points around it what it costs relative to one-row calls of
+        about as many sequences made lately (CELL_BLEND): the ratio the budget decides by, which the measurement can
+        miss (on the 2-core CPU a second row for each of 16 sequences measured 1.35x one row at 128 tokens of
+        context, 1.75x in a serving run's calls). Calls of one size alone scale every size alike. A point's own
+        correction fades while no call comes near it (FORGET): a width once measured dear is tried again later rather
+        than never. The one-row point is what one-row calls measure: a wider call between grid points corrects the
+        wider ones alone, until the interpolation meets it."""
+        predicted = self(sequences, width, rows)
         scale = 1 + BLEND * (seconds / predicted - 1)
         self.seconds *= scale
+        if self.single is not None:
+            self.single *= scale
         miss = math.log(seconds / (predicted * scale))  # against the rescaled table's prediction
         near = _hats(sequences, self.sequences)
         self.local *= 1 - FORGET
@@ -197,8 +224,8 @@ class BatchLatency:
             wider[0] = 0.0
             self.local += CELL_BLEND * relative * np.outer(near, wider / wider.sum())
 
-    def as_ms(self) -> list[list[float]]:
-        return [[round(1000 * s, 3) for s in row] for row in self.seconds]
+    def as_ms(self, single: bool = False) -> list[list[float]]:
+        return [[round(1000 * s, 3) for s in row] for row in (self.single if single else self.seconds)]
 
 
 def _along(x, xs: np.ndarray, table: np.ndarray):
@@ -227,49 +254,52 @@ def _weights(x: float, xs: tuple[float, ...]) -> np.ndarray:
 
 
 def share(curves: list[np.ndarray], latency: BatchLatency, host_s: float, kept: list[bool] | None = None,
-          row_s: float = 0.0, sampled: list[bool] | None = None, ragged: bool = True) -> np.ndarray:
+          row_s: float = 0.0, sampled: list[bool] | None = None) -> np.ndarray:
     """How many nodes each tree keeps (1..its size) for the most expected tokens per second, the trees' expected
     tokens cut to 1, 2, ... nodes being `curves` (AcceptanceRates.curves); the trees marked `kept` stay whole. The
-    draft nodes of all trees are ranked together and the step takes the first k of the ranking, for the best k.
-    Where the graph takes ragged rows, the call costs its real rows (n sequences at R / n rows each) and the nodes
-    rank by the tokens each adds per second its row costs, made non-increasing along its tree (so the first k keep
-    a prefix of every tree: the nodes its cut keeps): the rows go to the likeliest nodes of the whole batch. Else
-    every tree is padded to the widest, so rows are taken a width at a time (every tree's second node, then every
-    third, ...). Besides the call, the step costs `host_s` (its host time) and `row_s` for each row of a `sampled`
-    tree (the host accepts those from the target's distribution, row by row)."""
+    draft nodes of all trees are ranked together by the tokens each adds per second its row costs, made
+    non-increasing along its tree (so the first k of the ranking keep a prefix of every tree: the nodes its cut
+    keeps); the call is padded to the widest cut, so for each width W the step may take the first k of the ranked
+    nodes that fit in W, and it takes the W and k with the most expected tokens per second, the call costed by
+    `latency` at W with its real rows (a graph without ragged rows pays W for every sequence: there a width's nodes
+    cost nothing more, but for a sampled tree's host time). Besides the call, the step costs `host_s` (its host time)
+    and `row_s` for each row of a `sampled` tree (the host accepts those from the target's distribution, row by
+    row)."""
     n = len(curves)
     kept = np.array(kept or [False] * n)
     sampled = np.array(sampled or [False] * n)
     sizes = np.array([len(c) for c in curves])
     cut = np.flatnonzero(~kept & (sizes > 1))  # the trees whose cut is chosen
+    counts = np.where(kept, sizes, 1)
+    if not len(cut):
+        return counts
     gains = [np.diff(curves[i]) for i in cut]
     owner = np.repeat(cut, sizes[cut] - 1)  # each candidate node's tree
-    counts = np.where(kept, sizes, 1)
-    if not gains:
-        return counts
-    # a row's cost: the call's (a row more for one of n sequences) and, for a sampled tree's, the host's acceptance
-    row = max((latency(n, 2) - latency(n, 1)) / n, 1e-9) + row_s * sampled[cut]
-    ranked = np.concatenate([np.minimum.accumulate(g) / r for g, r in zip(gains, row)])
     place = np.concatenate([np.arange(2, len(g) + 2) for g in gains])  # each node's place in its tree's cut
-    order = np.argsort(-ranked, kind="stable") if ragged else np.lexsort((-ranked, place))
-    tokens = sum(float(curves[i][k - 1]) for i, k in enumerate(counts)) + np.cumsum(
-        np.concatenate(([0.0], np.concatenate(gains)[order])))
-    rows = counts.sum() + np.arange(len(order) + 1)
-    sampled_rows = counts[sampled].sum() + np.cumsum(np.concatenate(([0], sampled[owner[order]])))
-    if ragged:
-        width = rows / n
-    else:  # the widest tree so far
-        width = np.maximum.accumulate(np.concatenate(([counts.max()], place[order])))
-    rate = tokens / (latency(n, width) + host_s + row_s * sampled_rows)
-    best = int(np.argmax(rate))  # the first best: the fewest rows of equals
-    return counts + np.bincount(owner[order[:best]], minlength=n)
+    # a row's cost, for the ranking: the call's (a real row more at width 2) and, a sampled tree's, the host's
+    row = max(latency(n, 2, n + 1) - latency(n, 2, n), 1e-9) + row_s * sampled[cut]
+    ranked = np.concatenate([np.minimum.accumulate(g) / r for g, r in zip(gains, row)])
+    order = np.argsort(-ranked, kind="stable")
+    widths = np.arange(max(counts.max(), 1), sizes.max() + 1)  # the call's width: the widest cut, kept trees too
+    fits = np.zeros((len(widths), len(order) + 1), bool)  # each width's nodes, in ranked order (the first: none)
+    fits[:, 1:] = place[order] <= widths[:, None]
+    taken = np.cumsum(fits, axis=1)  # nodes taken by the width's first k of the ranking, at each place of it
+    gain = np.concatenate(([0.0], np.concatenate(gains)[order]))
+    tokens = sum(float(curves[i][k - 1]) for i, k in enumerate(counts)) + np.cumsum(fits * gain, axis=1)
+    sampled_rows = counts[sampled].sum() + np.cumsum(fits * np.concatenate(([0], sampled[owner[order]])), axis=1)
+    seconds = latency(n, np.broadcast_to(widths[:, None], taken.shape), counts.sum() + taken)
+    rate = tokens / (seconds + host_s + row_s * sampled_rows)
+    w, k = np.unravel_index(int(np.argmax(rate)), rate.shape)  # the first best: the narrowest, fewest rows of equals
+    chosen = order[:k][fits[w, 1:k + 1]]
+    return counts + np.bincount(owner[chosen], minlength=n)
 
 
-def worth_drafting(sequences: int, tokens: float, width: float, latency: BatchLatency, host_s: float, draft_s: float,
-                   row_s: float = 0.0, sampled: int = 0) -> bool:
+def worth_drafting(sequences: int, tokens: float, rows: float, width: float, latency: BatchLatency, host_s: float,
+                   draft_s: float, row_s: float = 0.0, sampled: int = 0) -> bool:
     """Whether a step of `sequences` sequences should propose trees, expecting what the last proposing steps chose
-    (`share`): `tokens` per sequence from a call `width` rows wide (its rows per sequence where the graph takes ragged
-    rows), at the cost of `draft_s` (the proposals' time) and the host's acceptance of the `sampled` ones' rows
-    (`row_s` each), against plain decoding's one row per sequence."""
-    drafting = sequences * tokens / (latency(sequences, width) + host_s + draft_s + row_s * sampled * width)
+    (`share`): `tokens` and `rows` per sequence from a call `width` wide, at the cost of `draft_s` (the proposals'
+    time) and the host's acceptance of the `sampled` ones' rows (`row_s` each), against plain decoding's one row per
+    sequence."""
+    drafting = sequences * tokens / (latency(sequences, width, sequences * rows) + host_s + draft_s
+                                     + row_s * sampled * rows)
     return bool(drafting > sequences / (latency(sequences, 1) + host_s + row_s * sampled))

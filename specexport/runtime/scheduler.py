@@ -206,10 +206,10 @@ class Scheduler:
         # draft graphs' calls, less the acceptance of sampled rows (priced per row, `row_s`); an average over the
         # last steps of the kind, None before the first
         self.step_cost: dict[bool, float | None] = {True: None, False: None}
-        # what the budget chose at its last proposing steps: (expected tokens per sequence, the call's width), whole
-        # trees before the first; a step proposes where that, at its cost, beats plain decoding
+        # what the budget chose at its last proposing steps: (expected tokens and real rows per sequence, the call's
+        # width), whole trees before the first; a step proposes where that, at its cost, beats plain decoding
         self.choice = None if self.rates is None else (float(self.rates.expected(self.step_rows)[-1]),
-                                                       float(self.step_rows))
+                                                       float(self.step_rows), float(self.step_rows))
         self.unproposed = 0  # batched steps since the last that proposed
         self.proposed = 0  # batched steps that proposed since the last that did not
         self._batched = None  # the current step's batched call: (proposed, a probe, its draft graphs' seconds)
@@ -416,7 +416,7 @@ class Scheduler:
                 kept, sampled = [_seeded(s) for s in seqs], [not s.sampler.params.greedy for s in seqs]
                 curves = self.rates.curves(trees)
                 nodes = share(curves, self.latency, self.step_cost[True] or 0.0, kept, row_s=self.row_s or 0.0,
-                              sampled=sampled, ragged=self.engine.target.ragged)
+                              sampled=sampled)
                 trees = [t.truncated(int(k)) for t, k in zip(trees, nodes)]
                 self._chose(curves, nodes, probe)
             out, placed, rows = self._verify(seqs, trees)
@@ -465,14 +465,10 @@ class Scheduler:
                               row_s=self.row_s or 0.0, sampled=sampled)
 
     def _chose(self, curves: list, nodes: np.ndarray, probe: bool) -> None:
-        """Keep what the budget chose (`choice`: expected tokens per sequence, and the call's width: its rows per
-        sequence where the graph takes ragged rows), averaged over the last proposing steps (a probe's replaces)."""
-        tokens = float(np.mean([c[k - 1] for c, k in zip(curves, nodes)]))
-        width = float(nodes.mean() if self.engine.target.ragged else nodes.max())
-        if probe:
-            self.choice = (tokens, width)
-        else:
-            self.choice = (_blend(self.choice[0], tokens), _blend(self.choice[1], width))
+        """Keep what the budget chose (`choice`: expected tokens and real rows per sequence, the call's width),
+        averaged over the last proposing steps (a probe's replaces)."""
+        chosen = (float(np.mean([c[k - 1] for c, k in zip(curves, nodes)])), float(nodes.mean()), float(nodes.max()))
+        self.choice = chosen if probe else tuple(_blend(a, b) for a, b in zip(self.choice, chosen))
 
     @property
     def _probe_due(self) -> bool:
@@ -506,7 +502,7 @@ class Scheduler:
         self._count_call(1, width, width)
         if self.rates is not None:
             self.rates.update([record.tree], [record.acceptance.path])
-            self.latency.observe(1, width, target.seconds - before)
+            self.latency.observe(1, width, target.seconds - before, width)
         seq.stats.record(record)
         if self._emit(seq, record.acceptance.tokens):
             self._retire(seq)
@@ -540,8 +536,8 @@ class Scheduler:
         out = target.forward(self.pool.rows(n), ids, positions, mask, np.array(rows, np.int64), want=want, live=live)
         computed = len(rows) if target.ragged else n * width
         self._count_call(n, width, computed)
-        if self.latency is not None:  # the table's width: the rows the call computed, per sequence
-            self.latency.observe(n, computed / n, target.seconds - before)
+        if self.latency is not None:
+            self.latency.observe(n, width, target.seconds - before, len(rows))
 
         def placed(seq: _Sequence, t: int, out: dict, names: tuple[str, ...] | None = None) -> dict:
             b, start = first[seq.request.id]
@@ -623,11 +619,17 @@ class Scheduler:
 
 def profiled_latency(engine: Engine) -> BatchLatency | None:
     """The batched latency table of the profile the bundle was built with, where that profile measured it on a bundle
-    of the same precision (another precision's kernels scale differently with rows); None otherwise."""
+    of the same precision (another precision's kernels scale differently with rows) and, for a graph with ragged rows,
+    measured what a width costs alone (`BatchLatency.single`); None otherwise."""
     profile = engine.bundle.manifest.get("profile") or {}
     if not profile.get("measured") or (profile.get("engine") or {}).get("precision") != engine.bundle.precision:
         return None
-    return BatchLatency.from_measurements(profile.get("measurements") or {})
+    latency = BatchLatency.from_measurements(profile.get("measurements") or {})
+    if latency is None or (engine.target.ragged and latency.single is None):
+        return None
+    if not engine.target.ragged:  # every row computed: what ragged calls cost does not apply
+        latency.single = None
+    return latency
 
 
 def _seeded(seq: _Sequence) -> bool:

@@ -151,7 +151,8 @@ def _measured_profile(base, engine: Engine, measured: measure.Measured, tokens: 
             predicted_tokens_per_s=chosen["predicted_tokens_per_s"] if chosen else 0.0,
             measured_tokens_per_s=chosen["measured_tokens_per_s"] if chosen else 0.0,
             batch_context=measured.batch_context, batch_sequences=tuple(measured.batch_sequences),
-            batch_widths=tuple(measured.batch_widths), batch_ms=tuple(tuple(row) for row in measured.batch_ms)))
+            batch_widths=tuple(measured.batch_widths), batch_ms=tuple(tuple(row) for row in measured.batch_ms),
+            batch_single_ms=tuple(tuple(row) for row in measured.batch_single_ms)))
 
 
 def _source(base, hardware: str, entry: str) -> str:

@@ -39,6 +39,7 @@ class Measured:
     batch_sequences: list[int] = field(default_factory=list)
     batch_widths: list[int] = field(default_factory=list)
     batch_ms: list[list[float]] = field(default_factory=list)
+    batch_single_ms: list[list[float]] = field(default_factory=list)  # one real row a sequence (ragged rows)
 
     def verify_at(self, tokens: int, context: int | None = None) -> float:
         """Verification ms for `tokens` tree tokens, interpolated on the measured curve."""
@@ -147,15 +148,19 @@ def verify_latency(engine: Engine, tree_tokens, context: int, reps: int, progres
 def batch_latency(engine: Engine, measured: Measured, sequences: list[int], widths: list[int], context: int,
                   reps: int, progress) -> None:
     """The batched engine's call (runtime/scheduler.py: n sequences' chains of W tokens, each after `context` rows of
-    its own), best of `reps` per point, kept in `measured` (nothing where the backend has no batched pool)."""
+    its own, and where the graph takes ragged rows with one real row a sequence), best of `reps` per point, kept in
+    `measured` (nothing where the backend has no batched pool)."""
     if not hasattr(engine.target, "new_pool") or not sequences:
         return
     pool = engine.target.new_pool(max(sequences), context + max(widths))
-    table = []
+    table, single = [], []
     for n in sequences:  # a row at a time, for the progress bar
-        table += BatchLatency.measure(engine.target, pool, [n], widths, context, reps).as_ms()
+        latency = BatchLatency.measure(engine.target, pool, [n], widths, context, reps)
+        table += latency.as_ms()
+        single += latency.as_ms(single=True) if latency.single is not None else []
         progress(1)
     measured.batch_sequences, measured.batch_widths, measured.batch_ms = list(sequences), list(widths), table
+    measured.batch_single_ms = single
     measured.batch_context = context
 
 

@@ -103,6 +103,13 @@ def markdown(measured, meta: dict, images: list[str]) -> str:
                 "|---|" + "---|" * len(measured.batch_widths)]
         for n, row in zip(measured.batch_sequences, measured.batch_ms):
             out.append(f"| {n} | " + " | ".join(f"{ms:.2f}" for ms in row) + " |")
+        if measured.batch_single_ms:
+            out += ["", "The same calls with one real row a sequence, the rest padding (the graph takes ragged rows: "
+                    "it computes the real rows, attention runs on the padded width):", "",
+                    "| sequences | " + " | ".join(f"W={w}" for w in measured.batch_widths) + " |",
+                    "|---|" + "---|" * len(measured.batch_widths)]
+            for n, row in zip(measured.batch_sequences, measured.batch_single_ms):
+                out.append(f"| {n} | " + " | ".join(f"{ms:.2f}" for ms in row) + " |")
     if measured.rank_rates:
         out += ["", "## Medusa candidate accuracy on the calibration prompts", "",
                 "| head | " + " | ".join(f"rank {r}" for r in range(len(measured.rank_rates[0]))) + " |",
