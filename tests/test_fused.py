@@ -90,6 +90,25 @@ def test_the_graph_accepts_as_the_pure_rule(session, mode):
     assert max(lengths) >= 3  # accepted paths two drafts deep were exercised, not only rejections
 
 
+def test_a_batched_greedy_call_skips_the_one_sequence_tree(session):
+    """A call of several sequences (the batched engine's: greedy inputs, these outputs unread; add_batch_accept
+    accepts its trees) takes the If's short branch, as a single row does: the root alone and the last row's argmax.
+    The same tree alone is accepted as the pure rule accepts it (drafts accepted, so the branches differ)."""
+    rng = np.random.default_rng(3)
+    parents, logits = [-1, 0, 1, 0], (rng.normal(size=(8, V)) * 2).astype(np.float32)
+    top = logits.argmax(-1)  # the tree alone is the last 4 rows
+    tokens = [5, int(top[4]), int(top[5]), int(top[4])]  # a chain the target agrees with, and a repeated sibling
+    params = SamplingParams(temperature=0.0)
+    ref = accept_greedy(tokens, parents, top[4:])
+    alone = run(session, tokens, parents, logits[4:], 3, np.zeros((4, 1)), None, params)
+    assert alone == (ref.path, ref.tokens[-1]) and len(ref.path) == 3
+    feeds = {"input_ids": np.array([tokens] * 2, np.int64), "tree_mask": np.stack([tree.ancestor_mask(parents)] * 2),
+             "past_len": np.array([3, 7], np.int32), "logits": logits, "sample_u": np.zeros((8, 1), np.float32),
+             "sample_q": np.zeros((0, 0), np.float32), "sample_params": np.array([0, 0, 1, 0], np.float32)}
+    rows, bonus = session.run(None, feeds)
+    assert rows.tolist() == [0] and bonus.tolist() == [int(top[-1])]
+
+
 def test_the_final_draw_is_the_inverse_cdf(session):
     """A leaf root: the bonus token is sampling.sample's draw from p, for u across [0, 1)."""
     from specexport.runtime.sampling import sample

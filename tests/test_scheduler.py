@@ -318,14 +318,15 @@ def test_a_steps_trees_count_and_rate_at_once_as_one_by_one():
         together.update(drafts[start:start + 12], paths[start:start + 12])
     for draft, path in zip(drafts, paths):
         alone.update([draft], [path])
-    for name in ("verified", "accepted", "scored_verified", "scored_accepted"):
-        np.testing.assert_array_equal(getattr(together, name), getattr(alone, name))
+    for mine, theirs in zip(together.counts(), alone.counts()):
+        np.testing.assert_array_equal(mine, theirs)
     counted = [(d, p) for d, p in zip(drafts, paths) if len(d) > 1]  # a root alone tells nothing
-    np.testing.assert_array_equal(together.verified, [sum(len(d) > i for d, _ in counted) for i in range(6)])
-    np.testing.assert_array_equal(together.accepted, [sum(i in p for _, p in counted) for i in range(6)])
+    verified, accepted, scored_verified, scored_accepted = together.counts()
+    np.testing.assert_array_equal(verified, [sum(len(d) > i for d, _ in counted) for i in range(6)])
+    np.testing.assert_array_equal(accepted, [sum(i in p for _, p in counted) for i in range(6)])
     scored = [(d, p) for d, p in counted if d.scores is not None]
-    assert together.scored_verified.sum() == sum(len(d) - 1 for d, _ in scored) > 0
-    assert together.scored_accepted.sum() == sum(len(p) - 1 for _, p in scored) > 0
+    assert scored_verified.sum() == sum(len(d) - 1 for d, _ in scored) > 0
+    assert scored_accepted.sum() == sum(len(p) - 1 for _, p in scored) > 0
     for got, draft in zip(together.curves(drafts), drafts):
         np.testing.assert_allclose(got, together.curves([draft])[0])
         assert len(got) == len(draft) and got[0] == 1.0 and np.all(np.diff(got) >= 0)
@@ -366,6 +367,27 @@ def test_a_ragged_call_costs_its_width_and_its_real_rows():
     assert table(4, 1, 4) == pytest.approx(0.02, rel=0.02)
     assert table(4, 2, 5) == pytest.approx(0.03, rel=0.03)
     assert table(1, 1, 1) == pytest.approx(0.01, rel=0.02)
+
+
+def test_the_latency_table_learns_the_same_from_calls_read_at_once_or_one_by_one():
+    """BatchLatency.observe learns from a few calls at a time, or when the table is read: every read sees every call
+    before it, and the table ends as if each call had been learned from when it came."""
+    rng = np.random.default_rng(5)
+    calls = [(int(n), int(w), float(rng.uniform(0.005, 0.08)), int(n) * int(rng.integers(1, w + 1)))
+             for n, w in zip(rng.choice([1, 2, 3, 4], 70), rng.choice([1, 2, 3, 4], 70))]
+    def fresh() -> BatchLatency:
+        return ragged([1, 4], [1, 2, 4], [[0.01, 0.012, 0.02], [0.02, 0.024, 0.04]], 0.001)
+
+    later, at_once = fresh(), fresh()
+    for k, call in enumerate(calls):
+        later.observe(*call)
+        at_once.observe(*call)
+        read = at_once(*call[:2], call[3])  # a read learns from what was observed
+        if k % 9 == 0:
+            assert later(*call[:2], call[3]) == read
+    assert later.as_ms() == at_once.as_ms() and later.as_ms(single=True) == at_once.as_ms(single=True)
+    np.testing.assert_array_equal(later.priced[0], at_once.priced[0])
+    assert later.as_ms() != fresh().as_ms()
 
 
 def test_the_latency_table_interpolates_and_follows_the_calls_it_sees():

@@ -39,6 +39,7 @@ batched with.
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from functools import lru_cache
@@ -54,6 +55,7 @@ FORGET = 0.002  # each call takes this share of every grid point's own correctio
 SCORE_BINS = 16  # half-octaves of a proposer's estimate of a node's acceptance, the last for 2^-7.5 and below
 DEPTHS = 4  # depths calibrated apart: 1, 2, 3, and 4 or deeper
 PRIOR = 2.0  # how many nodes' worth the estimate itself counts for in its cell's calibration
+FOLD = 16  # verified trees AcceptanceRates keeps before counting them, calls BatchLatency before learning from them
 
 
 def grid(most: int) -> list[int]:
@@ -67,34 +69,48 @@ class AcceptanceRates:
     node: the estimate, calibrated by the acceptance of the nodes seen at the same depth with estimates in the same
     half-octave (the estimate itself counts as PRIOR nodes of its cell, so a cell starts at what the proposer says;
     the depth, because a deep node needs its ancestors accepted too, which a suffix match's frequencies do not
-    price). Others are rated by node index (a static tree's node i is the same candidate every step). The root: 1."""
+    price). Others are rated by node index (a static tree's node i is the same candidate every step). The root: 1.
+
+    Trees are counted FOLD at a time, or when the rates are read (every read sees every tree): counting costs about
+    the same for one tree as for a batch's (~60-90 us on the 2-core CPU), and one stream's steps bring one each."""
 
     def __init__(self, size: int):
-        self.verified, self.accepted = np.zeros(size), np.zeros(size)  # by node index
-        self.scored_verified, self.scored_accepted = np.zeros(DEPTHS * SCORE_BINS), np.zeros(DEPTHS * SCORE_BINS)
+        # verified and accepted nodes by node index; by calibration cell, of scored trees
+        self._counts = (np.zeros(size), np.zeros(size), np.zeros(DEPTHS * SCORE_BINS), np.zeros(DEPTHS * SCORE_BINS))
+        self._pending: list[tuple[tree.DraftTree, list[int]]] = []
 
     def update(self, drafts: list[tree.DraftTree], paths: list[list[int]]) -> None:
         """Verified trees and their accepted paths (node indices, the root first), a step's at once; a root alone
         tells nothing."""
-        seen = [(d, p) for d, p in zip(drafts, paths) if len(d) > 1]
+        self._pending += [(d, p) for d, p in zip(drafts, paths) if len(d) > 1]
+        if len(self._pending) >= FOLD:
+            self.counts()
+
+    def counts(self) -> tuple[np.ndarray, ...]:
+        """Verified and accepted nodes by node index, and by calibration cell of the scored trees: every tree updated
+        so far counted."""
+        seen, self._pending = self._pending, []
         if not seen:
-            return
-        size = len(self.verified)
+            return self._counts
+        verified, accepted, scored_verified, scored_accepted = self._counts
+        size = len(verified)
         sizes = np.minimum([len(d) for d, _ in seen], size)
-        self.verified += np.cumsum(np.bincount(sizes, minlength=size + 1)[::-1])[::-1][1:]  # trees longer than i
-        self.accepted += np.bincount(np.concatenate([p for _, p in seen]), minlength=size)[:size]
+        verified += np.cumsum(np.bincount(sizes, minlength=size + 1)[::-1])[::-1][1:]  # trees longer than i
+        accepted += np.bincount(np.concatenate([p for _, p in seen]), minlength=size)[:size]
         scored = [(d, np.asarray(p[1:], np.int64) - 1) for d, p in seen if d.scores is not None]
         if scored:
             cells = _cells([d for d, _ in scored], [np.arange(1, len(d)) for d, _ in scored])
             starts = np.cumsum([0] + [len(d) - 1 for d, _ in scored[:-1]])
             hits = cells[np.concatenate([p + start for (_, p), start in zip(scored, starts)])]
-            self.scored_verified += np.bincount(cells, minlength=DEPTHS * SCORE_BINS)
-            self.scored_accepted += np.bincount(hits, minlength=DEPTHS * SCORE_BINS)
+            scored_verified += np.bincount(cells, minlength=DEPTHS * SCORE_BINS)
+            scored_accepted += np.bincount(hits, minlength=DEPTHS * SCORE_BINS)
+        return self._counts
 
     def expected(self, nodes: int) -> np.ndarray:
         """Expected tokens of the first 1..nodes nodes of a tree rated by index: 1 (the bonus) + the accepted drafts
         among them."""
-        p = (self.accepted[:nodes] + 1) / (self.verified[:nodes] + 2)
+        verified, accepted = self.counts()[:2]
+        p = (accepted[:nodes] + 1) / (verified[:nodes] + 2)
         p[0] = 1.0
         return np.cumsum(p)
 
@@ -107,7 +123,8 @@ class AcceptanceRates:
             orders = [np.array(d.best_first()[1:], np.int64) for d in scored]
             estimate = np.exp(np.concatenate([np.asarray(d.scores, float)[o] for d, o in zip(scored, orders)]))
             cells = _cells(scored, orders)
-            p = (self.scored_accepted[cells] + PRIOR * estimate) / (self.scored_verified[cells] + PRIOR)
+            _, _, verified, accepted = self.counts()
+            p = (accepted[cells] + PRIOR * estimate) / (verified[cells] + PRIOR)
             parts = iter(np.split(p, np.cumsum([len(o) for o in orders])[:-1]))
             curves = [np.concatenate(([1.0], 1.0 + np.cumsum(next(parts)))) if c is None else c for c in curves]
         return curves
@@ -128,13 +145,14 @@ class BatchLatency:
 
     A graph with ragged rows (exporter/graph.py) computes a call's real rows only, but attention still runs in the
     padded layout: a call's cost is not its rows alone. On the 2-core CPU (16 sequences, 300 rows of context) 16 rows
-    at width 1 took 52.7 ms, 17 rows at width 2 61.0 ms, 32 rows at width 2 80.7 ms, 33 at width 3 88.8: every row
-    ~1.3 ms, and every width ~7 ms more. So where the graph takes ragged rows the table keeps a second grid, `single`:
+    at width 1 took 51.7 ms, the same 16 real rows at width 2 59.5 ms, 17 rows at width 2 60.4, 32 at 77.1: every row
+    ~1.1 ms, and a second width ~8 ms. So where the graph takes ragged rows the table keeps a second grid, `single`:
     the call at width W with one real row a sequence (its width's cost alone), and a call of R real rows costs
     single + (dense - single) * (R - n) / (n W - n), linear in its real rows between the two (measured so)."""
 
     def __init__(self, sequences: list[int], widths: list[int], seconds, single=None):
         self.sequences, self.widths = np.array(sequences, float), np.array(widths, float)
+        self.points = (tuple(self.sequences.tolist()), tuple(self.widths.tolist()))  # the grid, as `_weights` keys
         shape = (len(sequences), len(widths))
         self.seconds = np.array(seconds, float).reshape(shape)  # as measured, x a common scale
         # one real row a sequence at each width (graphs with ragged rows; None: every row is computed)
@@ -142,6 +160,8 @@ class BatchLatency:
         self.local = np.zeros_like(self.seconds)  # each grid point's own correction (a log factor) from calls near it
         self.base = np.zeros(len(sequences))  # one-row calls' recent miss (a log factor after the scale), by sequences
         self.based = np.zeros(len(sequences))  # how much of `base` comes from calls (0: none yet)
+        self._pending: list[tuple] = []  # calls observed, not yet learned from (`observe`)
+        self._price()
 
     @classmethod
     def measure(cls, target, pool, sequences: list[int], widths: list[int], context: int = 128, repeats: int = 1
@@ -187,15 +207,17 @@ class BatchLatency:
     def __call__(self, sequences: int, width, rows=None):
         """Seconds for `sequences` sequences padded to `width`, of which `rows` real rows in all where the graph takes
         ragged rows (None: every row; width and rows: numbers, or arrays of one shape)."""
-        local = np.exp(self.local)
-        seconds = _along(width, self.widths, _along(sequences, self.sequences, self.seconds * local))
-        if self.single is not None and rows is not None:
-            single = _along(width, self.widths, _along(sequences, self.sequences, self.single * local))
-            padded = sequences * np.maximum(np.asarray(width, float), 1.0)
-            real = np.clip((np.asarray(rows, float) - sequences) / np.maximum(padded - sequences, 1e-9), 0.0, 1.0)
-            seconds = single + real * (seconds - single)
+        if self._pending:
+            self._learn()
+        near, (dense, single) = _weights(float(sequences), self.points[0]), self.priced
+        seconds = _along(width, self.points[1], near @ dense)
+        if single is not None and rows is not None:
+            alone = _along(width, self.points[1], near @ single)
+            padded = sequences * np.maximum(width, 1.0)
+            real = np.minimum(np.maximum((rows - sequences) / np.maximum(padded - sequences, 1e-9), 0.0), 1.0)
+            seconds = alone + real * (seconds - alone)
         seconds = np.maximum(seconds, 1e-6)
-        return float(seconds) if seconds.ndim == 0 else seconds
+        return float(seconds) if np.ndim(seconds) == 0 else seconds
 
     def observe(self, sequences: int, width: int, seconds: float, rows: int | None = None) -> None:
         """A call's measured time (`rows`: its real rows, where the graph takes ragged rows). The whole table's scale
@@ -206,49 +228,77 @@ class BatchLatency:
         context, 1.75x in a serving run's calls). Calls of one size alone scale every size alike. A point's own
         correction fades while no call comes near it (FORGET): a width once measured dear is tried again later rather
         than never. The one-row point is what one-row calls measure: a wider call between grid points corrects the
-        wider ones alone, until the interpolation meets it."""
-        predicted = self(sequences, width, rows)
-        scale = 1 + BLEND * (seconds / predicted - 1)
-        self.seconds *= scale
-        if self.single is not None:
-            self.single *= scale
-        miss = math.log(seconds / (predicted * scale))  # against the rescaled table's prediction
-        near = _hats(sequences, self.sequences)
-        self.local *= 1 - FORGET
-        if width <= self.widths[0]:
-            self.base += CELL_BLEND * near * (miss - self.base)
-            self.based += CELL_BLEND * near * (1 - self.based)
-        elif near @ self.based > 0.5:  # the wider points around it (one-row calls alone correct the first)
-            relative = miss - (near @ self.base)
-            wider = _hats(width, self.widths).copy()
-            wider[0] = 0.0
-            self.local += CELL_BLEND * relative * np.outer(near, wider / wider.sum())
+        wider ones alone, until the interpolation meets it.
+
+        Calls are learned from FOLD at a time, or when the table is read (every read sees every call, in order): right
+        after a target call the host's caches are cold, and one stream's steps read nothing."""
+        self._pending.append((sequences, width, seconds, rows))
+        if len(self._pending) >= FOLD:
+            self._learn()
+
+    def _learn(self) -> None:
+        """Learn from `observe`'s calls, in order."""
+        calls, self._pending = self._pending, []
+        for sequences, width, seconds, rows in calls:
+            predicted = self(sequences, width, rows)
+            scale = 1 + BLEND * (seconds / predicted - 1)
+            self.seconds *= scale
+            if self.single is not None:
+                self.single *= scale
+            miss = math.log(seconds / (predicted * scale))  # against the rescaled table's prediction
+            near = _hats(sequences, self.points[0])
+            self.local *= 1 - FORGET
+            if width <= self.widths[0]:
+                self.base += CELL_BLEND * near * (miss - self.base)
+                self.based += CELL_BLEND * near * (1 - self.based)
+            elif near @ self.based > 0.5:  # the wider points around it (one-row calls alone correct the first)
+                relative = miss - (near @ self.base)
+                wider = _hats(width, self.points[1]).copy()
+                wider[0] = 0.0
+                self.local += CELL_BLEND * relative * np.outer(near, wider / wider.sum())
+            self._price()
+
+    def _price(self) -> None:
+        """The tables as `__call__` reads them: with each point's own correction."""
+        factor = np.exp(self.local)
+        self.priced = (self.seconds * factor, None if self.single is None else self.single * factor)
 
     def as_ms(self, single: bool = False) -> list[list[float]]:
+        if self._pending:
+            self._learn()
         return [[round(1000 * s, 3) for s in row] for row in (self.single if single else self.seconds)]
 
 
-def _along(x, xs: np.ndarray, table: np.ndarray):
-    """`table` (one row, or one value, per point of `xs`) interpolated at x (a number, or an array of them against a
-    1-D table): linear between the points, along the last segment beyond the last point (a call wider than the grid
-    costs more, not the same), the first row before the first point."""
+def _along(x, points: tuple[float, ...], values: np.ndarray):
+    """`values` (one per point) interpolated at x, a number or an array of them (`_weights`)."""
+    if np.ndim(x) == 0:
+        return _weights(float(x), points) @ values
+    xs = np.array(points)
     if len(xs) == 1:
-        return np.broadcast_to(table[0], np.shape(x)) if table.ndim == 1 else table[0]
-    k = np.clip(np.searchsorted(xs, x), 1, len(xs) - 1)  # xs[k - 1] < x <= xs[k], or the first or last segment
+        return np.broadcast_to(values[0], np.shape(x))
+    k = np.clip(np.searchsorted(xs, x), 1, len(xs) - 1)
     share = np.maximum((np.asarray(x, float) - xs[k - 1]) / (xs[k] - xs[k - 1]), 0.0)
-    return table[k - 1] + share * (table[k] - table[k - 1])
+    return values[k - 1] + share * (values[k] - values[k - 1])
 
 
-def _hats(x: float, xs: np.ndarray) -> np.ndarray:
-    """The weights of the points `xs` in the linear interpolation at x (summing to 1; the nearest edge's beyond)."""
-    return _weights(float(min(x, xs[-1])), tuple(xs.tolist()))
+def _hats(x: float, points: tuple[float, ...]) -> np.ndarray:
+    """The weights of the points in the linear interpolation at x (summing to 1; the nearest edge's beyond)."""
+    return _weights(float(min(x, points[-1])), points)
 
 
 @lru_cache(maxsize=4096)
-def _weights(x: float, xs: tuple[float, ...]) -> np.ndarray:
-    """`_hats`, kept per point and grid (read-only): every step asks for the same few, and host work right after a
-    target call runs with cold caches (on the 2-core CPU `observe` took 42 us in a loop, ~300 us after a call)."""
-    weights = _along(x, np.array(xs), np.eye(len(xs)))
+def _weights(x: float, points: tuple[float, ...]) -> np.ndarray:
+    """The weights of the points (ascending) in the interpolation at x: linear between them, along the last segment
+    beyond the last (a call wider than the grid costs more, not the same), the first point's value before the first.
+    Kept per x and grid (read-only): every step asks for the same few, and host work right after a target call runs
+    with cold caches (on the 2-core CPU `observe` took 42 us in a loop, ~300 us after a call)."""
+    weights = np.zeros(len(points))
+    if len(points) == 1:
+        weights[0] = 1.0
+    else:
+        k = min(max(bisect.bisect_left(points, x), 1), len(points) - 1)  # points[k - 1] < x <= points[k], or an end
+        share = max((x - points[k - 1]) / (points[k] - points[k - 1]), 0.0)
+        weights[k - 1], weights[k] = 1.0 - share, share
     weights.flags.writeable = False
     return weights
 

@@ -624,12 +624,11 @@ def profiled_latency(engine: Engine) -> BatchLatency | None:
     profile = engine.bundle.manifest.get("profile") or {}
     if not profile.get("measured") or (profile.get("engine") or {}).get("precision") != engine.bundle.precision:
         return None
-    latency = BatchLatency.from_measurements(profile.get("measurements") or {})
-    if latency is None or (engine.target.ragged and latency.single is None):
-        return None
+    measurements = dict(profile.get("measurements") or {})
     if not engine.target.ragged:  # every row computed: what ragged calls cost does not apply
-        latency.single = None
-    return latency
+        measurements.pop("batch_single_ms", None)
+    latency = BatchLatency.from_measurements(measurements)
+    return None if latency is None or (engine.target.ragged and latency.single is None) else latency
 
 
 def _seeded(seq: _Sequence) -> bool:
