@@ -180,8 +180,8 @@ class BatchLatency:
                     ids, positions = np.zeros((n, w), np.int64), np.broadcast_to(context + np.arange(w), (n, w))
                     mask = np.broadcast_to(tree.causal_mask(w), (n, w, w))
                     calls = [(None, np.arange(n * w))]
-                    if target.ragged:
-                        calls.append((np.ones(n, np.int64), np.arange(n) * w) if w > 1 else calls[0])
+                    if target.ragged and w > 1:  # at width 1 one real row a sequence is every row
+                        calls.append((np.ones(n, np.int64), np.arange(n) * w))
                     for k, (live, selected) in enumerate(calls):
                         best = float("inf")
                         for _ in range(repeats + 1):
@@ -189,6 +189,7 @@ class BatchLatency:
                             target.forward(pool.rows(n), ids, positions, mask, selected, want=("logits",), live=live)
                             best = min(best, time.perf_counter() - start)
                         seconds[k, i, j] = best
+                    seconds[len(calls):, i, j] = seconds[0, i, j]
         finally:
             pool.lengths[:] = saved
         return cls(sequences, widths, seconds[0], seconds[1] if target.ragged else None)
