@@ -10,6 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import TINY, TOKENIZER_VOCAB, method_export
+from helpers import check_head_copied
 
 from specexport import chisquare
 from specexport.cli import main
@@ -508,3 +509,9 @@ def test_batched_eagle_drafts_together_and_keeps_batch_one_tokens(eagle_engine, 
         assert scheduler.draft_pool is not None and draft.calls - before < alone
     finally:
         eagle_engine.configure()
+
+
+def test_template_head_copied_with_what_the_proposer_read(eagle_engine):
+    """EAGLE-3 reads the target's outputs at the prompt's rows: a copied head gives it the kept ones, and every prompt
+    emits what it emits with the head computed (tests/helpers.check_head_copied)."""
+    check_head_copied(eagle_engine)

@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 from conftest import method_export
+from helpers import check_head_copied
 
 from specexport import chisquare
 from specexport.errors import UserError
@@ -68,6 +69,11 @@ def test_batched_greedy_equals_batch_one(engines, name, in_graph):
     assert scheduler.active == 0 and not scheduler.running
     if alone:  # the draft model's calls were made together (runtime/drafting.together)
         assert scheduler.draft_pool is not None and draft_calls() - before - alone < alone
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "self1-tree"])
+def test_template_head_copied_gives_the_computed_tokens(engines, name):
+    check_head_copied(engines[name])
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(engines):

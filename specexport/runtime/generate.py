@@ -19,6 +19,7 @@ from specexport.errors import UserError
 from specexport.runtime import cpu, methods, tree
 from specexport.runtime.backends import open_graph
 from specexport.runtime.backends.host import Backend, Cache
+from specexport.runtime.prefix import TemplateHead
 from specexport.runtime.sampling import Sampler, SamplingParams
 from specexport.runtime.tokenizer import StreamDecoder, Tokenizer, find_stop
 from specexport.runtime.tree import AcceptMode, DraftTree
@@ -112,6 +113,7 @@ class Engine:
         self.max_context = int(bundle.manifest["max_context"])
         notes = bundle.manifest.get("runtime") or {}
         self.first_token_alone = bool(notes.get("prefill_first_token_alone"))
+        self.head = TemplateHead.of(self.tokenizer)  # prefilled once, copied into each prompt's cache
         self.warnings = []  # what a caller should tell the user (the CLI prints them)
         ort_int8 = bundle.precision == "int8" and bundle.manifest["flavour"] == "ort"
         if notes.get("int8_weight_bits", 8 if ort_int8 else 0) > cpu.int8_weight_bits():  # older bundles: 8 bits
@@ -214,25 +216,52 @@ class Engine:
     def prefill(self, cache: Cache, ids: list[int], proposer=None) -> np.ndarray:
         """Run the prompt through the target; returns the logits of its last token. Its calls also
         bring what `proposer` wants from the target (EAGLE's features; Medusa's candidates at the last row)."""
-        for chunk in self.prefill_chunks(ids):
-            logits = self.prefill_chunk(cache, chunk, proposer)
+        chunks = self.prefill_chunks(ids)
+        head = self.head.leading(chunks)
+        for k in range(self.restore_head(cache, chunks, proposer), len(chunks)):
+            logits = self.prefill_chunk(cache, chunks[k], proposer, head=k < head)
         return logits
 
     def prefill_chunks(self, ids: list[int], size: int | None = None) -> list[list[int]]:
-        """The prompt's target calls: chunks of at most `size` tokens (default PREFILL_CHUNK; the first token alone
-        where the bundle asks)."""
+        """The prompt's target calls: chunks of at most `size` tokens (default PREFILL_CHUNK): the chat template's
+        head apart from the rest (runtime/prefix.py), the first token alone where the bundle asks."""
         size = PREFILL_CHUNK if size is None else size
-        chunks = [ids[:1], ids[1:]] if self.first_token_alone and len(ids) > 1 else [ids]
-        return [c[i:i + size] for c in chunks for i in range(0, len(c), size)]
+        head = self.head.split(ids)
+        parts = [ids[:head], ids[head:]] if head else [ids]
+        if self.first_token_alone and len(parts[0]) > 1:
+            parts[:1] = [parts[0][:1], parts[0][1:]]
+        return [c[i:i + size] for c in parts for i in range(0, len(c), size)]
 
-    def prefill_chunk(self, cache: Cache, chunk: list[int], proposer=None, fused: bool | None = None) -> np.ndarray:
+    def restore_head(self, cache: Cache, chunks: list[list[int]], proposer=None, fused: bool | None = None) -> int:
+        """How many of a prompt's leading `chunks` (never its last) were copied into the empty `cache` from the chat
+        template's head, as earlier prompts' calls left it, instead of computed (runtime/prefix.py: the same rows; a
+        proposer that reads the calls' outputs observes the kept ones)."""
+        extra, n = self._prefill_wants(proposer, fused), 0
+        if cache.length == 0:
+            head = min(self.head.leading(chunks), len(chunks) - 1)
+            while n < head and (out := self.head.restore(cache, chunks[n], extra)) is not None:
+                if extra:
+                    proposer.observe(out, range(len(chunks[n])))
+                n += 1
+        return n
+
+    def prefill_chunk(self, cache: Cache, chunk: list[int], proposer=None, fused: bool | None = None,
+                      head: bool = False) -> np.ndarray:
         """One prompt chunk appended to the cache; the logits of its last token. `fused`: whether the proposer's steps
-        accept in the graph (what it wants from the target depends on it; default: this engine's graph)."""
-        extra = proposer.wants(self.fused_accept if fused is None else fused) if proposer is not None else ()
+        accept in the graph (what it wants from the target depends on it; default: this engine's graph). `head`: the
+        chunk continues the chat template's head, which the cache holds before it (its rows are kept for later
+        prompts)."""
+        extra, start = self._prefill_wants(proposer, fused), cache.length
         out = self.forward_chain(cache, chunk, ("logits",) + extra)
+        if head:
+            self.head.keep(cache, start, chunk, {name: out[name] for name in extra})
         if extra:
             proposer.observe(out, range(len(chunk)))
         return out["logits"][-1]
+
+    def _prefill_wants(self, proposer, fused: bool | None) -> tuple[str, ...]:
+        """What the proposer reads from the prompt's calls besides the logits."""
+        return proposer.wants(self.fused_accept if fused is None else fused) if proposer is not None else ()
 
     def forward_chain(self, cache: Cache, ids: list[int], want=("logits",)) -> dict:
         """Append a chain of tokens; returns the `want`ed outputs, the logits of the last row, [1, vocab]."""

@@ -54,7 +54,25 @@ class CacheRows(ABC):
         self.length = length
 
 
-class KVCache(CacheRows):
+class HostRows(CacheRows):
+    """A cache of one sequence whose buffers are host arrays [1, kv_heads, capacity, head_dim]: its rows can be read
+    and written by offset (runtime/prefix.py keeps a chat template's head this way)."""
+
+    buffers: list[np.ndarray]
+
+    def rows_at(self, start: int, n: int) -> list[np.ndarray]:
+        """Copies of rows [start, start + n) of every buffer."""
+        return [buf[0, :, start:start + n].copy() for buf in self.buffers]
+
+    def put_rows(self, start: int, rows: list[np.ndarray]) -> None:
+        """Write `rows_at`'s copies back at rows [start, start + n) (the length is the caller's to advance)."""
+        if start + rows[0].shape[1] > self.capacity:
+            raise ValueError(f"rows [{start}, {start + rows[0].shape[1]}) outside a cache of {self.capacity}")
+        for buf, r in zip(self.buffers, rows):
+            buf[0, :, start:start + r.shape[1]] = r
+
+
+class KVCache(HostRows):
     def __init__(self, layers: int, batch: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32):
         shape = (batch, kv_heads, capacity, head_dim)
         self.buffers = [np.zeros(shape, dtype=dtype) for _ in range(2 * layers)]  # k0, v0, k1, v1, ...
@@ -106,7 +124,7 @@ class KVPool:
         self.lengths[dst] = n
 
 
-class SlotRows(CacheRows):
+class SlotRows(HostRows):
     """A run of a pool's slots seen as one cache (`Cache` in runtime/backends/host.py): views of the pool's buffers, bound in
     place. Its `length` is the first slot's (what a single slot's calls read and move); `past_lengths` gives each
     slot's, for a batched call, whose rows the scheduler commits slot by slot (`commit_slot`)."""

@@ -154,6 +154,7 @@ class _Sequence:
     capacity: int  # the target rows the generation may take (its proposer's `start`)
     slot: int = -1
     pending: list[int] = field(default_factory=list)  # tokens accepted but not yet emitted
+    head: int = 0  # leading chunks still to feed that spell the chat template's head (runtime/prefix.py)
 
     @property
     def history(self) -> list[int]:
@@ -255,9 +256,10 @@ class Scheduler:
             self._ids += 1
             request = Request(self._ids, len(ids), on_end, on_tokens, cancel)
             text = on_text if on_text is not None else request._text
+            chunks = engine.prefill_chunks(ids, self.prefill_chunk)
             seq = _Sequence(request, ids, Output(engine.tokenizer, stop, stop_ids, max_new_tokens, budget, text),
-                            sampler, proposer, engine.prefill_chunks(ids, self.prefill_chunk), Stats(len(ids)),
-                            len(ids) + budget + proposer.max_drafts)
+                            sampler, proposer, chunks, Stats(len(ids)), len(ids) + budget + proposer.max_drafts,
+                            head=engine.head.leading(chunks))
             self.waiting.append(seq)
             self._lock.notify()
         return request
@@ -373,9 +375,14 @@ class Scheduler:
         return self.draft_pool.slot(seq.slot)
 
     def _prefill_one_chunk(self) -> None:
-        seq = self.prefilling
+        seq, cache = self.prefilling, self.pool.slot(self.prefilling.slot)
         try:
-            logits = self.engine.prefill_chunk(self.pool.slot(seq.slot), seq.chunks.pop(0), seq.proposer, fused=False)
+            if cache.length == 0:  # the chat template's head, where earlier prompts left it (runtime/prefix.py)
+                restored = self.engine.restore_head(cache, seq.chunks, seq.proposer, fused=False)
+                del seq.chunks[:restored]
+                seq.head -= restored
+            logits = self.engine.prefill_chunk(cache, seq.chunks.pop(0), seq.proposer, fused=False, head=seq.head > 0)
+            seq.head -= 1
             if seq.chunks:
                 return
             seq.pending = [seq.sampler(logits)]
