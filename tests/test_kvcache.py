@@ -108,7 +108,7 @@ def test_commit_nothing():
     assert rows(cache) == list(range(8))
 
 
-@pytest.mark.parametrize("bad", [[-1], [0, 6], [7]])
+@pytest.mark.parametrize("bad", [[-1], [0, 6], [7], list(range(7)), np.arange(7)])  # a prefix too long, list or array
 def test_commit_outside_the_cache(bad):
     cache = numbered()
     cache.advance(2)  # offsets must stay below capacity - length = 6

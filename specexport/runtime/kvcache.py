@@ -35,13 +35,17 @@ class CacheRows(ABC):
         self.length += n
 
     def commit(self, rows) -> None:
-        """Keep the new rows at these offsets (relative to `length`, ascending), in order."""
-        rows = np.asarray(rows, dtype=np.int64)
-        if rows.size and (rows.min() < 0 or self.length + rows.max() >= self.capacity):
-            raise ValueError(f"commit rows {rows.tolist()} outside the cache")
-        if not np.array_equal(rows, np.arange(rows.size)):  # only a non-prefix path needs a copy
-            self.move(self.length + rows)
-        self.length += int(rows.size)
+        """Keep the new rows at these offsets (relative to `length`, ascending), in order: a prefix (most steps'
+        path) stays where it is, any other path is copied down."""
+        if not (isinstance(rows, list) and rows == list(range(len(rows)))):  # given as a list, a prefix is quick
+            rows = np.asarray(rows, dtype=np.int64)
+            if rows.size and (rows.min() < 0 or self.length + rows.max() >= self.capacity):
+                raise ValueError(f"commit rows {rows.tolist()} outside the cache")
+            if not np.array_equal(rows, np.arange(rows.size)):
+                self.move(self.length + rows)
+        elif self.length + len(rows) > self.capacity:
+            raise ValueError(f"commit rows {rows} outside the cache")
+        self.length += len(rows)
 
     @abstractmethod
     def move(self, src: np.ndarray) -> None:

@@ -162,6 +162,11 @@ class _Sequence:
     def history(self) -> list[int]:
         return self.ids + self.output.tokens
 
+    @property
+    def last(self) -> int:
+        """history[-1], without building it."""
+        return self.output.tokens[-1] if self.output.tokens else self.ids[-1]
+
 
 class _HostAccepting:
     """The engine as a scheduled sequence's proposer sees it: its steps accept on the host (the acceptance fused into
@@ -409,7 +414,7 @@ class Scheduler:
         proposing = self._drafting_pays(live)
         probe = self._probe_due if proposing else self.proposed >= PLAIN_PROBE_STEPS
         drafts_s = sum(g.seconds for g in self.engine.side_graphs())  # draft graphs' calls (EAGLE's, a draft model's)
-        proposals = self._propose(live) if proposing else [tree.DraftTree([s.history[-1]], [-1]) for s in live]
+        proposals = self._propose(live) if proposing else [tree.DraftTree.root_only(s.last) for s in live]
         self._batched = (proposing, probe, sum(g.seconds for g in self.engine.side_graphs()) - drafts_s)
         self.unproposed, self.proposed = (0, self.proposed + 1) if proposing else (self.unproposed + 1, 0)
         for seq, draft in zip(live, proposals):
@@ -446,7 +451,8 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001
                     leaving.append((seq, _message(e)))
                     continue
-                seq.stats.record(StepRecord(draft, acceptance, len(seq.history), 0.0, verified - started,
+                context = len(seq.ids) + len(seq.output.tokens)  # len(history), without building it
+                seq.stats.record(StepRecord(draft, acceptance, context, 0.0, verified - started,
                                             time.perf_counter() - started))
                 if self._emit(seq, acceptance.tokens):
                     leaving.append((seq, None))
@@ -569,6 +575,8 @@ class Scheduler:
                     logits = placed(seq, len(draft), out, ("logits",))["logits"]
                     sampled_rows += len(draft)
                     accepted.append(accept(draft, logits, seq.sampler.params, seq.sampler.rng))
+                elif top is not None and len(draft) == 1:  # a root alone (plain steps): accept_greedy's result
+                    accepted.append(Acceptance([0], [int(top[start])]))
                 elif top is not None:
                     accepted.append(accept_greedy(draft.tokens, draft.parents, top[start:start + len(draft)]))
                 else:
