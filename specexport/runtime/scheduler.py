@@ -61,7 +61,7 @@ from specexport.runtime.verify import Acceptance, accept, accept_greedy
 _DONE = object()
 BATCH_ACCEPT = ("batch_accept_mask", "batch_accept_len", "batch_bonus")  # the graph's batched greedy acceptance
 STEP_BLEND = 0.1  # the last step's weight in the running averages (the steps' costs, the host's per sampled row)
-PROBE_STEPS = 64  # while drafting does not pay, one batched step in this many proposes anyway (see _drafting_pays)
+PROBE_STEPS = 16  # while drafting does not pay, one batched step in this many proposes anyway (see _drafting_pays)
 PLAIN_PROBE_STEPS = 16  # while drafting pays, one batched step in this many verifies the roots alone (likewise)
 WIDTHS_KEPT = 10_000  # target calls whose (sequences, width) the scheduler keeps (a server runs for weeks)
 
@@ -220,7 +220,6 @@ class Scheduler:
                                                        float(self.step_rows), float(self.step_rows))
         self.unproposed = 0  # batched steps since the last that proposed
         self.proposed = 0  # batched steps that proposed since the last that did not
-        self._batched = None  # the current step's batched call: (proposed, a probe, its draft graphs' seconds)
         self.row_s = None  # the host's time to accept one sampled row (an average over the last steps; None: not yet)
         self.sampled_s = 0.0  # the host's time accepting sampled rows so far (part of overhead_s)
         self.draft_pool = None  # the draft graph's caches, slot for slot with `pool` (made for the first proposer)
@@ -326,8 +325,7 @@ class Scheduler:
     def step(self) -> bool:
         """One scheduler step (the module docstring); returns whether any request is left."""
         graphs = [self.engine.target] + self.engine.side_graphs()
-        start, inside, sampled = time.perf_counter(), sum(g.seconds for g in graphs), self.sampled_s
-        self._batched = None
+        start, inside = time.perf_counter(), sum(g.seconds for g in graphs)
         self._drop_cancelled()
         self._admit()
         if self.prefilling is not None:
@@ -337,10 +335,6 @@ class Scheduler:
         graphs = [self.engine.target] + self.engine.side_graphs()
         host = time.perf_counter() - start - (sum(g.seconds for g in graphs) - inside)
         self.overhead_s += host
-        if self._batched is not None:
-            proposed, probe, drafts_s = self._batched
-            cost, known = host - (self.sampled_s - sampled) + drafts_s, self.step_cost[proposed]
-            self.step_cost[proposed] = cost if probe or known is None else _blend(known, cost)
         return self.active > 0
 
     def _drop_cancelled(self) -> None:
@@ -409,13 +403,15 @@ class Scheduler:
         if len(self.running) == 1 and not self.running[0].request.cancelled \
                 and self.running[0].proposer.wants(True) == self.running[0].proposer.wants(False):
             return self._single_step(self.running[0])
+        graphs = [self.engine.target] + self.engine.side_graphs()
         seqs, trees, leaving, started = [], [], [], time.perf_counter()
+        inside, sampled_s = sum(g.seconds for g in graphs), self.sampled_s
         live = [seq for seq in self.running if not seq.request.cancelled]  # a cancelled one's row is padding
         proposing = self._drafting_pays(live)
         probe = self._probe_due if proposing else self.proposed >= PLAIN_PROBE_STEPS
-        drafts_s = sum(g.seconds for g in self.engine.side_graphs())  # draft graphs' calls (EAGLE's, a draft model's)
+        drafts_s = sum(g.seconds for g in graphs[1:])  # draft graphs' calls (EAGLE's, a draft model's)
         proposals = self._propose(live) if proposing else [tree.DraftTree.root_only(s.last) for s in live]
-        self._batched = (proposing, probe, sum(g.seconds for g in self.engine.side_graphs()) - drafts_s)
+        drafts_s = sum(g.seconds for g in graphs[1:]) - drafts_s
         self.unproposed, self.proposed = (0, self.proposed + 1) if proposing else (self.unproposed + 1, 0)
         for seq, draft in zip(live, proposals):
             if isinstance(draft, Exception):  # one request's failure ends that request only
@@ -456,6 +452,12 @@ class Scheduler:
                                             time.perf_counter() - started))
                 if self._emit(seq, acceptance.tokens):
                     leaving.append((seq, None))
+        # what this kind of step costs outside the target's call: the host's work and the draft graphs' calls, less
+        # the sampled rows' acceptance (priced per row); the requests leaving (a slot move) are not the kind's cost
+        cost = time.perf_counter() - started - (sum(g.seconds for g in graphs) - inside) + drafts_s \
+            - (self.sampled_s - sampled_s)
+        known = self.step_cost[proposing]
+        self.step_cost[proposing] = cost if probe or known is None else _blend(known, cost)
         for seq, error in leaving:
             self._retire(seq, error)
 
