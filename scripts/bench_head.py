@@ -42,7 +42,7 @@ CONFIGS = ("kept", "computed", "unsplit")
 class Computed(TemplateHead):
     """A head that keeps nothing: computed for every prompt, in the same chunks."""
 
-    def keep(self, cache, start: int, chunk: list[int], outputs: dict) -> None:
+    def keep(self, cache, chunks: list[list[int]], outputs: dict) -> None:
         pass
 
 

@@ -216,10 +216,9 @@ class Engine:
     def prefill(self, cache: Cache, ids: list[int], proposer=None) -> np.ndarray:
         """Run the prompt through the target; returns the logits of its last token. Its calls also
         bring what `proposer` wants from the target (EAGLE's features; Medusa's candidates at the last row)."""
-        chunks = self.prefill_chunks(ids)
-        head = self.head.leading(chunks)
-        for k in range(self.restore_head(cache, chunks, proposer), len(chunks)):
-            logits = self.prefill_chunk(cache, chunks[k], proposer, head=k < head)
+        chunks, fed = self.prefill_chunks(ids), 0
+        while fed < len(chunks):
+            fed, logits = self.prefill_next(cache, chunks, fed, proposer)
         return logits
 
     def prefill_chunks(self, ids: list[int], size: int | None = None) -> list[list[int]]:
@@ -232,32 +231,24 @@ class Engine:
             parts[:1] = [parts[0][:1], parts[0][1:]]
         return [c[i:i + size] for c in parts for i in range(0, len(c), size)]
 
-    def restore_head(self, cache: Cache, chunks: list[list[int]], proposer=None, fused: bool | None = None) -> int:
-        """How many of a prompt's leading `chunks` (never its last) were copied into the empty `cache` from the chat
-        template's head, as earlier prompts' calls left it, instead of computed (runtime/prefix.py: the same rows; a
-        proposer that reads the calls' outputs observes the kept ones)."""
-        extra, n = self._prefill_wants(proposer, fused), 0
-        if cache.length == 0:
-            head = min(self.head.leading(chunks), len(chunks) - 1)
-            while n < head and (out := self.head.restore(cache, chunks[n], extra)) is not None:
-                if extra:
-                    proposer.observe(out, range(len(chunks[n])))
-                n += 1
-        return n
-
-    def prefill_chunk(self, cache: Cache, chunk: list[int], proposer=None, fused: bool | None = None,
-                      head: bool = False) -> np.ndarray:
-        """One prompt chunk appended to the cache; the logits of its last token. `fused`: whether the proposer's steps
-        accept in the graph (what it wants from the target depends on it; default: this engine's graph). `head`: the
-        chunk continues the chat template's head, which the cache holds before it (its rows are kept for later
-        prompts)."""
-        extra, start = self._prefill_wants(proposer, fused), cache.length
-        out = self.forward_chain(cache, chunk, ("logits",) + extra)
-        if head:
-            self.head.keep(cache, start, chunk, {name: out[name] for name in extra})
+    def prefill_next(self, cache: Cache, chunks: list[list[int]], fed: int, proposer=None,
+                     fused: bool | None = None) -> tuple[int, np.ndarray]:
+        """Feed the next of a prompt's `chunks` (`prefill_chunks`) into `cache`, which holds the first `fed` of them;
+        returns how many it holds then and the logits of the last token fed. The chunks that spell the chat
+        template's head are copied as an earlier prompt's calls left them where they were kept (never the last: its
+        logits are wanted), else computed and kept (runtime/prefix.py: the same rows; a proposer that reads the
+        calls' outputs observes the kept ones). `fused`: whether the proposer's steps accept in the graph (what it
+        wants from the target depends on it; default: this engine's graph)."""
+        extra = self._prefill_wants(proposer, fused)
+        while fed < len(chunks) - 1 and (out := self.head.restore(cache, chunks[:fed + 1], extra)) is not None:
+            if extra:
+                proposer.observe(out, range(len(chunks[fed])))
+            fed += 1
+        out = self.forward_chain(cache, chunks[fed], ("logits",) + extra)
+        self.head.keep(cache, chunks[:fed + 1], {name: out[name] for name in extra})
         if extra:
-            proposer.observe(out, range(len(chunk)))
-        return out["logits"][-1]
+            proposer.observe(out, range(len(chunks[fed])))
+        return fed + 1, out["logits"][-1]
 
     def _prefill_wants(self, proposer, fused: bool | None) -> tuple[str, ...]:
         """What the proposer reads from the prompt's calls besides the logits."""

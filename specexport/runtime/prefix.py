@@ -9,7 +9,7 @@ Exact by construction: a prompt that begins with the head is always prefilled in
 the rest: `Engine.prefill_chunks`), cached or not, and a chunk's rows depend only on its tokens and the rows before
 it (causal attention; int8's per-call activation scale is taken over the call's own rows). So a kept chunk's rows are
 the rows that computing it again would write, bit for bit, on a cache whose rows before it are the head's: a
-prompt's leading chunks that spell the head from row 0 (`leading`) are the only ones kept or restored.
+prompt's leading chunks that spell the head from row 0, in the same chunking, are the only ones kept or restored.
 
 A proposer that reads the target's outputs at the prompt's rows (EAGLE's features, Medusa's candidates) is given the
 head's, kept with its rows, as its call gave them (its own draft prefill still runs on them). Only caches whose rows
@@ -24,14 +24,15 @@ from specexport.runtime.kvcache import HostRows
 
 
 class TemplateHead:
-    """The head's tokens and its prefill chunks' rows (per chunk, by its start and length: the rows it wrote in each
-    cache buffer) and what proposers read from those calls (by the outputs' names). Its callers say which chunks
-    continue the head (`leading`): `restore` and `keep` take their word."""
+    """The head's tokens and the rows its prefill chunks wrote (per cache buffer), with what proposers read from
+    those calls (by the outputs' names). A chunk is known by the prompt's chunks from row 0 through it (their
+    lengths: the same rows need the same chunking before them, as well as the same tokens); only chunks whose tokens
+    and those before them spell the head are kept or put back."""
 
     def __init__(self, tokens: list[int]):
         self.tokens = list(tokens)
-        self._rows: dict[tuple[int, int], list[np.ndarray]] = {}
-        self._outputs: dict[tuple[int, int, tuple[str, ...]], dict[str, np.ndarray]] = {}
+        self._rows: dict[tuple[int, ...], list[np.ndarray]] = {}
+        self._outputs: dict[tuple[tuple[int, ...], tuple[str, ...]], dict[str, np.ndarray]] = {}
 
     @classmethod
     def of(cls, tokenizer) -> "TemplateHead":
@@ -48,35 +49,40 @@ class TemplateHead:
         n = len(self.tokens)
         return n if n and len(ids) > n and ids[:n] == self.tokens else 0
 
-    def leading(self, chunks: list[list[int]]) -> int:
-        """How many of a prompt's leading chunks (fed from row 0) hold the head's tokens, in order."""
-        end = 0
-        for k, chunk in enumerate(chunks):
-            if self.tokens[end:end + len(chunk)] != chunk:
-                return k
-            end += len(chunk)
-        return len(chunks)
+    def key(self, chunks: list[list[int]]) -> tuple[int, ...] | None:
+        """The key of the last of a prompt's leading `chunks` (fed from row 0): their lengths, or None unless their
+        tokens, in order, are the head's first ones."""
+        lengths = tuple(len(c) for c in chunks)
+        end = sum(lengths)
+        if not chunks or end > len(self.tokens) or [t for c in chunks for t in c] != self.tokens[:end]:
+            return None
+        return lengths
 
-    def restore(self, cache, chunk: list[int], wants: tuple[str, ...] = ()) -> dict[str, np.ndarray] | None:
-        """Copy the kept rows of `chunk`, the head's next chunk on `cache`, into it (which advances past them) and
-        return copies of the outputs `wants` names that its call gave; None where they are not kept or the cache
-        takes no rows (the caller computes the chunk and `keep`s it)."""
-        key = (cache.length, len(chunk))
-        rows, outputs = self._rows.get(key), self._outputs.get(key + (wants,)) if wants else {}
-        if rows is None or outputs is None or not _host(cache):
+    def restore(self, cache, chunks: list[list[int]], wants: tuple[str, ...] = ()) -> dict[str, np.ndarray] | None:
+        """Copy the kept rows of the last of `chunks` (the prompt's chunks from row 0; `cache` holds those before
+        it) into `cache` (which advances past them) and return copies of the outputs `wants` names that its call
+        gave; None where they are not kept or the cache takes no rows (the caller computes the chunk and `keep`s
+        it)."""
+        key = self.key(chunks)
+        if key is None or not _host(cache) or cache.length != sum(key[:-1]):
+            return None
+        rows, outputs = self._rows.get(key), self._outputs.get((key, wants)) if wants else {}
+        if rows is None or outputs is None:
             return None
         cache.put_rows(cache.length, rows)
-        cache.advance(len(chunk))
+        cache.advance(key[-1])
         return {name: value.copy() for name, value in outputs.items()}
 
-    def keep(self, cache, start: int, chunk: list[int], outputs: dict[str, np.ndarray]) -> None:
-        """Keep the rows `chunk`, one of the head's chunks, wrote on `cache` from row `start`, and the `outputs` of its
-        call that a proposer read."""
-        key = (start, len(chunk))
-        if key not in self._rows and _host(cache):
-            self._rows[key] = cache.rows_at(start, len(chunk))
+    def keep(self, cache, chunks: list[list[int]], outputs: dict[str, np.ndarray]) -> None:
+        """Keep the rows the last of `chunks` (the prompt's chunks from row 0, all in `cache` now) wrote, and the
+        `outputs` of its call that a proposer read, where the chunks spell the head."""
+        key = self.key(chunks)
+        if key is None or not _host(cache) or cache.length != sum(key):
+            return
+        if key not in self._rows:
+            self._rows[key] = cache.rows_at(cache.length - key[-1], key[-1])
         if outputs:
-            self._outputs.setdefault(key + (tuple(outputs),), {name: np.array(v) for name, v in outputs.items()})
+            self._outputs.setdefault((key, tuple(outputs)), {name: np.array(v) for name, v in outputs.items()})
 
 
 def _host(cache) -> bool:

@@ -156,7 +156,7 @@ class _Sequence:
     capacity: int  # the target rows the generation may take (its proposer's `start`)
     slot: int = -1
     pending: list[int] = field(default_factory=list)  # tokens accepted but not yet emitted
-    head: int = 0  # leading chunks still to feed that spell the chat template's head (runtime/prefix.py)
+    fed: int = 0  # the prompt's chunks in its cache
 
     @property
     def history(self) -> list[int]:
@@ -264,8 +264,7 @@ class Scheduler:
             text = on_text if on_text is not None else request._text
             chunks = engine.prefill_chunks(ids, self.prefill_chunk)
             seq = _Sequence(request, ids, Output(engine.tokenizer, stop, stop_ids, max_new_tokens, budget, text),
-                            sampler, proposer, chunks, Stats(len(ids)), len(ids) + budget + proposer.max_drafts,
-                            head=engine.head.leading(chunks))
+                            sampler, proposer, chunks, Stats(len(ids)), len(ids) + budget + proposer.max_drafts)
             self.waiting.append(seq)
             self._lock.notify()
         return request
@@ -378,13 +377,8 @@ class Scheduler:
     def _prefill_one_chunk(self) -> None:
         seq, cache = self.prefilling, self.pool.slot(self.prefilling.slot)
         try:
-            if cache.length == 0:  # the chat template's head, where earlier prompts left it (runtime/prefix.py)
-                restored = self.engine.restore_head(cache, seq.chunks, seq.proposer, fused=False)
-                del seq.chunks[:restored]
-                seq.head -= restored
-            logits = self.engine.prefill_chunk(cache, seq.chunks.pop(0), seq.proposer, fused=False, head=seq.head > 0)
-            seq.head -= 1
-            if seq.chunks:
+            seq.fed, logits = self.engine.prefill_next(cache, seq.chunks, seq.fed, seq.proposer, fused=False)
+            if seq.fed < len(seq.chunks):
                 return
             seq.pending = [seq.sampler(logits)]
         except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
