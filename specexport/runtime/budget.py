@@ -207,18 +207,18 @@ class BatchLatency:
 
     def __call__(self, sequences: int, width, rows=None):
         """Seconds for `sequences` sequences padded to `width`, of which `rows` real rows in all where the graph takes
-        ragged rows (None: every row; width and rows: numbers, or arrays of one shape)."""
+        ragged rows (None: every row; width and rows: numbers, or arrays that broadcast together)."""
         if self._pending:
             self._learn()
-        near, (dense, single) = _weights(float(sequences), self.points[0]), self.priced
-        seconds = _along(width, self.points[1], near @ dense)
-        if single is not None and rows is not None:
-            alone = _along(width, self.points[1], near @ single)
+        tables = _along(width, self.points[1], _weights(float(sequences), self.points[0]) @ self.priced)
+        seconds = tables[0]
+        if len(tables) > 1 and rows is not None:  # between the width alone and every row of it, by the real rows
+            alone = tables[1]
             padded = sequences * np.maximum(width, 1.0)
             real = np.minimum(np.maximum((rows - sequences) / np.maximum(padded - sequences, 1e-9), 0.0), 1.0)
             seconds = alone + real * (seconds - alone)
         seconds = np.maximum(seconds, 1e-6)
-        return float(seconds) if np.ndim(seconds) == 0 else seconds
+        return float(seconds) if _scalar(seconds) else seconds
 
     def observe(self, sequences: int, width: int, seconds: float, rows: int | None = None) -> None:
         """A call's measured time (`rows`: its real rows, where the graph takes ragged rows). The whole table's scale
@@ -260,9 +260,9 @@ class BatchLatency:
             self._price()
 
     def _price(self) -> None:
-        """The tables as `__call__` reads them: with each point's own correction."""
+        """The tables as `__call__` reads them, stacked [dense (, single)]: with each point's own correction."""
         factor = np.exp(self.local)
-        self.priced = (self.seconds * factor, None if self.single is None else self.single * factor)
+        self.priced = np.stack([self.seconds * factor] + ([] if self.single is None else [self.single * factor]))
 
     def as_ms(self, single: bool = False) -> list[list[float]]:
         if self._pending:
@@ -271,15 +271,28 @@ class BatchLatency:
 
 
 def _along(x, points: tuple[float, ...], values: np.ndarray):
-    """`values` (one per point) interpolated at x, a number or an array of them (`_weights`)."""
-    if np.ndim(x) == 0:
-        return _weights(float(x), points) @ values
-    xs = np.array(points)
+    """`values` (one per point along their last axis) interpolated at x, a number or an array of them (`_weights`):
+    values' leading axes, then x's."""
+    if _scalar(x):
+        return values @ _weights(float(x), points)
+    xs = _grid(points)
     if len(xs) == 1:
-        return np.broadcast_to(values[0], np.shape(x))
-    k = np.clip(np.searchsorted(xs, x), 1, len(xs) - 1)
+        return values[..., :1].reshape(values.shape[:-1] + (1,) * x.ndim) + np.zeros(x.shape)  # its value everywhere
+    k = np.minimum(np.maximum(np.searchsorted(xs, x), 1), len(xs) - 1)
     share = np.maximum((np.asarray(x, float) - xs[k - 1]) / (xs[k] - xs[k - 1]), 0.0)
-    return values[k - 1] + share * (values[k] - values[k - 1])
+    return values[..., k - 1] + share * (values[..., k] - values[..., k - 1])
+
+
+def _scalar(x) -> bool:
+    return not isinstance(x, np.ndarray) or x.ndim == 0
+
+
+@lru_cache(maxsize=64)
+def _grid(points: tuple[float, ...]) -> np.ndarray:
+    """The points as an array (read-only), kept per grid."""
+    xs = np.array(points)
+    xs.flags.writeable = False
+    return xs
 
 
 def _hats(x: float, points: tuple[float, ...]) -> np.ndarray:
@@ -328,7 +341,8 @@ def share(curves: list[np.ndarray], latency: BatchLatency, host_s: float, kept: 
     owner = np.repeat(cut, sizes[cut] - 1)  # each candidate node's tree
     place = np.concatenate([np.arange(2, len(g) + 2) for g in gains])  # each node's place in its tree's cut
     # a row's cost, for the ranking: the call's (a real row more at width 2) and, a sampled tree's, the host's
-    row = max(latency(n, 2, n + 1) - latency(n, 2, n), 1e-9) + row_s * sampled[cut]
+    one, more = np.broadcast_to(latency(n, 2, np.array([n, n + 1.0])), 2)
+    row = max(more - one, 1e-9) + row_s * sampled[cut]
     ranked = np.concatenate([np.minimum.accumulate(g) / r for g, r in zip(gains, row)])
     order = np.argsort(-ranked, kind="stable")
     widths = np.arange(max(counts.max(), 1), sizes.max() + 1)  # the call's width: the widest cut, kept trees too
@@ -338,7 +352,7 @@ def share(curves: list[np.ndarray], latency: BatchLatency, host_s: float, kept: 
     gain = np.concatenate(([0.0], np.concatenate(gains)[order]))
     tokens = sum(float(curves[i][k - 1]) for i, k in enumerate(counts)) + np.cumsum(fits * gain, axis=1)
     sampled_rows = counts[sampled].sum() + np.cumsum(fits * np.concatenate(([0], sampled[owner[order]])), axis=1)
-    seconds = latency(n, np.broadcast_to(widths[:, None], taken.shape), counts.sum() + taken)
+    seconds = latency(n, widths[:, None], counts.sum() + taken)
     rate = tokens / (seconds + host_s + row_s * sampled_rows)
     w, k = np.unravel_index(int(np.argmax(rate)), rate.shape)  # the first best: the narrowest, fewest rows of equals
     chosen = order[:k][fits[w, 1:k + 1]]
