@@ -7,9 +7,11 @@ Greedy requests with EOS suppressed (every request runs its whole --new-tokens);
 prompts are also sampled (temperature 0.8, top-p 0.95, seed = the prompt's index) alone and again inside the batch of
 greedy ones: a seeded request must give the same tokens whatever it is batched with. Prints, per prompts file, how
 many requests match and, for those that differ, the index of their first differing token; exits 1 when any differs.
+With `--device cuda` (or `cpu-iobinding`: the same code on the CPU) the batched engine runs on ONNX Runtime's device
+path, its KV pool on the device, and each request is compared with its run alone on the host.
 
     python scripts/check_batched.py BUNDLE [--prompts bench/sharegpt40.jsonl ...] [--new-tokens 128]
-        [--max-batch 8] [--seeded 4] [--threads N]
+        [--max-batch 8] [--seeded 4] [--threads N] [--device cpu|cuda|cpu-iobinding]
 """
 
 from __future__ import annotations
@@ -42,19 +44,23 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--seeded", type=int, default=0, help="also sample the first K prompts with a seed")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--device", choices=("cpu", "cuda", "cpu-iobinding"), default="cpu",
+                    help="the batched engine's device (the runs alone: the host's)")
     args = ap.parse_args()
     root = Path(__file__).resolve().parent.parent
     files = args.prompts or [root / "bench" / "sharegpt40.jsonl", root / "bench" / "humaneval40.jsonl"]
-    engine = Engine.load(args.bundle, threads=args.threads)
+    engine = Engine.load(args.bundle, threads=args.threads, device="cpu")
+    batching = engine if args.device == "cpu" else Engine.load(args.bundle, threads=args.threads, device=args.device)
     print(f"{args.bundle.name}: {engine.describe()}, {engine.bundle.precision}; {args.new_tokens} new tokens, "
-          f"max_batch {args.max_batch}, greedy with EOS suppressed" + (f", {args.seeded} seeded" if args.seeded else ""))
+          f"max_batch {args.max_batch} on {args.device}, greedy with EOS suppressed"
+          + (f", {args.seeded} seeded" if args.seeded else ""))
     failed = False
     for path in files:
         prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
         jobs = [(p, None) for p in prompts]
         jobs += [(p, SamplingParams(temperature=0.8, top_p=0.95, seed=k)) for k, p in enumerate(prompts[:args.seeded])]
         alone = [engine.generate(p, max_new_tokens=args.new_tokens, sampling=s, stop_ids=()).tokens for p, s in jobs]
-        scheduler = Scheduler(engine, max_batch=args.max_batch)
+        scheduler = Scheduler(batching, max_batch=args.max_batch)
         try:
             requests = [scheduler.submit(p, max_new_tokens=args.new_tokens, sampling=s, stop_ids=()) for p, s in jobs]
             batched = [r.result(timeout=3600).tokens for r in requests]

@@ -258,4 +258,4 @@ def test_real_smollm2_device_path_equals_host_path(method, tmp_path):
             want = host.generate(prompt, max_new_tokens=32, stop_ids=(), plain=plain)
             got = device.generate(prompt, max_new_tokens=32, stop_ids=(), plain=plain)
             assert got.tokens == want.tokens, (prompt[:40], plain)
-    assert device.target.compactor is not None  # some accepted path was not a prefix: compacted on the device
+    assert "compact" in device.target.kv_graphs  # some accepted path was not a prefix: compacted on the device

@@ -72,6 +72,37 @@ def test_batched_greedy_equals_batch_one(engines, name, in_graph):
 
 
 @pytest.mark.parametrize("name", ["none", "ngram", "self1-tree"])
+def test_batched_on_the_device_path_equals_batch_one_on_the_host(engines, name):
+    """The same bundle on ONNX Runtime's device path (I/O binding, run on the CPU: `cpu-iobinding`, the code CUDA
+    runs): its KV pool on the device, bound by address, each slot's accepted rows compacted there and freed slots
+    refilled there; six requests on four slots, budget on, give the host's batch-1 tokens; and a cancelled request
+    leaves at the next step."""
+    from specexport.runtime.backends.iobinding import DevicePool
+
+    host = engines[name]
+    lengths = [20, 7, 33, 12, 25, 3]
+    want = batch_one(host, PROMPTS, lengths)
+    device = Engine.load(host.bundle.path, threads=1, device="cpu-iobinding")
+    scheduler = Scheduler(device, max_batch=4, prefill_chunk=5, background=False)
+    assert isinstance(scheduler.pool, DevicePool)
+    requests = [scheduler.submit(p, max_new_tokens=n, stop_ids=()) for p, n in zip(PROMPTS, lengths)]
+    scheduler.run_until_idle()
+    assert [r.result(timeout=0).tokens for r in requests] == [w.tokens for w in want]
+    graphs = device.target.kv_graphs
+    assert "slot_copy" in graphs  # a finished request's slot was refilled by a move on the device
+    if name == "self1-tree":  # some accepted path was not a prefix (a branching tree): compacted on the device
+        assert "pool_compact" in graphs
+    cancelled, other = (scheduler.submit(p, max_new_tokens=30, stop_ids=()) for p in PROMPTS[:2])
+    while len(scheduler.running) < 2:
+        scheduler.step()
+    cancelled.cancel()
+    scheduler.step()
+    assert cancelled.done and len(scheduler.running) == 1
+    scheduler.run_until_idle()
+    assert other.result().tokens == batch_one(host, PROMPTS[1:2], [30])[0].tokens
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "self1-tree"])
 def test_template_head_copied_gives_the_computed_tokens(engines, name):
     check_head_copied(engines[name])
 
@@ -168,6 +199,38 @@ def test_the_background_loop_streams_text(engines):
 
 
 # ---- the KV pool, by hand --------------------------------------------------------------------------------------
+
+def test_the_device_pool_moves_rows_and_slots_as_the_host_pool_does(engines):
+    """A pool on the device path (cpu-iobinding) against a host KVPool holding the same random rows: a slot's
+    non-prefix path compacted, a prefix path, a slot moved into another: the same committed rows after each."""
+    device = Engine.load(engines["ngram"].bundle.path, threads=1, device="cpu-iobinding").target
+    pool = device.new_pool(3, 16)
+    g, slots, heads, capacity, width = pool.shape
+    rows = np.random.default_rng(0).normal(size=pool.shape).astype(np.float32)
+    pool.value.update_inplace(rows)
+    host = KVPool(g // 2, slots, heads, capacity, width)
+    for buf, layer in zip(host.buffers, rows):
+        buf[:] = layer
+
+    def same():  # every slot's committed rows (past them: what the last call left, never read)
+        np.testing.assert_array_equal(pool.lengths, host.lengths)
+        got, want = pool.value.numpy(), np.stack(host.buffers)
+        for j, n in enumerate(host.lengths):
+            np.testing.assert_array_equal(got[:, j, :, :n], want[:, j, :, :n])
+
+    for p in (pool, host):
+        p.lengths[:] = [4, 5, 7]
+        p.slot(1).commit([0, 2, 3])  # rows 5, 7, 8 to 5, 6, 7 in slot 1 alone
+        p.slot(2).commit([0, 1])  # a prefix: nothing moves
+    same()
+    assert list(pool.rows(3).past_lengths(3)) == [4, 8, 9] and pool.slot(1).length == 8
+    for p in (pool, host):
+        p.slot(0).commit([1, 5, 6, 9])
+        p.move_slot(2, 0)
+    same()
+    with pytest.raises(ValueError, match="outside a pool"):
+        pool.slot(3)
+
 
 def test_pool_views_share_the_buffers_and_keep_their_own_lengths():
     pool = KVPool(layers=1, slots=3, kv_heads=1, capacity=8, head_dim=1)

@@ -12,6 +12,7 @@ import threading
 import time
 from urllib.parse import urlsplit
 
+import onnxruntime as ort
 import pytest
 from served import SPECEXPORT, Served
 
@@ -433,11 +434,38 @@ def test_sigterm_drains_then_exits_0(bundle):
             assert not any("Traceback" in line for line in served.lines)
 
 
+def test_served_on_the_device_path_equals_batch_one(bundle):
+    """`serve --device cpu-iobinding` (ONNX Runtime's device path, the code `--device cuda` runs, its KV pool on the
+    device): six chat requests at once through the `openai` client, batched on four slots, each the host engine's
+    batch-1 text."""
+    engine = Engine.load(bundle, threads=1)
+    want = [engine.generate(p, max_new_tokens=24).text for p in PROMPTS]
+    with Served(bundle, "--max-batch", "4", "--threads", "1", "--device", "cpu-iobinding") as served:
+        assert any("KV cache: 4 sequences" in line for line in served.lines)
+        api, got = client(served), [None] * len(PROMPTS)
+
+        def ask(i):
+            got[i] = api.chat.completions.create(model="tiny-ngram", messages=[{"role": "user", "content": PROMPTS[i]}],
+                                                 max_tokens=24, temperature=0).choices[0].message.content
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert got == want
+        assert served.stop() == 0
+
+
 def test_serve_bad_options_are_one_line(bundle, tmp_path):
-    for args, match in [([tmp_path / "missing"], "does not exist"),
-                        ([bundle, "--max-batch", "0"], "Invalid value for '--max-batch'"),
-                        ([bundle, "--api-key", " "], "--api-key must not be empty"),
-                        ([bundle, "--max-context", "100000"], "the context limit must be in 2..256")]:
+    cases = [([tmp_path / "missing"], "does not exist"),
+             ([bundle, "--max-batch", "0"], "Invalid value for '--max-batch'"),
+             ([bundle, "--api-key", " "], "--api-key must not be empty"),
+             ([bundle, "--max-context", "100000"], "the context limit must be in 2..256"),
+             ([bundle, "--device", "tpu"], "Invalid value for '--device'")]
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        cases.append(([bundle, "--device", "cuda"], "no CUDAExecutionProvider"))
+    for args, match in cases:
         result = subprocess.run([SPECEXPORT, "serve", *map(str, args)], capture_output=True, text=True, timeout=120)
         assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
         assert match in result.stderr.strip().splitlines()[-1], result.stderr

@@ -45,8 +45,9 @@ def _fail(status: int, error: Exception, other: int = RUNTIME) -> EmbedError:
 
 
 class Embedded:
-    """An open engine as the C side holds it: the Engine and, where its backend batches (ONNX Runtime's host
-    buffers), the Scheduler its generations share; else (CUDA, TensorRT, max_batch -1) each generation runs alone."""
+    """An open engine as the C side holds it: the Engine and, where its backend batches (ONNX Runtime's, on the host
+    or the device path), the Scheduler its generations share; else (TensorRT, max_batch -1) each generation runs
+    alone."""
 
     def __init__(self, engine: Engine, max_batch: int):
         self.engine = engine

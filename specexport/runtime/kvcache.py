@@ -90,56 +90,54 @@ class KVCache(HostRows):
             buf[:, :, self.length:self.length + src.size] = buf[:, :, src]
 
 
-class KVPool:
-    """The KV cache of a batch: `slots` sequences' rows in one buffer per layer and kind, [slots, kv_heads, capacity,
-    head_dim], each slot with its own committed length. The scheduler keeps its running sequences in a prefix of the
-    slots, so that a batched call binds `rows(n)`: the first n slots, a view (no copy) of every buffer; `slot(j)`
-    views one slot alone, for a prompt's prefill and for the proposers' own calls. A slot freed in the middle is
-    refilled by moving the last one down (`move_slot`: one copy of its committed rows, rarely)."""
+class SlotPool(ABC):
+    """The KV cache of a batch by slots, wherever its rows live (`KVPool` on the host; on a device,
+    runtime/backends/iobinding.DevicePool): `slots` sequences of `capacity` rows, each slot with its own committed
+    length (`lengths`, on the host). The scheduler keeps its running sequences in a prefix of the slots, so that a
+    batched call binds `rows(n)`: the first n slots, a view (no copy) of the rows; `slot(j)` views one slot alone, for
+    a prompt's prefill and for the proposers' own calls. A slot freed in the middle is refilled by moving the last one
+    down (`move_slot`, rarely)."""
 
-    def __init__(self, layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32):
-        shape = (slots, kv_heads, capacity, head_dim)
-        self.buffers = [np.zeros(shape, dtype=dtype) for _ in range(2 * layers)]
+    def __init__(self, slots: int, capacity: int):
         self.slots, self.capacity = slots, capacity
         self.lengths = np.zeros(slots, np.int64)
-        self._views: dict[tuple[int, int], SlotRows] = {}
+        self._views: dict[tuple[int, int], SlotView] = {}
 
-    def rows(self, n: int) -> "SlotRows":
+    def rows(self, n: int) -> "SlotView":
         """Slots 0..n-1 as one cache (a batched call's); made once per n and kept with its binding."""
         return self._view(0, n)
 
-    def slot(self, j: int) -> "SlotRows":
+    def slot(self, j: int) -> "SlotView":
         """Slot j alone as a cache."""
         return self._view(j, j + 1)
 
-    def _view(self, start: int, stop: int) -> "SlotRows":
+    def _view(self, start: int, stop: int) -> "SlotView":
         if not 0 <= start < stop <= self.slots:
             raise ValueError(f"slots [{start}, {stop}) outside a pool of {self.slots}")
         view = self._views.get((start, stop))
         if view is None:
-            view = self._views[(start, stop)] = SlotRows(self, start, stop)
+            view = self._views[(start, stop)] = self.view(start, stop)
         return view
 
+    @abstractmethod
+    def view(self, start: int, stop: int) -> "SlotView":
+        """A new view of slots [start, stop)."""
+
+    @abstractmethod
     def move_slot(self, src: int, dst: int) -> None:
         """Copy slot src's committed rows and length into slot dst (src's rows are left as they were)."""
-        n = int(self.lengths[src])
-        for buf in self.buffers:
-            buf[dst, :, :n] = buf[src, :, :n]
-        self.lengths[dst] = n
 
 
-class SlotRows(HostRows):
-    """A run of a pool's slots seen as one cache (`Cache` in runtime/backends/host.py): views of the pool's buffers, bound in
-    place. Its `length` is the first slot's (what a single slot's calls read and move); `past_lengths` gives each
-    slot's, for a batched call, whose rows the scheduler commits slot by slot (`commit_slot`)."""
+class SlotView(CacheRows):
+    """A run of a pool's slots seen as one cache (`Cache` in runtime/backends/host.py). Its `length` is the first
+    slot's (what a single slot's calls read and move); `past_lengths` gives each slot's, for a batched call, whose
+    rows the scheduler commits slot by slot (`commit_slot`)."""
 
-    def __init__(self, pool: KVPool, start: int, stop: int):
+    def __init__(self, pool: SlotPool, start: int, stop: int):
         # the pool keeps its views (each with its binding): a weak reference back, so that no cycle holds a pool's
         # buffers until the cyclic collector runs (a service opening and closing engines grew ~0.6 MB a cycle)
         self.pool, self.start, self.stop = weakref.proxy(pool), start, stop
-        self.buffers = [buf[start:stop] for buf in pool.buffers]  # leading-axis slices: contiguous views
         self.batch, self.capacity = stop - start, pool.capacity
-        self.handle = None
 
     @property
     def length(self) -> int:
@@ -154,12 +152,44 @@ class SlotRows(HostRows):
             raise ValueError(f"a step of batch {batch} on {self.batch} slots")
         return self.pool.lengths[self.start:self.stop]
 
+    def commit_slot(self, k: int, rows) -> None:
+        """Keep the new rows of slot start + k at these offsets from its length (ascending), in order."""
+        self.pool.slot(self.start + k).commit(rows)
+
+
+class KVPool(SlotPool):
+    """A batch's KV cache on the host: one buffer per layer and kind, [slots, kv_heads, capacity, head_dim]; its views
+    are `SlotRows`, and a slot moves by one copy of its committed rows."""
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, capacity: int, head_dim: int, dtype=np.float32):
+        super().__init__(slots, capacity)
+        shape = (slots, kv_heads, capacity, head_dim)
+        self.buffers = [np.zeros(shape, dtype=dtype) for _ in range(2 * layers)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buf.nbytes for buf in self.buffers)
+
+    def view(self, start: int, stop: int) -> "SlotRows":
+        return SlotRows(self, start, stop)
+
+    def move_slot(self, src: int, dst: int) -> None:
+        n = int(self.lengths[src])
+        for buf in self.buffers:
+            buf[dst, :, :n] = buf[src, :, :n]
+        self.lengths[dst] = n
+
+
+class SlotRows(SlotView, HostRows):
+    """Host slots as one cache: views of the pool's buffers, bound in place."""
+
+    def __init__(self, pool: KVPool, start: int, stop: int):
+        super().__init__(pool, start, stop)
+        self.buffers = [buf[start:stop] for buf in pool.buffers]  # leading-axis slices: contiguous views
+        self.handle = None
+
     def move(self, src: np.ndarray) -> None:
         at = self.length
         for buf in self.buffers:
             rows = buf[0]  # [kv_heads, capacity, head_dim]
             rows[:, at:at + src.size] = rows[:, src]
-
-    def commit_slot(self, k: int, rows) -> None:
-        """Keep the new rows of slot start + k at these offsets from its length (ascending), in order."""
-        self.pool.slot(self.start + k).commit(rows)

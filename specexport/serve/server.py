@@ -75,18 +75,20 @@ def warm_up(scheduler: Scheduler) -> None:
 
 def open_app(bundle, max_batch: int = 8, max_queue: int = 64, api_key: str | None = None,
              model_name: str | None = None, threads: int | None = None, prefill_chunk: int | None = None,
-             max_body_bytes: int = 4 << 20, max_context: int | None = None, served_by: str | None = None):
+             max_body_bytes: int = 4 << 20, max_context: int | None = None, served_by: str | None = None,
+             device: str = "cpu"):
     """The app over `bundle`, ready: the engine loaded, its scheduler started and warmed up. `max_context`: prompt
     plus new tokens per request (the bundle's by default; the KV pool holds max_batch x max_context rows);
-    `served_by`: what X-Served-By names (default host/pid)."""
+    `served_by`: what X-Served-By names (default host/pid); `device`: the engine's (runtime/backends: cpu, or the
+    device path's cuda / cpu-iobinding, where the KV pool lives on the device)."""
     log.setLevel(logging.INFO)  # the access log, wherever the app runs (uvicorn here, a Ray replica)
-    engine = Engine.load(bundle, threads=threads, device="cpu")
+    engine = Engine.load(bundle, threads=threads, device=device)
     for warning in engine.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if max_context is not None:
         engine.limit_context(max_context)
     scheduler = Scheduler(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
-    pool_gb = sum(b.nbytes for b in scheduler.pool.buffers) / 2**30
+    pool_gb = scheduler.pool.nbytes / 2**30
     print(f"KV cache: {max_batch} sequences x {engine.max_context} tokens ({pool_gb:.2f} GiB, held as it fills; "
           f"--max-batch and --max-context bound it)", file=sys.stderr)
     warm_up(scheduler)

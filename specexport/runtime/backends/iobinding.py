@@ -9,6 +9,11 @@ only the outputs the step wants are copied to the host. The cache is one device 
 bound by address as both past input and present output, so the graph writes the new rows in place. A commit of a
 path that is not a prefix compacts the accepted rows on the device with a two-node graph (Gather, then
 TensorScatter into the same buffer) run on the same device.
+
+The batched engine's pool (`new_pool`, runtime/scheduler.py) is one allocation [2 * layers, slots, kv_heads, capacity,
+head_dim] too: the first n slots of a layer are contiguous, so a batched call binds each layer's first n slots by
+address as `KVPool.rows(n)` does on the host, and one slot alone likewise. A slot's compaction and the move of a slot
+into a freed one run as two more small graphs over the whole pool, in place (`pool_compact_model`, `slot_copy_model`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import onnxruntime as ort
 
 from specexport.errors import UserError
 from specexport.runtime.backends.host import check_step, load_session, ragged_inputs, session_options
-from specexport.runtime.kvcache import CacheRows
+from specexport.runtime.kvcache import CacheRows, SlotPool, SlotView
 from specexport.runtime.verify import greedy_inputs
 
 _TYPES = {"fp32": (np.float32, 1), "fp16": (np.float16, 10)}  # numpy type, ONNX element type
@@ -46,6 +51,46 @@ class DeviceCache(CacheRows):
         self.owner.compact(self, src)  # on the device
 
 
+class DevicePool(SlotPool):
+    """The KV cache of a batch on a `DeviceSession`'s device: one allocation [2 * layers, slots, kv_heads, capacity,
+    head_dim] (a layer's first n slots contiguous: `rows(n)` binds them by address, no copy); its views are
+    `DeviceSlots`, and a slot moves on the device."""
+
+    def __init__(self, owner: "DeviceSession", slots: int, capacity: int):
+        super().__init__(slots, capacity)
+        i = owner.info
+        self.owner, self.shape = owner, (2 * i["layers"], slots, i["kv_heads"], capacity, i["head_dim"])
+        self.value = ort.OrtValue.ortvalue_from_shape_and_type(list(self.shape), owner.dtype, owner.device, 0)
+        self.value.update_inplace(np.zeros(self.shape, owner.dtype))  # no garbage (0 * NaN) in rows a mask hides
+        self.pointer = self.value.data_ptr()
+        self.slot_bytes = int(np.prod(self.shape[2:])) * np.dtype(owner.dtype).itemsize
+        self.layer_bytes = slots * self.slot_bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.layer_bytes * self.shape[0]
+
+    def view(self, start: int, stop: int) -> "DeviceSlots":
+        return DeviceSlots(self, start, stop)
+
+    def move_slot(self, src: int, dst: int) -> None:
+        self.owner.copy_slot(self, src, dst)  # every row of the slot: as cheap on the device
+        self.lengths[dst] = self.lengths[src]
+
+
+class DeviceSlots(SlotView):
+    """Device slots as one cache, bound by address like a `DeviceCache` (its layers `layer_bytes` apart)."""
+
+    def __init__(self, pool: DevicePool, start: int, stop: int):
+        super().__init__(pool, start, stop)
+        self.owner, self.shape = pool.owner, (pool.shape[0], stop - start) + pool.shape[2:]
+        self.pointer, self.layer_bytes = pool.pointer + start * pool.slot_bytes, pool.layer_bytes
+        self.bindings: dict[tuple, ort.IOBinding] = {}
+
+    def move(self, src: np.ndarray) -> None:
+        self.owner.compact_slot(self.pool, self.start, src)  # on the device
+
+
 class DeviceSession:
     """A step graph (or any graph, through `run`) on `device` ("cuda" or "cpu") with device-resident I/O: the
     `backend.Backend` protocol."""
@@ -60,6 +105,7 @@ class DeviceSession:
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.output_dims = {o.name: o.shape for o in self.session.get_outputs()}
         self.output_types = {o.name: _NUMPY.get(o.type) for o in self.session.get_outputs()}
+        self.batch_outputs = {name for name, dims in self.output_dims.items() if dims and dims[0] == "batch"}
         names = {i.name for i in self.session.get_inputs()}
         if "attention_bias" in names:
             raise UserError(f"{graph_path.name} takes the wide attention bias of bundles exported before the compact "
@@ -69,11 +115,18 @@ class DeviceSession:
         self.calls, self.seconds = 0, 0.0
         self.staged: dict[tuple, ort.OrtValue] = {}  # (input name, shape) -> its device buffer
         self.results: dict[str, ort.OrtValue] = {}  # output name -> its device buffer, grown to the largest step
-        self.compactor = None  # the compaction graph's session, made on the first commit that needs it
+        # the caches' compaction and slot-copy graphs (`_run_in_place`), each made on its first use
+        self.kv_graphs: dict[str, ort.InferenceSession] = {}
         self.providers = self.session.get_providers()
 
     def new_cache(self, capacity: int, batch: int = 1) -> DeviceCache:
         return DeviceCache(self, batch, self.info.get("kv_capacity") or capacity)
+
+    def new_pool(self, slots: int, capacity: int) -> DevicePool:
+        """The KV cache of a batch of `slots` sequences of up to `capacity` rows each (runtime/scheduler.py)."""
+        if self.info.get("kv_capacity"):
+            raise UserError("this graph's cache length is fixed (trt flavour): batched serving runs on ort-flavour graphs")
+        return DevicePool(self, slots, capacity)
 
     def forward(self, cache: DeviceCache, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
                 logits_indices: np.ndarray, want: tuple[str, ...] = ("logits",),
@@ -81,13 +134,14 @@ class DeviceSession:
                 live: np.ndarray | None = None) -> dict[str, np.ndarray]:
         """One step (the `Backend` protocol)."""
         b, t = input_ids.shape
-        check_step(cache, t, tree_mask)
+        past = cache.past_lengths(b)
+        check_step(cache, t, tree_mask, past)
         io = self._binding(cache, want)
         mask = tree_mask.reshape((-1,) + tree_mask.shape[-2:])
         self._stage(io, "input_ids", input_ids, np.int64)
         self._stage(io, "position_ids", position_ids, np.int64)
         self._stage(io, "tree_mask", np.broadcast_to(mask, (b,) + mask.shape[1:]), np.bool_)
-        self._stage(io, "past_len", np.full(b, cache.length), np.int32)
+        self._stage(io, "past_len", past, np.int32)
         self._stage(io, "logits_indices", logits_indices, np.int64)
         if self.ragged:
             for name, value in ragged_inputs(b, t, live).items():
@@ -114,17 +168,45 @@ class DeviceSession:
 
     def compact(self, cache: DeviceCache, source_rows: np.ndarray) -> None:
         """Copy the cache rows `source_rows` (absolute, ascending) to [cache.length, + n), in every layer, on the
-        device: the cache seen as [2 * layers * batch * kv_heads, capacity, head_dim], bound as input and output."""
-        if self.compactor is None:
-            so = session_options(1, spin=False)
-            self.compactor = ort.InferenceSession(compact_model(self.elem_type), so, providers=self.providers)
+        device: the cache seen as [2 * layers * batch * kv_heads, capacity, head_dim] (`compact_model`)."""
         flat = [int(np.prod(cache.shape[:3])), cache.capacity, cache.shape[4]]
-        io = self.compactor.io_binding()
-        io.bind_input("cache", self.device, 0, self.dtype, flat, cache.pointer)
-        io.bind_output("present", self.device, 0, self.dtype, flat, cache.pointer)
-        io.bind_cpu_input("rows", source_rows)
-        io.bind_cpu_input("at", np.full(flat[0], cache.length, dtype=np.int64))
-        self.compactor.run_with_iobinding(io)
+        self._run_in_place("compact", compact_model, cache.pointer, flat,
+                           {"rows": source_rows, "at": np.full(flat[0], cache.length)})
+
+    def compact_slot(self, pool: DevicePool, slot: int, source_rows: np.ndarray) -> None:
+        """Copy slot `slot`'s rows `source_rows` (absolute, ascending) to [its length, + k), in every layer, on the
+        device: one call over the whole pool seen as [2 * layers * slots * kv_heads, capacity, head_dim], the other
+        slots rewriting k rows with themselves (`pool_compact_model`)."""
+        g, slots, heads, capacity, width = pool.shape
+        k = len(source_rows)
+        at = np.minimum(pool.lengths, capacity - k)  # the other slots' own rows, rewritten in place
+        src = at[:, None] + np.arange(k)
+        at[slot], src[slot] = pool.lengths[slot], source_rows
+        n = g * slots * heads
+        self._run_in_place("pool_compact", pool_compact_model, pool.pointer, [n, capacity, width], {
+            "rows": src, "at": at, "rows_shape": [1, slots, 1, k, 1], "rows_dims": [g, slots, heads, k, width],
+            "rows_flat": [n, k, width], "at_shape": [1, slots, 1], "at_dims": [g, slots, heads], "at_flat": [n]})
+
+    def copy_slot(self, pool: DevicePool, src: int, dst: int) -> None:
+        """Copy every row of slot src into slot dst, on the device (`slot_copy_model`)."""
+        g, slots = pool.shape[:2]
+        rest = int(np.prod(pool.shape[2:]))
+        self._run_in_place("slot_copy", slot_copy_model, pool.pointer, [g, slots, rest], {"slot": [src], "at": [dst] * g})
+
+    def _run_in_place(self, name: str, model, pointer: int, shape: list[int], feeds: dict) -> None:
+        """Run one of the cache's graphs (`model(elem_type)`, made on first use) with the device buffer at `pointer`
+        bound as its `cache` input and `present` output (`shape`: the graph's view of it; the graph writes in place),
+        and the int64 `feeds` from the host."""
+        session = self.kv_graphs.get(name)
+        if session is None:
+            so = session_options(1, spin=False)
+            session = self.kv_graphs[name] = ort.InferenceSession(model(self.elem_type), so, providers=self.providers)
+        io = session.io_binding()
+        io.bind_input("cache", self.device, 0, self.dtype, shape, pointer)
+        io.bind_output("present", self.device, 0, self.dtype, shape, pointer)
+        for key, value in feeds.items():
+            io.bind_cpu_input(key, np.ascontiguousarray(value, np.int64))
+        session.run_with_iobinding(io)
 
     def _binding(self, cache: DeviceCache, want: tuple[str, ...]) -> ort.IOBinding:
         """One binding per cache and set of wanted outputs: each layer's slice of the cache bound by address as its
@@ -181,22 +263,57 @@ def compact_model(elem_type: int) -> bytes:
     """The compaction graph, serialized here (the runtime does not import onnx): inputs `cache` [n, s, d] of
     `elem_type`, `rows` [k] int64 and `at` [n] int64; output `present` = cache with rows [at, at + k) of each slice
     set to its rows `rows` (Gather on axis 1, then TensorScatter, linear, axis 1)."""
-    def value(name, elem, dims):
-        shape = b"".join(_field(1, _field(2, d)) for d in dims)  # TensorShapeProto.dim: Dimension.dim_param
-        return _field(1, name) + _field(2, _field(1, _field(1, elem) + _field(2, shape)))  # ValueInfo/Type/Tensor
+    nodes = [_node("Gather", ["cache", "rows"], ["picked"], axis=1),
+             _node("TensorScatter", ["cache", "picked", "at"], ["present"], axis=1)]
+    return _model("kv_compact", nodes, [_value("cache", elem_type, ["n", "s", "d"]), _value("rows", 7, ["k"]),
+                                        _value("at", 7, ["n"])], _value("present", elem_type, ["n", "s", "d"]))
 
-    def node(op, inputs, outputs, axis):
-        attribute = _field(1, "axis") + _field(3, axis) + _field(20, 2)  # AttributeProto: name, i, type INT
-        return b"".join(_field(1, i) for i in inputs) + b"".join(_field(2, o) for o in outputs) + _field(4, op) \
-            + _field(5, attribute)
 
-    graph = (_field(1, node("Gather", ["cache", "rows"], ["picked"], 1))
-             + _field(1, node("TensorScatter", ["cache", "picked", "at"], ["present"], 1))
-             + _field(2, "kv_compact")
-             + _field(11, value("cache", elem_type, ["n", "s", "d"])) + _field(11, value("rows", 7, ["k"]))
-             + _field(11, value("at", 7, ["n"])) + _field(12, value("present", elem_type, ["n", "s", "d"])))
-    opset = _field(1, "") + _field(2, 24)
-    return _field(1, 10) + _field(2, "specexport") + _field(7, graph) + _field(8, opset)  # ModelProto, IR 10
+def pool_compact_model(elem_type: int) -> bytes:
+    """A pool's compaction graph: `cache` [n, s, d] is the pool [2 * layers, slots, kv_heads, capacity, head_dim]
+    seen flat, `rows` [slots, k] the rows each slot keeps and `at` [slots] where it writes them; `present` = cache
+    with rows [at, at + k) of each of a slot's slices set to its rows `rows`. The per-slot inputs are spread over the
+    slices inside the graph (Reshape and Expand to the shapes the host gives: `rows_shape` [1, slots, 1, k, 1],
+    `rows_dims` [2 * layers, slots, kv_heads, k, head_dim], `rows_flat` [n, k, head_dim], `at_shape` [1, slots, 1],
+    `at_dims` [2 * layers, slots, kv_heads], `at_flat` [n]), then GatherElements and TensorScatter on axis 1."""
+    nodes = [_node("Reshape", ["rows", "rows_shape"], ["rows5"]), _node("Expand", ["rows5", "rows_dims"], ["rows_all"]),
+             _node("Reshape", ["rows_all", "rows_flat"], ["index"]),
+             _node("GatherElements", ["cache", "index"], ["picked"], axis=1),
+             _node("Reshape", ["at", "at_shape"], ["at3"]), _node("Expand", ["at3", "at_dims"], ["at_all"]),
+             _node("Reshape", ["at_all", "at_flat"], ["at_rows"]),
+             _node("TensorScatter", ["cache", "picked", "at_rows"], ["present"], axis=1)]
+    shapes = [_value(name, 7, [name + ".rank"]) for name in
+              ("rows_shape", "rows_dims", "rows_flat", "at_shape", "at_dims", "at_flat")]
+    inputs = [_value("cache", elem_type, ["n", "s", "d"]), _value("rows", 7, ["slots", "k"]), _value("at", 7, ["slots"])]
+    return _model("kv_pool_compact", nodes, inputs + shapes, _value("present", elem_type, ["n", "s", "d"]))
+
+
+def slot_copy_model(elem_type: int) -> bytes:
+    """A pool's slot copy: `cache` [2 * layers, slots, rest], `slot` [1] and `at` [2 * layers] (the slot to write,
+    repeated); `present` = cache with slot `at` set to slot `slot` (Gather, then TensorScatter on axis 1)."""
+    nodes = [_node("Gather", ["cache", "slot"], ["picked"], axis=1),
+             _node("TensorScatter", ["cache", "picked", "at"], ["present"], axis=1)]
+    return _model("kv_slot_copy", nodes, [_value("cache", elem_type, ["g", "s", "r"]), _value("slot", 7, ["one"]),
+                                          _value("at", 7, ["g"])], _value("present", elem_type, ["g", "s", "r"]))
+
+
+def _value(name: str, elem_type: int, dims: list[str]) -> bytes:
+    """A ValueInfoProto: a tensor of `elem_type` with named dims."""
+    shape = b"".join(_field(1, _field(2, d)) for d in dims)  # TensorShapeProto.dim: Dimension.dim_param
+    return _field(1, name) + _field(2, _field(1, _field(1, elem_type) + _field(2, shape)))  # ValueInfo/Type/Tensor
+
+
+def _node(op: str, inputs: list[str], outputs: list[str], axis: int | None = None) -> bytes:
+    """A NodeProto, with an int attribute `axis` where given."""
+    attribute = b"" if axis is None else _field(5, _field(1, "axis") + _field(3, axis) + _field(20, 2))  # INT
+    return b"".join(_field(1, i) for i in inputs) + b"".join(_field(2, o) for o in outputs) + _field(4, op) + attribute
+
+
+def _model(name: str, nodes: list[bytes], inputs: list[bytes], output: bytes) -> bytes:
+    """A ModelProto (IR 10, opset 24) of one graph."""
+    graph = b"".join(_field(1, n) for n in nodes) + _field(2, name) + b"".join(_field(11, i) for i in inputs) \
+        + _field(12, output)
+    return _field(1, 10) + _field(2, "specexport") + _field(7, graph) + _field(8, _field(1, "") + _field(2, 24))
 
 
 def _field(number: int, value: int | str | bytes) -> bytes:
