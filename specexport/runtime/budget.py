@@ -117,7 +117,8 @@ class AcceptanceRates:
     def curves(self, drafts: list[tree.DraftTree]) -> list[np.ndarray]:
         """Expected tokens of each tree cut to 1..len(draft) nodes (DraftTree.truncated: its best nodes, by score), a
         step's trees at once."""
-        curves = [self.expected(len(d)) if d.scores is None or len(d) < 2 else None for d in drafts]
+        by_index = self.expected(len(self._counts[0]))  # a tree rated by index: a prefix of it (a root alone: [1])
+        curves = [by_index[:len(d)] if d.scores is None or len(d) < 2 else None for d in drafts]
         scored = [d for d, c in zip(drafts, curves) if c is None]
         if scored:
             orders = [np.array(d.best_first()[1:], np.int64) for d in scored]
