@@ -1,5 +1,5 @@
 """Helpers the tests share by import (conftest holds the fixtures): a tiny ShareGPT-format file, a free port, the
-template head's check on a method's engine."""
+kept prompt beginnings' check on a method's engine (runtime/prefix.py)."""
 
 import json
 import random
@@ -36,29 +36,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def check_head_copied(engine, new_tokens: int = 12) -> None:
-    """Prompts that begin alike, on `engine` given that beginning as its template head (runtime/prefix.py: the tiny
-    tokenizer's template renders nothing before the message): with the head kept by the first prompt and copied into
-    the others (what the proposer read from its calls too), every prompt emits the tokens it emits with the head
-    computed each time (in the same chunks), batch 1 and batched, in fewer target calls (a proposer that reads the calls' outputs is given the kept ones: else none is
-    saved)."""
-    from specexport.runtime.prefix import TemplateHead
+def check_prefix_copied(engine, new_tokens: int = 12) -> None:
+    """Prompts that begin alike, on `engine` told to cut them where their common beginning ends (runtime/prefix.py:
+    the tiny tokenizer's template ends no message with a special token): with the beginning's rows kept by the first
+    prompt and copied into the others (what the proposer read from its calls too), every prompt emits the tokens it
+    emits with the beginning computed each time (in the same chunks), batch 1 and batched, in fewer target calls (a
+    proposer that reads the calls' outputs is given the kept ones: else none is saved)."""
+    from specexport.runtime.prefix import PrefixStore
     from specexport.runtime.scheduler import Scheduler
 
     prompts = [f"the sea and the ship sail over blue waves {tail}" for tail in ("far away", "at night", "calm")]
     ids = [engine.encode(p) for p in prompts]
     start = next(i for i, t in enumerate(zip(*ids)) if len(set(t)) > 1)
-    saved = engine.head
+    cut = ids[0][start - 1:start]  # the beginning's last token stands for a message's end, first found at its end
+    assert all(PrefixStore(cut, min_part=start).split(i) == [start] for i in ids)
+    saved = engine.prefixes
     try:
         cold, calls = [], engine.target.calls
         for prompt in prompts:
-            engine.head = TemplateHead(ids[0][:start])  # nothing kept: computed
+            engine.prefixes = PrefixStore(cut, min_part=start)  # nothing kept: computed
             cold.append(engine.generate(prompt, max_new_tokens=new_tokens, stop_ids=()))
         cold_calls, calls = engine.target.calls - calls, engine.target.calls
-        engine.head = TemplateHead(ids[0][:start])
+        engine.prefixes = PrefixStore(cut, min_part=start)
         warm = [engine.generate(p, max_new_tokens=new_tokens, stop_ids=()) for p in prompts]
         assert engine.target.calls - calls < cold_calls
-        # the same tokens, and the same steps: the proposer drafted from what it read, as with the head computed
+        # the same tokens, and the same steps: the proposer drafted from what it read, as with the beginning computed
         assert [(g.tokens, g.stats.accept_lengths) for g in warm] == [(g.tokens, g.stats.accept_lengths) for g in cold]
         cold = [g.tokens for g in cold]
         scheduler = Scheduler(engine, max_batch=3, background=False)
@@ -66,4 +68,4 @@ def check_head_copied(engine, new_tokens: int = 12) -> None:
         scheduler.run_until_idle()
         assert [r.result(timeout=0).tokens for r in requests] == cold
     finally:
-        engine.head = saved
+        engine.prefixes = saved

@@ -10,7 +10,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import TINY, TOKENIZER_VOCAB, method_export
-from helpers import check_head_copied
+from helpers import check_prefix_copied
 
 from specexport import chisquare
 from specexport.cli import main
@@ -511,7 +511,7 @@ def test_batched_eagle_drafts_together_and_keeps_batch_one_tokens(eagle_engine, 
         eagle_engine.configure()
 
 
-def test_template_head_copied_with_what_the_proposer_read(eagle_engine):
-    """EAGLE-3 reads the target's outputs at the prompt's rows: a copied head gives it the kept ones, and every prompt
-    emits what it emits with the head computed (tests/helpers.check_head_copied)."""
-    check_head_copied(eagle_engine)
+def test_kept_prompt_beginning_copied_with_what_the_proposer_read(eagle_engine):
+    """EAGLE-3 reads the target's outputs at the prompt's rows: a copied beginning gives it the kept ones, and every
+    prompt emits what it emits with the beginning computed (tests/helpers.check_prefix_copied)."""
+    check_prefix_copied(eagle_engine)

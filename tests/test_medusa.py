@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import TINY, TOKENIZER_VOCAB, method_export, tiny_model
-from helpers import check_head_copied
+from helpers import check_prefix_copied
 from safetensors.numpy import save_file
 
 from specexport import chisquare
@@ -359,7 +359,7 @@ def test_medusa_cli_end_to_end(tiny_folder, tmp_path):
     fails(["run", out, "--prompt", "hello", "--tree", "small_7"], "is 4 deep; there are only 3 heads")
 
 
-def test_template_head_copied_with_what_the_proposer_read(medusa_engine):
-    """Medusa reads the target's outputs at the prompt's rows: a copied head gives it the kept ones, and every prompt
-    emits what it emits with the head computed (tests/helpers.check_head_copied)."""
-    check_head_copied(medusa_engine)
+def test_kept_prompt_beginning_copied_with_what_the_proposer_read(medusa_engine):
+    """Medusa reads the target's outputs at the prompt's rows: a copied beginning gives it the kept ones, and every
+    prompt emits what it emits with the beginning computed (tests/helpers.check_prefix_copied)."""
+    check_prefix_copied(medusa_engine)

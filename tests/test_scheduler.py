@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 from conftest import method_export
-from helpers import check_head_copied
+from helpers import check_prefix_copied
 
 from specexport import chisquare
 from specexport.errors import UserError
@@ -103,8 +103,8 @@ def test_batched_on_the_device_path_equals_batch_one_on_the_host(engines, name):
 
 
 @pytest.mark.parametrize("name", ["none", "ngram", "self1-tree"])
-def test_template_head_copied_gives_the_computed_tokens(engines, name):
-    check_head_copied(engines[name])
+def test_kept_prompt_beginning_gives_the_computed_tokens(engines, name):
+    check_prefix_copied(engines[name])
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch(engines):

@@ -478,7 +478,13 @@ def test_serve_bad_options_are_one_line(bundle, tmp_path):
 @pytest.mark.slow
 def test_real_smollm2_served_greedy_equals_specexport_run(real_smol_ngram):
     """SmolLM2-135M fp32 with n-gram speculation behind `specexport serve`: four chat requests at once through the
-    `openai` client (batched on one engine), streamed and not, each equal to `specexport run --json`'s text."""
+    `openai` client (batched on one engine), streamed and not, each equal to `specexport run --json`'s text. Then a
+    conversation with its own system prompt, three turns: the third copies the first two's chunks (runtime/prefix.py:
+    the prefix cache's hits in /metrics) and answers what `specexport run` answers the same prompt ids (a fresh
+    process: computed)."""
+    from specexport.runtime.prefix import PrefixStore
+    from specexport.runtime.tokenizer import Tokenizer
+
     bundle, prompts, want = real_smol_ngram
     with Served(bundle, "--max-batch", "4") as served:
         api = client(served)
@@ -502,4 +508,21 @@ def test_real_smollm2_served_greedy_equals_specexport_run(real_smol_ngram):
         for i, (text, count) in enumerate(got):
             assert text == want[i % len(prompts)]["text"], (i, text)
             assert count in (None, want[i % len(prompts)]["new_tokens"])
+        before = metrics(served)
+        chat = [{"role": "system", "content": "You answer in one short sentence, plainly, without lists or code."}]
+        for prompt in prompts[:3]:
+            chat.append({"role": "user", "content": prompt})
+            answer = api.chat.completions.create(model="smol-ngram", messages=chat, max_tokens=48, temperature=0)
+            chat.append({"role": "assistant", "content": answer.choices[0].message.content})
+        after = metrics(served)
+        hits, queries, prompt_tokens = (metric(after, f"specexport:{name}_total") - metric(before, f"specexport:{name}_total")
+                                        for name in ("prefix_cache_hits", "prefix_cache_queries", "prompt_tokens"))
+        assert queries == prompt_tokens  # every prompt token of the conversation's requests looked up
+        tokenizer = Tokenizer.from_dir(bundle)
+        ids = tokenizer.encode_chat(chat[:-1])
+        cuts = PrefixStore.of(tokenizer).split(ids)  # the system prompt, turn 1, turn 2 (a question and its answer)
+        assert len(cuts) == 3 and hits == cuts[0] + cuts[1]  # turn 2 copied the system prompt, turn 3 that and turn 1
+        run = json.loads(subprocess.run([SPECEXPORT, "run", bundle, "--prompt-ids", ",".join(map(str, ids)), "--json",
+                                         "--max-new-tokens", "48"], check=True, capture_output=True, text=True).stdout)
+        assert chat[-1]["content"] == run["text"]
         assert served.stop() == 0

@@ -19,7 +19,7 @@ from specexport.errors import UserError
 from specexport.runtime import cpu, methods, tree
 from specexport.runtime.backends import open_graph
 from specexport.runtime.backends.host import Backend, Cache
-from specexport.runtime.prefix import TemplateHead
+from specexport.runtime.prefix import PrefixStore
 from specexport.runtime.sampling import Sampler, SamplingParams
 from specexport.runtime.tokenizer import StreamDecoder, Tokenizer, find_stop
 from specexport.runtime.tree import AcceptMode, DraftTree
@@ -113,7 +113,7 @@ class Engine:
         self.max_context = int(bundle.manifest["max_context"])
         notes = bundle.manifest.get("runtime") or {}
         self.first_token_alone = bool(notes.get("prefill_first_token_alone"))
-        self.head = TemplateHead.of(self.tokenizer)  # prefilled once, copied into each prompt's cache
+        self.prefixes = PrefixStore.of(self.tokenizer)  # prompts' leading chunks, kept for later prompts
         self.warnings = []  # what a caller should tell the user (the CLI prints them)
         ort_int8 = bundle.precision == "int8" and bundle.manifest["flavour"] == "ort"
         if notes.get("int8_weight_bits", 8 if ort_int8 else 0) > cpu.int8_weight_bits():  # older bundles: 8 bits
@@ -222,11 +222,11 @@ class Engine:
         return logits
 
     def prefill_chunks(self, ids: list[int], size: int | None = None) -> list[list[int]]:
-        """The prompt's target calls: chunks of at most `size` tokens (default PREFILL_CHUNK): the chat template's
-        head apart from the rest (runtime/prefix.py), the first token alone where the bundle asks."""
+        """The prompt's target calls: chunks of at most `size` tokens (default PREFILL_CHUNK), cut where a message ends
+        (runtime/prefix.py), the first token alone where the bundle asks."""
         size = PREFILL_CHUNK if size is None else size
-        head = self.head.split(ids)
-        parts = [ids[:head], ids[head:]] if head else [ids]
+        cuts = [0, *self.prefixes.split(ids), len(ids)]
+        parts = [ids[a:b] for a, b in zip(cuts, cuts[1:])]
         if self.first_token_alone and len(parts[0]) > 1:
             parts[:1] = [parts[0][:1], parts[0][1:]]
         return [c[i:i + size] for c in parts for i in range(0, len(c), size)]
@@ -234,18 +234,22 @@ class Engine:
     def prefill_next(self, cache: Cache, chunks: list[list[int]], fed: int, proposer=None,
                      fused: bool | None = None) -> tuple[int, np.ndarray]:
         """Feed the next of a prompt's `chunks` (`prefill_chunks`) into `cache`, which holds the first `fed` of them;
-        returns how many it holds then and the logits of the last token fed. The chunks that spell the chat
-        template's head are copied as an earlier prompt's calls left them where they were kept (never the last: its
-        logits are wanted), else computed and kept (runtime/prefix.py: the same rows; a proposer that reads the
-        calls' outputs observes the kept ones). `fused`: whether the proposer's steps accept in the graph (what it
-        wants from the target depends on it; default: this engine's graph)."""
+        returns how many it holds then and the logits of the last token fed. Chunks an earlier prompt began with
+        are copied as its calls left them (never the last: its logits are wanted), the others computed and kept
+        (runtime/prefix.py: the same rows; a proposer that reads the calls' outputs observes the kept ones).
+        `fused`: whether the proposer's steps accept in the graph (what it wants from the target depends on it;
+        default: this engine's graph)."""
         extra = self._prefill_wants(proposer, fused)
-        while fed < len(chunks) - 1 and (out := self.head.restore(cache, chunks[:fed + 1], extra)) is not None:
+        last = len(chunks) - 1
+        if fed == 0:
+            self.prefixes.asked(sum(len(c) for c in chunks))
+        while fed < last and (out := self.prefixes.restore(cache, chunks[:fed + 1], extra)) is not None:
             if extra:
                 proposer.observe(out, range(len(chunks[fed])))
             fed += 1
         out = self.forward_chain(cache, chunks[fed], ("logits",) + extra)
-        self.head.keep(cache, chunks[:fed + 1], {name: out[name] for name in extra})
+        if fed < last:
+            self.prefixes.keep(cache, chunks[:fed + 1], {name: out[name] for name in extra})
         if extra:
             proposer.observe(out, range(len(chunks[fed])))
         return fed + 1, out["logits"][-1]

@@ -60,7 +60,7 @@ class CacheRows(ABC):
 
 class HostRows(CacheRows):
     """A cache of one sequence whose buffers are host arrays [1, kv_heads, capacity, head_dim]: its rows can be read
-    and written by offset (runtime/prefix.py keeps a chat template's head this way)."""
+    and written by offset (runtime/prefix.py keeps prompts' beginnings this way)."""
 
     buffers: list[np.ndarray]
 

@@ -1,88 +1,186 @@
-"""The chat template's head: the tokens every chat prompt begins with, prefilled once per engine.
+"""Prompts' leading chunks prefilled once: the KV rows of a prompt's chunks kept for later prompts that begin with them.
 
-A chat template renders the same text before each conversation's first user message (SmolLM2's: its default system
-prompt, 24 tokens of the ~90 of a short request). `TemplateHead` finds those tokens (the common start of the template
-rendered around two different messages) and keeps the KV rows its prefill calls wrote, so that later prompts copy
-them into their cache instead of computing them again.
+Chat prompts share beginnings: every conversation opens with the template's system prompt (SmolLM2's default: 21 of
+the ~90 tokens of a short request) or the service's own, and each turn of a conversation re-sends the turns before
+it. A prompt is prefilled in chunks cut where a message ends (`PrefixStore.split`: after the chat template's
+end-of-message tokens, `message_marks`, unless the assistant's reply follows: a question and its answer are one part),
+and the rows each chunk wrote are kept (`keep`), so that a later prompt whose chunks from row 0 are the same copies
+them into its cache (`restore`) instead of computing them again: turn n + 1 of a conversation computes only turn n's
+exchange and its own question.
 
-Exact by construction: a prompt that begins with the head is always prefilled in the same chunks (the head's, then
-the rest: `Engine.prefill_chunks`), cached or not, and a chunk's rows depend only on its tokens and the rows before
-it (causal attention; int8's per-call activation scale is taken over the call's own rows). So a kept chunk's rows are
-the rows that computing it again would write, bit for bit, on a cache whose rows before it are the head's: a
-prompt's leading chunks that spell the head from row 0, in the same chunking, are the only ones kept or restored.
+Exact by construction: a prompt is always cut in the same chunks, kept rows or not (the cut depends on its tokens
+alone), and a chunk's rows depend only on its tokens and the rows before it (causal attention; int8's per-call
+activation scale is taken over the call's own rows). So a kept chunk's rows are the rows that computing it again
+would write, bit for bit, on a cache that holds the same chunks before it: a chunk is known by all the chunks from
+row 0 through it (their tokens and their lengths), never by its tokens alone.
 
-A proposer that reads the target's outputs at the prompt's rows (EAGLE's features, Medusa's candidates) is given the
-head's, kept with its rows, as its call gave them (its own draft prefill still runs on them). Only caches whose rows
-live on the host keep and take rows (a device cache computes the head each time).
+A proposer that reads the target's outputs at the prompt's rows (EAGLE's features, Medusa's candidates) is given
+those of the kept call, as its call gave them (its own draft prefill still runs on them). Only caches whose rows live
+on the host keep and take rows (a device cache computes every chunk). The store holds at most `budget` bytes of rows
+and outputs, forgetting the chunks used longest ago first (a chunk never outlives the chunks before it).
 """
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
+from specexport.errors import UserError
 from specexport.runtime.kvcache import HostRows
 
+BUDGET = 256 << 20  # bytes of kept rows an engine holds by default
+MIN_PART = 16  # a message boundary cuts the prompt only where the part before it has at least this many tokens
 
-class TemplateHead:
-    """The head's tokens and the rows its prefill chunks wrote (per cache buffer), with what proposers read from
-    those calls (by the outputs' names). A chunk is known by the prompt's chunks from row 0 through it (their
-    lengths: the same rows need the same chunking before them, as well as the same tokens); only chunks whose tokens
-    and those before them spell the head are kept or put back."""
 
-    def __init__(self, tokens: list[int]):
-        self.tokens = list(tokens)
-        self._rows: dict[tuple[int, ...], list[np.ndarray]] = {}
-        self._outputs: dict[tuple[tuple[int, ...], tuple[str, ...]], dict[str, np.ndarray]] = {}
+def message_marks(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """What the chat template writes after each message (ChatML's `<|im_end|>` and newline: the common end of two
+    renderings whose messages differ at their last character) and before the assistant's reply (its generation
+    prompt, ChatML's `<|im_start|>assistant` and newline); none without a template, or where the end does not begin
+    with a special token (plain text would cut prompts at ordinary words)."""
+    if not tokenizer.has_chat_template:
+        return (), ()
+    try:
+        a, b, asked = (tokenizer.encode_chat([{"role": "user", "content": text}], add_generation_prompt=reply)
+                       for text, reply in (("x", False), ("Q", False), ("x", True)))
+    except UserError:  # a template that wants other messages: no cuts
+        return (), ()
+    start = next((i for i, (s, t) in enumerate(zip(a, b)) if s != t), min(len(a), len(b)))
+    n = 0
+    while n < min(len(a), len(b)) - start and a[-1 - n] == b[-1 - n]:
+        n += 1
+    special = {i for i, token in tokenizer.backend.get_added_tokens_decoder().items() if token.special}
+    end = tuple(a[len(a) - n:])
+    if not end or end[0] not in special:
+        return (), ()
+    return end, tuple(asked[len(a):]) if asked[:len(a)] == a else ()
+
+
+class _Chunk:
+    """A kept chunk: its rows (per cache buffer), the outputs proposers read from its call (by their names), the
+    chunks kept after it (by their tokens), and when it was last used."""
+
+    __slots__ = ("parent", "tokens", "rows", "outputs", "children", "used", "nbytes")
+
+    def __init__(self, parent: "_Chunk | None", tokens: tuple[int, ...], rows: list[np.ndarray] | None, used: int):
+        self.parent, self.tokens, self.rows, self.used = parent, tokens, rows, used
+        self.outputs: dict[tuple[str, ...], dict[str, np.ndarray]] = {}
+        self.children: dict[tuple[int, ...], _Chunk] = {}
+        self.nbytes = sum(r.nbytes for r in rows) if rows else 0
+
+
+class PrefixStore:
+    """The kept chunks of an engine's prompts, a tree from row 0 (`split` says where prompts are cut; `restore` and
+    `keep` take a prompt's chunks from row 0 through the one in question)."""
+
+    def __init__(self, message_end: tuple[int, ...] = (), reply_start: tuple[int, ...] = (), budget: int = BUDGET,
+                 min_part: int = MIN_PART):
+        self.message_end, self.reply_start = tuple(message_end), list(reply_start)
+        self.budget, self.min_part = budget, min_part
+        self._root = _Chunk(None, (), None, 0)
+        self.nbytes, self._clock = 0, 0
+        self.queries = self.hits = 0  # prompt tokens prefilled through this store, and those copied (as vLLM counts)
+        self._lock = threading.Lock()  # one engine may prefill on several threads (batch-1 generations)
+
+    @property
+    def marks(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Where this store cuts prompts (`message_marks`)."""
+        return self.message_end, tuple(self.reply_start)
 
     @classmethod
-    def of(cls, tokenizer) -> "TemplateHead":
-        """The head of the tokenizer's chat template (none without one, or where it renders nothing before the
-        message): the common start of two renderings whose messages differ at their first character."""
-        if not tokenizer.has_chat_template:
-            return cls([])
-        a, b = (tokenizer.encode_chat([{"role": "user", "content": text}]) for text in ("x", "Q"))
-        n = next((i for i, (s, t) in enumerate(zip(a, b)) if s != t), min(len(a), len(b)))
-        return cls(a[:n])
+    def of(cls, tokenizer, budget: int = BUDGET) -> "PrefixStore":
+        """The store for a tokenizer's prompts: cut where its chat template ends a message."""
+        return cls(*message_marks(tokenizer), budget=budget)
 
-    def split(self, ids: list[int]) -> int:
-        """How many leading tokens of `ids` are the head (0 unless they begin with all of it and go on past it)."""
-        n = len(self.tokens)
-        return n if n and len(ids) > n and ids[:n] == self.tokens else 0
+    def split(self, ids: list[int]) -> list[int]:
+        """Where the prompt is cut (ascending offsets): after each end of a message that leaves at least `min_part`
+        tokens since the last cut and is not followed by the assistant's reply (a question and its answer are one
+        part: the prompt that asked the question ended with the reply's start, the next turn's holds the reply), never
+        at the prompt's end."""
+        marker, reply, cuts, last = self.message_end, self.reply_start, [], 0
+        if not marker:
+            return cuts
+        m, first = len(marker), marker[0]
+        for i in range(len(ids) - m):  # a cut at p = i + m < len(ids)
+            p = i + m
+            if ids[i] == first and p - last >= self.min_part and tuple(ids[i:p]) == marker \
+                    and not (reply and ids[p:p + len(reply)] == reply):
+                cuts.append(last := p)
+        return cuts
 
-    def key(self, chunks: list[list[int]]) -> tuple[int, ...] | None:
-        """The key of the last of a prompt's leading `chunks` (fed from row 0): their lengths, or None unless their
-        tokens, in order, are the head's first ones."""
-        lengths = tuple(len(c) for c in chunks)
-        end = sum(lengths)
-        if not chunks or end > len(self.tokens) or [t for c in chunks for t in c] != self.tokens[:end]:
-            return None
-        return lengths
+    def asked(self, tokens: int) -> None:
+        """Count a prompt of `tokens` tokens prefilled (its chunks restored or computed and kept)."""
+        with self._lock:
+            self.queries += tokens
 
     def restore(self, cache, chunks: list[list[int]], wants: tuple[str, ...] = ()) -> dict[str, np.ndarray] | None:
         """Copy the kept rows of the last of `chunks` (the prompt's chunks from row 0; `cache` holds those before
         it) into `cache` (which advances past them) and return copies of the outputs `wants` names that its call
         gave; None where they are not kept or the cache takes no rows (the caller computes the chunk and `keep`s
         it)."""
-        key = self.key(chunks)
-        if key is None or not _host(cache) or cache.length != sum(key[:-1]):
+        if not _host(cache) or cache.length != sum(len(c) for c in chunks[:-1]):
             return None
-        rows, outputs = self._rows.get(key), self._outputs.get((key, wants)) if wants else {}
-        if rows is None or outputs is None:
-            return None
-        cache.put_rows(cache.length, rows)
-        cache.advance(key[-1])
+        with self._lock:
+            node = self._find(chunks)
+            outputs = node.outputs.get(wants) if node is not None and wants else {}
+            if node is None or outputs is None:
+                return None
+            self._touch(node)
+            self.hits += len(chunks[-1])
+        cache.put_rows(cache.length, node.rows)
+        cache.advance(len(chunks[-1]))
         return {name: value.copy() for name, value in outputs.items()}
 
     def keep(self, cache, chunks: list[list[int]], outputs: dict[str, np.ndarray]) -> None:
         """Keep the rows the last of `chunks` (the prompt's chunks from row 0, all in `cache` now) wrote, and the
-        `outputs` of its call that a proposer read, where the chunks spell the head."""
-        key = self.key(chunks)
-        if key is None or not _host(cache) or cache.length != sum(key):
+        `outputs` of its call that a proposer read, where the chunks before it are kept (the first always is)."""
+        n = len(chunks[-1])
+        if not _host(cache) or cache.length != sum(len(c) for c in chunks):
             return
-        if key not in self._rows:
-            self._rows[key] = cache.rows_at(cache.length - key[-1], key[-1])
-        if outputs:
-            self._outputs.setdefault((key, tuple(outputs)), {name: np.array(v) for name, v in outputs.items()})
+        with self._lock:
+            parent = self._find(chunks[:-1]) if len(chunks) > 1 else self._root
+            if parent is None:
+                return
+            key = tuple(chunks[-1])
+            node = parent.children.get(key)
+            if node is None:
+                node = parent.children[key] = _Chunk(parent, key, cache.rows_at(cache.length - n, n), 0)
+                self.nbytes += node.nbytes
+            if outputs and tuple(outputs) not in node.outputs:
+                node.outputs[tuple(outputs)] = kept = {name: np.array(v) for name, v in outputs.items()}
+                grown = sum(v.nbytes for v in kept.values())
+                node.nbytes += grown
+                self.nbytes += grown
+            self._touch(node)
+            self._shrink()
+
+    def _find(self, chunks: list[list[int]]) -> _Chunk | None:
+        node = self._root
+        for chunk in chunks:
+            node = node.children.get(tuple(chunk))
+            if node is None:
+                return None
+        return node
+
+    def _touch(self, node: _Chunk) -> None:
+        """Mark a chunk and those before it used now (a chunk is never older than the chunks before it)."""
+        self._clock += 1
+        while node is not self._root:
+            node.used, node = self._clock, node.parent
+
+    def _shrink(self) -> None:
+        """Forget the chunks used longest ago, each after the chunks kept after it, until the store fits its
+        budget."""
+        while self.nbytes > self.budget:
+            leaves, stack = [], [self._root]
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                if not node.children and node is not self._root:
+                    leaves.append(node)
+            oldest = min(leaves, key=lambda c: c.used)
+            del oldest.parent.children[oldest.tokens]
+            self.nbytes -= oldest.nbytes
 
 
 def _host(cache) -> bool:

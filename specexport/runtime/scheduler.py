@@ -8,8 +8,9 @@ scheduler runs one loop (its own thread, or `run_until_idle` called by the owner
 2. Waiting requests are admitted while there are free slots; one at a time prefills.
 3. The prefilling request feeds one chunk of its prompt (at most `prefill_chunk` tokens): a long prompt holds the
    running streams back by one chunk per step, never by its whole length. Its last chunk gives its first token. A
-   prompt that begins with the chat template's head copies the head's rows, kept by an earlier prompt, into its slot
-   instead of computing them (runtime/prefix.py), in the same step as its next chunk.
+   prompt whose leading chunks an earlier prompt began with (the template's system prompt, a conversation's earlier
+   turns) copies their rows, kept by that prompt, into its slot instead of computing them (runtime/prefix.py), in the
+   same step as its next chunk.
    (Filling the rest of a step's `prefill_chunk` with the next waiting prompts measured worse, README: requests
    prefilled together finish together and come back as a burst, whose prefill stalls every stream.)
 4. One target call verifies every running sequence's tree: each sequence proposes its tree with its own proposer,

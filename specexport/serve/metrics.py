@@ -1,7 +1,8 @@
 """The server's Prometheus metrics, named as vLLM's dashboards know them, under the `specexport:` prefix.
 
-Requests running and waiting (read from the scheduler at each scrape), prompt and generation tokens, finished requests
-by reason, time to first token, time per output token and end-to-end latency histograms, the batch size of each
+Requests running and waiting (read from the scheduler at each scrape), prompt and generation tokens, prompt tokens
+prefilled and those copied from kept prompt beginnings (the prefix cache's queries and hits, read from the engine's
+store at each scrape), finished requests by reason, time to first token, time per output token and end-to-end latency histograms, the batch size of each
 target call, and speculation: drafts, draft tokens, accepted tokens, accepted tokens per position. Counters are
 exported with `_total`, as prometheus_client writes them.
 """
@@ -17,6 +18,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 
 from specexport.runtime.generate import Generation
 from specexport.runtime.scheduler import Request, Scheduler
@@ -68,6 +70,7 @@ class Metrics:
         self.per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each depth "
                                "of the tree (0: the first drafted token).", ["model_name", "position"], registry=r)
         self.labels = labels
+        r.register(_PrefixCache(scheduler.engine, model))
 
     def step(self, sequences: int, width: int) -> None:
         """A target call of the scheduler (its on_step hook; the scheduler's thread)."""
@@ -100,3 +103,20 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _PrefixCache:
+    """The engine's prefix store as two counters, read at each scrape: prompt tokens prefilled (queries) and those
+    copied from kept chunks (hits)."""
+
+    def __init__(self, engine, model: str):
+        self.engine, self.model = engine, model
+
+    def collect(self):
+        store = self.engine.prefixes
+        for name, doc, value in (("prefix_cache_queries", "Prompt tokens prefilled.", store.queries),
+                                 ("prefix_cache_hits", "Prompt tokens copied from kept prompt beginnings instead of "
+                                  "computed.", store.hits)):
+            family = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            family.add_metric([self.model], value)
+            yield family
