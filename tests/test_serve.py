@@ -462,7 +462,8 @@ def test_serve_bad_options_are_one_line(bundle, tmp_path):
              ([bundle, "--max-batch", "0"], "Invalid value for '--max-batch'"),
              ([bundle, "--api-key", " "], "--api-key must not be empty"),
              ([bundle, "--max-context", "100000"], "the context limit must be in 2..256"),
-             ([bundle, "--device", "tpu"], "Invalid value for '--device'")]
+             ([bundle, "--device", "tpu"], "Invalid value for '--device'"),
+             ([bundle, "--prefix-cache", "-1"], "Invalid value for '--prefix-cache'")]
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         cases.append(([bundle, "--device", "cuda"], "no CUDAExecutionProvider"))
     for args, match in cases:
@@ -481,7 +482,7 @@ def test_real_smollm2_served_greedy_equals_specexport_run(real_smol_ngram):
     `openai` client (batched on one engine), streamed and not, each equal to `specexport run --json`'s text. Then a
     conversation with its own system prompt, three turns: the third copies the first two's chunks (runtime/prefix.py:
     the prefix cache's hits in /metrics) and answers what `specexport run` answers the same prompt ids (a fresh
-    process: computed)."""
+    process: computed); a server with `--prefix-cache 0` copies nothing and answers the same."""
     from specexport.runtime.prefix import PrefixStore
     from specexport.runtime.tokenizer import Tokenizer
 
@@ -525,4 +526,11 @@ def test_real_smollm2_served_greedy_equals_specexport_run(real_smol_ngram):
         run = json.loads(subprocess.run([SPECEXPORT, "run", bundle, "--prompt-ids", ",".join(map(str, ids)), "--json",
                                          "--max-new-tokens", "48"], check=True, capture_output=True, text=True).stdout)
         assert chat[-1]["content"] == run["text"]
+        assert served.stop() == 0
+    with Served(bundle, "--max-batch", "1", "--prefix-cache", "0") as served:  # nothing kept: every turn computed
+        for turn in (4, 6):
+            answer = client(served).chat.completions.create(model="smol-ngram", messages=chat[:turn], max_tokens=48,
+                                                            temperature=0)
+            assert answer.choices[0].message.content == chat[turn]["content"]
+        assert metric(metrics(served), "specexport:prefix_cache_hits_total") == 0
         assert served.stop() == 0

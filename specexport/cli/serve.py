@@ -11,6 +11,7 @@ import click
 from specexport.bundle import load_bundle
 from specexport.cli import needs_extra
 from specexport.errors import UserError
+from specexport.runtime import prefix
 from specexport.runtime.backends import DEVICES
 from specexport.serve.server import serve as run_server
 
@@ -36,6 +37,9 @@ from specexport.serve.server import serve as run_server
 @click.option("--max-context", type=click.IntRange(2), default=None,
               help="Prompt plus new tokens per request (default: the bundle's context). The KV cache holds "
                    "--max-batch x this many tokens.")
+@click.option("--prefix-cache", type=click.IntRange(0), default=prefix.BUDGET >> 20, show_default=True, metavar="MIB",
+              help="KV rows of prompts' beginnings kept for later prompts (system prompts, a conversation's earlier "
+                   "turns), in MiB; 0: none kept.")
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=4 << 20, show_default=True,
               help="Larger request bodies get a 413.")
 @click.option("--device", type=click.Choice([d for d in DEVICES if d != "auto"]), default="cpu", show_default=True,
@@ -56,7 +60,7 @@ from specexport.serve.server import serve as run_server
 @click.option("--start-timeout", type=click.FloatRange(1), default=300.0, show_default=True,
               help="--ray: seconds for every replica to start before the deployment is given up.")
 def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, drain_timeout, threads,
-          prefill_chunk, max_context, max_body_bytes, device, on_ray, replicas, autoscale, address, num_cpus, detach,
+          prefill_chunk, max_context, prefix_cache, max_body_bytes, device, on_ray, replicas, autoscale, address, num_cpus, detach,
           start_timeout):
     """Serve a bundle behind an OpenAI-compatible API (chat and text completions, streaming, /v1/models), with
     /health, /ready and Prometheus /metrics. Requests are batched on one engine (continuous batching); SIGTERM or
@@ -79,8 +83,8 @@ def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, 
                    f"Ctrl-C or SIGTERM drains and stops)", err=True)
 
     options = dict(max_batch=max_batch, max_queue=max_queue, api_key=api_key, model_name=served_model_name,
-                   threads=threads, prefill_chunk=prefill_chunk, max_context=max_context, max_body_bytes=max_body_bytes,
-                   device=device)
+                   threads=threads, prefill_chunk=prefill_chunk, max_context=max_context, prefix_cache=prefix_cache,
+                   max_body_bytes=max_body_bytes, device=device)
     ray_only = {"--replicas": replicas, "--autoscale": autoscale, "--address": address, "--num-cpus": num_cpus,
                 "--detach": detach or None}
     if not on_ray:

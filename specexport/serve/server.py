@@ -76,17 +76,20 @@ def warm_up(scheduler: Scheduler) -> None:
 def open_app(bundle, max_batch: int = 8, max_queue: int = 64, api_key: str | None = None,
              model_name: str | None = None, threads: int | None = None, prefill_chunk: int | None = None,
              max_body_bytes: int = 4 << 20, max_context: int | None = None, served_by: str | None = None,
-             device: str = "cpu"):
+             device: str = "cpu", prefix_cache: int | None = None):
     """The app over `bundle`, ready: the engine loaded, its scheduler started and warmed up. `max_context`: prompt
     plus new tokens per request (the bundle's by default; the KV pool holds max_batch x max_context rows);
     `served_by`: what X-Served-By names (default host/pid); `device`: the engine's (runtime/backends: cpu, or the
-    device path's cuda / cpu-iobinding, where the KV pool lives on the device)."""
+    device path's cuda / cpu-iobinding, where the KV pool lives on the device); `prefix_cache`: MiB of prompts'
+    beginnings kept (runtime/prefix.py; default its BUDGET)."""
     log.setLevel(logging.INFO)  # the access log, wherever the app runs (uvicorn here, a Ray replica)
     engine = Engine.load(bundle, threads=threads, device=device)
     for warning in engine.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if max_context is not None:
         engine.limit_context(max_context)
+    if prefix_cache is not None:
+        engine.prefixes.budget = prefix_cache << 20
     scheduler = Scheduler(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
     pool_gb = scheduler.pool.nbytes / 2**30
     print(f"KV cache: {max_batch} sequences x {engine.max_context} tokens ({pool_gb:.2f} GiB, held as it fills; "
