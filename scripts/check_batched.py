@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specexport.runtime.backends import DEVICES  # noqa: E402
 from specexport.runtime.generate import Engine  # noqa: E402
 from specexport.runtime.sampling import SamplingParams  # noqa: E402
 from specexport.runtime.scheduler import Scheduler  # noqa: E402
@@ -44,7 +45,7 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--seeded", type=int, default=0, help="also sample the first K prompts with a seed")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    ap.add_argument("--device", choices=("cpu", "cuda", "cpu-iobinding"), default="cpu",
+    ap.add_argument("--device", choices=[d for d in DEVICES if d != "auto"], default="cpu",
                     help="the batched engine's device (the runs alone: the host's)")
     args = ap.parse_args()
     root = Path(__file__).resolve().parent.parent

@@ -516,8 +516,9 @@ def test_real_smollm2_served_greedy_equals_specexport_run(real_smol_ngram):
             answer = api.chat.completions.create(model="smol-ngram", messages=chat, max_tokens=48, temperature=0)
             chat.append({"role": "assistant", "content": answer.choices[0].message.content})
         after = metrics(served)
-        hits, queries, prompt_tokens = (metric(after, f"specexport:{name}_total") - metric(before, f"specexport:{name}_total")
-                                        for name in ("prefix_cache_hits", "prefix_cache_queries", "prompt_tokens"))
+        hits, queries, prompt_tokens = (
+            metric(after, f"specexport:{name}_total") - metric(before, f"specexport:{name}_total")
+            for name in ("prefix_cache_hits", "prefix_cache_queries", "prompt_tokens"))
         assert queries == prompt_tokens  # every prompt token of the conversation's requests looked up
         tokenizer = Tokenizer.from_dir(bundle)
         ids = tokenizer.encode_chat(chat[:-1])

@@ -60,8 +60,8 @@ from specexport.serve.server import serve as run_server
 @click.option("--start-timeout", type=click.FloatRange(1), default=300.0, show_default=True,
               help="--ray: seconds for every replica to start before the deployment is given up.")
 def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, drain_timeout, threads,
-          prefill_chunk, max_context, prefix_cache, max_body_bytes, device, on_ray, replicas, autoscale, address, num_cpus, detach,
-          start_timeout):
+          prefill_chunk, max_context, prefix_cache, max_body_bytes, device, on_ray, replicas, autoscale, address,
+          num_cpus, detach, start_timeout):
     """Serve a bundle behind an OpenAI-compatible API (chat and text completions, streaming, /v1/models), with
     /health, /ready and Prometheus /metrics. Requests are batched on one engine (continuous batching); SIGTERM or
     Ctrl-C drains them and exits 0.

@@ -75,7 +75,7 @@ class PrefixStore:
 
     def __init__(self, message_end: tuple[int, ...] = (), reply_start: tuple[int, ...] = (), budget: int = BUDGET,
                  min_part: int = MIN_PART):
-        self.message_end, self.reply_start = tuple(message_end), list(reply_start)
+        self.message_end, self.reply_start = tuple(message_end), tuple(reply_start)
         self.budget, self.min_part = budget, min_part
         self._root = _Chunk(None, (), None, 0)
         self.nbytes, self._clock = 0, 0
@@ -85,7 +85,7 @@ class PrefixStore:
     @property
     def marks(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Where this store cuts prompts (`message_marks`)."""
-        return self.message_end, tuple(self.reply_start)
+        return self.message_end, self.reply_start
 
     @classmethod
     def of(cls, tokenizer, budget: int = BUDGET) -> "PrefixStore":
@@ -104,7 +104,7 @@ class PrefixStore:
         for i in range(len(ids) - m):  # a cut at p = i + m < len(ids)
             p = i + m
             if ids[i] == first and p - last >= self.min_part and tuple(ids[i:p]) == marker \
-                    and not (reply and ids[p:p + len(reply)] == reply):
+                    and not (reply and tuple(ids[p:p + len(reply)]) == reply):
                 cuts.append(last := p)
         return cuts
 
@@ -138,7 +138,7 @@ class PrefixStore:
         if not _host(cache) or cache.length != sum(len(c) for c in chunks):
             return
         with self._lock:
-            parent = self._find(chunks[:-1]) if len(chunks) > 1 else self._root
+            parent = self._find(chunks[:-1])  # the root for a prompt's first chunk
             if parent is None:
                 return
             key = tuple(chunks[-1])

@@ -198,7 +198,8 @@ class Scheduler:
         if prefill_chunk < 1:
             raise UserError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if not hasattr(engine.target, "new_pool"):
-            raise UserError("batched generation runs on ONNX Runtime (--device cpu, cuda or cpu-iobinding) in this version")
+            raise UserError("batched generation runs on ONNX Runtime (--device cpu, cuda or cpu-iobinding) in this "
+                            "version")
         self.engine, self.max_batch, self.prefill_chunk, self.plain = engine, max_batch, prefill_chunk, plain
         self._host = _HostAccepting(engine)
         self.step_rows = 1 if plain else engine.method.tokens_per_step(engine.settings)

@@ -3,8 +3,8 @@
 Requests running and waiting (read from the scheduler at each scrape), prompt and generation tokens, prompt tokens
 prefilled and those copied from kept prompt beginnings (the prefix cache's queries and hits, read from the engine's
 store at each scrape), finished requests by reason, time to first token, time per output token and end-to-end
-latency histograms, the batch size of each target call, and speculation: drafts, draft tokens, accepted tokens, accepted tokens per position. Counters are
-exported with `_total`, as prometheus_client writes them.
+latency histograms, the batch size of each target call, and speculation: drafts, draft tokens, accepted tokens,
+accepted tokens per position. Counters are exported with `_total`, as prometheus_client writes them.
 """
 
 from __future__ import annotations

@@ -70,7 +70,8 @@ def build_app(bundle, replicas: int = 1, autoscale: tuple[int, int] | None = Non
     path = str(Path(bundle).resolve())
     settings = dict(max_batch=max_batch, max_queue=max_queue, api_key=api_key,
                     model_name=model_name or Path(path).name, threads=threads, max_context=max_context,
-                    prefill_chunk=prefill_chunk, max_body_bytes=max_body_bytes, device=device, prefix_cache=prefix_cache)
+                    prefill_chunk=prefill_chunk, max_body_bytes=max_body_bytes, device=device,
+                    prefix_cache=prefix_cache)
 
     def replica_app():
         import ray

@@ -125,7 +125,8 @@ class DeviceSession:
     def new_pool(self, slots: int, capacity: int) -> DevicePool:
         """The KV cache of a batch of `slots` sequences of up to `capacity` rows each (runtime/scheduler.py)."""
         if self.info.get("kv_capacity"):
-            raise UserError("this graph's cache length is fixed (trt flavour): batched serving runs on ort-flavour graphs")
+            raise UserError("this graph's cache length is fixed (trt flavour): batched serving runs on ort-flavour "
+                            "graphs")
         return DevicePool(self, slots, capacity)
 
     def forward(self, cache: DeviceCache, input_ids: np.ndarray, position_ids: np.ndarray, tree_mask: np.ndarray,
@@ -191,7 +192,8 @@ class DeviceSession:
         """Copy every row of slot src into slot dst, on the device (`slot_copy_model`)."""
         g, slots = pool.shape[:2]
         rest = int(np.prod(pool.shape[2:]))
-        self._run_in_place("slot_copy", slot_copy_model, pool.pointer, [g, slots, rest], {"slot": [src], "at": [dst] * g})
+        self._run_in_place("slot_copy", slot_copy_model, pool.pointer, [g, slots, rest],
+                           {"slot": [src], "at": [dst] * g})
 
     def _run_in_place(self, name: str, model, pointer: int, shape: list[int], feeds: dict) -> None:
         """Run one of the cache's graphs (`model(elem_type)`, made on first use) with the device buffer at `pointer`
@@ -284,7 +286,8 @@ def pool_compact_model(elem_type: int) -> bytes:
              _node("TensorScatter", ["cache", "picked", "at_rows"], ["present"], axis=1)]
     shapes = [_value(name, 7, [name + ".rank"]) for name in
               ("rows_shape", "rows_dims", "rows_flat", "at_shape", "at_dims", "at_flat")]
-    inputs = [_value("cache", elem_type, ["n", "s", "d"]), _value("rows", 7, ["slots", "k"]), _value("at", 7, ["slots"])]
+    inputs = [_value("cache", elem_type, ["n", "s", "d"]), _value("rows", 7, ["slots", "k"]),
+              _value("at", 7, ["slots"])]
     return _model("kv_pool_compact", nodes, inputs + shapes, _value("present", elem_type, ["n", "s", "d"]))
 
 
