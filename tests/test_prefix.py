@@ -44,32 +44,38 @@ def test_kept_chunks_are_put_back_after_the_same_chunks_only():
     source.advance(2)
     store.keep(source, [[5], [6, 7]], {})
     target = _empty()
-    assert store.restore(target, [[5]]) == {} and target.length == 1
-    assert store.restore(target, [[5], [6, 7]]) == {} and target.length == 3
+    assert store.restore(target, [[5]]) == [{}] and target.length == 1
+    assert store.restore(target, [[5], [6, 7]]) == [{}] and target.length == 3  # after the chunk it holds
     for kept, put in zip(source.buffers, target.buffers):
         np.testing.assert_array_equal(put[:, :, :3], kept[:, :, :3])
         assert not put[:, :, 3:].any()  # nothing past what was kept
-    assert store.restore(target, [[5], [6, 7], [8]]) is None  # never kept
+    assert store.restore(target, [[5], [6, 7], [8]]) == [] and target.length == 3  # never kept
+    both = _empty()  # every kept chunk at once, up to the first not kept
+    assert store.restore(both, [[5], [6, 7], [8], [9]]) == [{}, {}] and both.length == 3
+    for kept, put in zip(source.buffers, both.buffers):
+        np.testing.assert_array_equal(put[:, :, :3], kept[:, :, :3])
+    assert store.restore(both, [[5], [6, 7]]) == [] and both.length == 3  # it holds them all
     other = _empty()
-    assert store.restore(other, [[5, 6]]) is None and other.length == 0  # another chunking keeps its own chunks
-    assert store.restore(other, [[6]]) is None  # a kept chunk's tokens after other rows are another chunk
-    assert store.restore(other, [[5]], ("features",)) is None and other.length == 0  # no outputs kept for this reader
-    assert store.restore(other, [[5], [6, 7]]) is None and other.length == 0  # the rows before it are not there
+    assert store.restore(other, [[5, 6]]) == [] and other.length == 0  # another chunking keeps its own chunks
+    assert store.restore(other, [[6]]) == []  # a kept chunk's tokens after other rows are another chunk
+    assert store.restore(other, [[5]], ("features",)) == [] and other.length == 0  # no outputs kept for this reader
+    assert store.restore(_filled(7, length=2), [[5], [6, 7]]) == []  # the cache ends inside a chunk
+    assert store.restore(_filled(7, length=1), [[5], [6, 7]]) == [{}]  # it holds the first: the next copied
     # the same last chunk after another chunking of the rows before it is another chunk: its rows differ
     split = PrefixStore()
     cache = _filled(3, length=2)
     split.keep(cache, [[5, 6]], {})
     cache.advance(2)
     split.keep(cache, [[5, 6], [7, 8]], {})
-    assert split.restore(_filled(4, length=2), [[5], [6], [7, 8]]) is None
-    assert split.restore(_filled(4, length=2), [[5, 6], [7, 8]]) == {}
-    assert split.restore(_filled(4, length=2), [[5, 9], [7, 8]]) is None  # other tokens before it
+    assert split.restore(_filled(4, length=2), [[5], [6], [7, 8]]) == []
+    assert split.restore(_filled(4, length=2), [[5, 6], [7, 8]]) == [{}]
+    assert split.restore(_filled(4, length=2), [[5, 9], [7, 8]]) == []  # other tokens before it
     orphan = PrefixStore()
     orphan.keep(_filled(5, length=3), [[5], [6, 7]], {})  # the chunks before it were never kept: neither is it
-    assert orphan.restore(_filled(6, length=1), [[5], [6, 7]]) is None and orphan.nbytes == 0
+    assert orphan.restore(_filled(6, length=1), [[5], [6, 7]]) == [] and orphan.nbytes == 0
     keeper = PrefixStore()
     keeper.keep(_filled(1, batch=2, length=1), [[5]], {})  # a batch's cache is never kept from
-    assert keeper.restore(_empty(), [[5]]) is None
+    assert keeper.restore(_empty(), [[5]]) == []
 
 
 def test_outputs_a_proposer_read_are_kept_with_the_rows_and_given_as_copies():
@@ -78,13 +84,13 @@ def test_outputs_a_proposer_read_are_kept_with_the_rows_and_given_as_copies():
     store.keep(_filled(2, length=2), [[5, 6]], {"features": features})
     features[:] = -1  # the caller's array changes afterwards: what was kept does not
     cache = _empty()
-    got = store.restore(cache, [[5, 6]], ("features",))
+    got, = store.restore(cache, [[5, 6]], ("features",))
     np.testing.assert_array_equal(got["features"], np.arange(6.0).reshape(1, 2, 3))
     got["features"][:] = 7  # nor does what a restore gave
     again = _empty()
-    np.testing.assert_array_equal(store.restore(again, [[5, 6]], ("features",))["features"],
+    np.testing.assert_array_equal(store.restore(again, [[5, 6]], ("features",))[0]["features"],
                                   np.arange(6.0).reshape(1, 2, 3))
-    assert store.restore(_empty(), [[5, 6]], ("other",)) is None
+    assert store.restore(_empty(), [[5, 6]], ("other",)) == []
 
 
 def test_the_store_forgets_the_chunks_used_longest_ago_within_its_budget():
@@ -97,16 +103,16 @@ def test_the_store_forgets_the_chunks_used_longest_ago_within_its_budget():
     store.keep(_filled(1, length=1), [[7]], {})
     assert store.nbytes == 5 * row  # within the budget: all kept
     reader = _empty()
-    assert store.restore(reader, [[1, 2]]) == {} and store.restore(reader, [[1, 2], [3, 4]]) == {}
+    assert store.restore(reader, [[1, 2]]) == [{}] and store.restore(reader, [[1, 2], [3, 4]]) == [{}]
     store.keep(_filled(2, length=1), [[9]], {})  # 6 rows: [7] was used longest ago
-    assert store.nbytes == 5 * row and store.restore(_empty(), [[7]]) is None
+    assert store.nbytes == 5 * row and store.restore(_empty(), [[7]]) == []
     store.keep(_filled(3, length=2), [[5, 5]], {})  # 7 rows: [1, 2]'s chunks were; the one after it goes first
     assert store.nbytes == 5 * row
-    assert store.restore(_filled(4, length=2), [[1, 2], [3, 4]]) is None and store.restore(_empty(), [[1, 2]]) == {}
-    assert store.restore(_empty(), [[9]]) == {} and store.restore(_empty(), [[5, 5]]) == {}
+    assert store.restore(_filled(4, length=2), [[1, 2], [3, 4]]) == [] and store.restore(_empty(), [[1, 2]]) == [{}]
+    assert store.restore(_empty(), [[9]]) == [{}] and store.restore(_empty(), [[5, 5]]) == [{}]
     small = PrefixStore(budget=row)
     small.keep(_filled(5, length=2), [[1, 2]], {})  # larger than the whole budget: not kept
-    assert small.nbytes == 0 and small.restore(_empty(), [[1, 2]]) is None
+    assert small.nbytes == 0 and small.restore(_empty(), [[1, 2]]) == []
 
 
 def _prefill(engine, ids: list[int], store: PrefixStore):

@@ -243,7 +243,7 @@ class Engine:
         last = len(chunks) - 1
         if fed == 0:
             self.prefixes.asked(sum(len(c) for c in chunks))
-        while fed < last and (out := self.prefixes.restore(cache, chunks[:fed + 1], extra)) is not None:
+        for out in self.prefixes.restore(cache, chunks[:last], extra):
             if extra:
                 proposer.observe(out, range(len(chunks[fed])))
             fed += 1

@@ -113,23 +113,32 @@ class PrefixStore:
         with self._lock:
             self.queries += tokens
 
-    def restore(self, cache, chunks: list[list[int]], wants: tuple[str, ...] = ()) -> dict[str, np.ndarray] | None:
-        """Copy the kept rows of the last of `chunks` (the prompt's chunks from row 0; `cache` holds those before
-        it) into `cache` (which advances past them) and return copies of the outputs `wants` names that its call
-        gave; None where they are not kept or the cache takes no rows (the caller computes the chunk and `keep`s
-        it)."""
-        if not _host(cache) or cache.length != sum(len(c) for c in chunks[:-1]):
-            return None
+    def restore(self, cache, chunks: list[list[int]], wants: tuple[str, ...] = ()) -> list[dict[str, np.ndarray]]:
+        """Copy into `cache`, which holds the first of `chunks` (the prompt's chunks from row 0), the kept rows of the
+        chunks after those, in order, as many as are kept (the cache advances past them), in one walk of the store;
+        returns, for each chunk copied, copies of the outputs `wants` names that its call gave. None copied where the
+        next is not kept with those outputs, the cache ends between chunks or takes no rows (the caller computes the
+        next chunk and `keep`s it)."""
+        ends = np.cumsum([0] + [len(c) for c in chunks])
+        fed = int(np.searchsorted(ends, cache.length)) if _host(cache) else len(chunks)
+        if fed >= len(chunks) or ends[fed] != cache.length:
+            return []
+        found = []
         with self._lock:
-            node = self._find(chunks)
-            outputs = node.outputs.get(wants) if node is not None and wants else {}
-            if node is None or outputs is None:
-                return None
-            self._touch(node)
-            self.hits += len(chunks[-1])
-        cache.put_rows(cache.length, node.rows)
-        cache.advance(len(chunks[-1]))
-        return {name: value.copy() for name, value in outputs.items()}
+            node = self._find(chunks[:fed])
+            for chunk in chunks[fed:] if node is not None else ():
+                node = node.children.get(tuple(chunk))
+                outputs = node.outputs.get(wants) if node is not None and wants else {}
+                if node is None or outputs is None:
+                    break
+                found.append((node, outputs))
+            if found:
+                self._touch(found[-1][0])
+                self.hits += sum(len(node.tokens) for node, _ in found)
+        for node, _ in found:
+            cache.put_rows(cache.length, node.rows)
+            cache.advance(len(node.tokens))
+        return [{name: value.copy() for name, value in outputs.items()} for _, outputs in found]
 
     def keep(self, cache, chunks: list[list[int]], outputs: dict[str, np.ndarray]) -> None:
         """Keep the rows the last of `chunks` (the prompt's chunks from row 0, all in `cache` now) wrote, and the
