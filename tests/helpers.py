@@ -64,8 +64,10 @@ def check_prefix_copied(engine, new_tokens: int = 12) -> None:
         assert [(g.tokens, g.stats.accept_lengths) for g in warm] == [(g.tokens, g.stats.accept_lengths) for g in cold]
         cold = [g.tokens for g in cold]
         scheduler = Scheduler(engine, max_batch=3, background=False)
+        hits = engine.prefixes.hits
         requests = [scheduler.submit(p, max_new_tokens=new_tokens, stop_ids=()) for p in prompts]
         scheduler.run_until_idle()
         assert [r.result(timeout=0).tokens for r in requests] == cold
+        assert engine.prefixes.hits == hits + 3 * start  # each prompt's beginning copied into its slot
     finally:
         engine.prefixes = saved

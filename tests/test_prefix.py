@@ -172,3 +172,33 @@ def test_real_smollm2_kept_beginnings_equal_computed(real_smol_ngram):
         reply = engine.generate(ids, max_new_tokens=24)
         assert reply.tokens == computed.tokens
         chat.append({"role": "assistant", "content": reply.text})
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_real_smollm2_conversation_on_the_device_path(real_smol_ngram):
+    """The same conversation on ONNX Runtime's device path (cpu-iobinding, the code CUDA runs): each turn copies the
+    turns before it on the device, the rows and logits a cold prefill computes, in two calls a turn; its replies are
+    the host path's, batch 1 and batched (the kept chunks copied into the pool's slots)."""
+    bundle, prompts, _ = real_smol_ngram
+    host, device = Engine.load(bundle, threads=2), Engine.load(bundle, threads=2, device="cpu-iobinding")
+    store = device.prefixes
+    chat, asked, replies = [{"role": "system", "content": "You are a terse assistant: you answer in one sentence."}], [], []
+    for turn, prompt in enumerate(prompts[:3]):
+        chat.append({"role": "user", "content": prompt})
+        ids = device.tokenizer.encode_chat(chat)
+        cold, warm = _prefill(device, ids, PrefixStore(*store.marks)), _prefill(device, ids, store)
+        assert (cold[2], warm[2]) == (turn + 2, 2)
+        np.testing.assert_array_equal(warm[1], cold[1])
+        np.testing.assert_array_equal(warm[0].value.numpy()[..., :len(ids), :], cold[0].value.numpy()[..., :len(ids), :])
+        reply = host.generate(ids, max_new_tokens=24)
+        device.prefixes = store
+        assert device.generate(ids, max_new_tokens=24).tokens == reply.tokens
+        asked.append(ids)
+        replies.append(reply.tokens)
+        chat.append({"role": "assistant", "content": reply.text})
+    scheduler, hits = Scheduler(device, max_batch=3, background=False), store.hits
+    requests = [scheduler.submit(ids, max_new_tokens=24) for ids in asked]
+    scheduler.run_until_idle()
+    assert [r.result(timeout=0).tokens for r in requests] == replies
+    assert store.hits - hits == sum(sum(len(c) for c in device.prefill_chunks(ids)[:-1]) for ids in asked)

@@ -107,6 +107,12 @@ def test_kept_prompt_beginning_gives_the_computed_tokens(engines, name):
     check_prefix_copied(engines[name])
 
 
+@pytest.mark.parametrize("name", ["ngram", "self1-tree"])
+def test_kept_prompt_beginning_on_the_device_path(engines, name):
+    """The same on ONNX Runtime's device path (cpu-iobinding): the kept rows copied on the device."""
+    check_prefix_copied(Engine.load(engines[name].bundle.path, threads=1, device="cpu-iobinding"))
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch(engines):
     engine = engines["self1-tree"]
     sampling = [SamplingParams(temperature=0.8, seed=7), SamplingParams(temperature=1.0, top_p=0.9, seed=3)]
@@ -230,6 +236,42 @@ def test_the_device_pool_moves_rows_and_slots_as_the_host_pool_does(engines):
     same()
     with pytest.raises(ValueError, match="outside a pool"):
         pool.slot(3)
+
+
+def test_device_caches_copy_rows_out_and_back_as_host_caches_do(engines):
+    """runtime/prefix.py's row copies on the device path (cpu-iobinding): a pool slot's and a one-sequence cache's
+    rows [start, start + n) of every layer taken out, and written back into another slot or cache at another offset,
+    touching nothing else; a batch's view keeps none."""
+    device = Engine.load(engines["ngram"].bundle.path, threads=1, device="cpu-iobinding").target
+    pool = device.new_pool(3, 16)
+    rows = np.random.default_rng(1).normal(size=pool.shape).astype(np.float32)
+    pool.value.update_inplace(rows)
+    host = KVPool(pool.shape[0] // 2, *pool.shape[1:])
+    for buf, layer in zip(host.buffers, rows):
+        buf[:] = layer
+    assert pool.slot(1).keeps_rows and not pool.rows(2).keeps_rows and not host.rows(2).keeps_rows
+    sizes = []
+    for p in (pool, host):
+        kept = p.slot(1).rows_at(3, 5)
+        p.slot(2).put_rows(9, kept)
+        p.slot(0).put_rows(0, kept)
+        sizes.append(sum(r.nbytes for r in kept))
+    assert sizes == [pool.shape[0] * pool.shape[2] * 5 * pool.shape[4] * 4] * 2  # what the store's budget counts
+    kept = pool.slot(1).rows_at(3, 5)
+    got, want = pool.value.numpy(), np.stack(host.buffers)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got[:, 2, :, 9:14], rows[:, 1, :, 3:8])
+    np.testing.assert_array_equal(got[:, 1], rows[:, 1])  # the source slot as it was
+    cache, other = device.new_cache(16), device.new_cache(16)
+    cache.value.update_inplace(rows[:, :1])
+    other.value.update_inplace(np.zeros(other.shape, np.float32))
+    other.put_rows(4, cache.rows_at(2, 6))
+    np.testing.assert_array_equal(other.value.numpy()[:, :, :, 4:10], rows[:, :1, :, 2:8])
+    assert not other.value.numpy()[:, :, :, :4].any() and not other.value.numpy()[:, :, :, 10:].any()
+    with pytest.raises(ValueError, match="outside a cache"):
+        cache.rows_at(12, 5)
+    with pytest.raises(ValueError, match="do not fit"):
+        pool.slot(0).put_rows(14, kept)
 
 
 def test_pool_views_share_the_buffers_and_keep_their_own_lengths():

@@ -20,6 +20,13 @@ class CacheRows(ABC):
 
     capacity: int
     length: int
+    batch: int
+
+    @property
+    def keeps_rows(self) -> bool:
+        """Whether its rows can be read and written by offset (`rows_at`, `put_rows`: one sequence's cache whose
+        kind implements them; runtime/prefix.py keeps prompts' beginnings this way)."""
+        return False
 
     def room(self) -> int:
         return self.capacity - self.length
@@ -63,6 +70,10 @@ class HostRows(CacheRows):
     and written by offset (runtime/prefix.py keeps prompts' beginnings this way)."""
 
     buffers: list[np.ndarray]
+
+    @property
+    def keeps_rows(self) -> bool:
+        return self.batch == 1
 
     def rows_at(self, start: int, n: int) -> list[np.ndarray]:
         """Copies of rows [start, start + n) of every buffer."""

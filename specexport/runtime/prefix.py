@@ -15,9 +15,11 @@ would write, bit for bit, on a cache that holds the same chunks before it: a chu
 row 0 through it (their tokens and their lengths), never by its tokens alone.
 
 A proposer that reads the target's outputs at the prompt's rows (EAGLE's features, Medusa's candidates) is given
-those of the kept call, as its call gave them (its own draft prefill still runs on them). Only caches whose rows live
-on the host keep and take rows (a device cache computes every chunk). The store holds at most `budget` bytes of rows
-and outputs, forgetting the chunks used longest ago first (a chunk never outlives the chunks before it).
+those of the kept call, as its call gave them (its own draft prefill still runs on them). A cache of one sequence
+keeps and takes rows where its kind can (`keeps_rows`): on the host as arrays, on ONNX Runtime's device path as
+tensors copied on the device (runtime/backends/iobinding.py); TensorRT's device cache computes every chunk. The store
+holds at most `budget` bytes of rows and outputs (device memory where the rows are on a device), forgetting the
+chunks used longest ago first (a chunk never outlives the chunks before it).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import threading
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.runtime.kvcache import HostRows
 
 BUDGET = 256 << 20  # bytes of kept rows an engine holds by default
 MIN_PART = 16  # a message boundary cuts the prompt only where the part before it has at least this many tokens
@@ -120,7 +121,7 @@ class PrefixStore:
         next is not kept with those outputs, the cache ends between chunks or takes no rows (the caller computes the
         next chunk and `keep`s it)."""
         ends = np.cumsum([0] + [len(c) for c in chunks])
-        fed = int(np.searchsorted(ends, cache.length)) if _host(cache) else len(chunks)
+        fed = int(np.searchsorted(ends, cache.length)) if cache.keeps_rows else len(chunks)
         if fed >= len(chunks) or ends[fed] != cache.length:
             return []
         found = []
@@ -144,7 +145,7 @@ class PrefixStore:
         """Keep the rows the last of `chunks` (the prompt's chunks from row 0, all in `cache` now) wrote, and the
         `outputs` of its call that a proposer read, where the chunks before it are kept (the first always is)."""
         n = len(chunks[-1])
-        if not _host(cache) or cache.length != sum(len(c) for c in chunks):
+        if not cache.keeps_rows or cache.length != sum(len(c) for c in chunks):
             return
         with self._lock:
             parent = self._find(chunks[:-1])  # the root for a prompt's first chunk
@@ -191,7 +192,3 @@ class PrefixStore:
             del oldest.parent.children[oldest.tokens]
             self.nbytes -= oldest.nbytes
 
-
-def _host(cache) -> bool:
-    """Whether a cache's rows can be kept and put back (one sequence's, on the host)."""
-    return isinstance(cache, HostRows) and cache.batch == 1

@@ -14,6 +14,9 @@ The batched engine's pool (`new_pool`, runtime/scheduler.py) is one allocation [
 head_dim] too: the first n slots of a layer are contiguous, so a batched call binds each layer's first n slots by
 address as `KVPool.rows(n)` does on the host, and one slot alone likewise. A slot's compaction and the move of a slot
 into a freed one run as two more small graphs over the whole pool, in place (`pool_compact_model`, `slot_copy_model`).
+A one-sequence cache (a `DeviceCache` of batch 1, a pool's slot) gives rows of every layer to the prefix cache
+(runtime/prefix.py) as a new device tensor and takes them back in place, by two more (`take_rows_model`,
+`put_rows_model`): kept prompt beginnings never leave the device.
 """
 
 from __future__ import annotations
@@ -46,9 +49,26 @@ class DeviceCache(CacheRows):
         self.pointer = self.value.data_ptr()
         self.layer_bytes = int(np.prod(self.shape[1:])) * np.dtype(owner.dtype).itemsize
         self.bindings: dict[tuple, ort.IOBinding] = {}
+        self.batch = batch
 
     def move(self, src: np.ndarray) -> None:
         self.owner.compact(self, src)  # on the device
+
+    @property
+    def keeps_rows(self) -> bool:
+        return self.batch == 1
+
+    def rows_at(self, start: int, n: int) -> list["DeviceRows"]:
+        """A copy of rows [start, start + n) of every layer, on the device (`HostRows.rows_at`'s counterpart)."""
+        return [self.owner.take_rows(self.pointer, self._flat(), np.arange(self._flat()[0]), start, n)]
+
+    def put_rows(self, start: int, rows: list["DeviceRows"]) -> None:
+        """Write `rows_at`'s copy back at rows [start, start + n), on the device."""
+        self.owner.put_rows(self.pointer, self._flat(), np.arange(self._flat()[0]), start, rows[0])
+
+    def _flat(self) -> list[int]:
+        """The buffer as the row graphs see it: [2 * layers * batch * kv_heads, capacity, head_dim]."""
+        return [int(np.prod(self.shape[:3])), self.capacity, self.shape[4]]
 
 
 class DevicePool(SlotPool):
@@ -89,6 +109,33 @@ class DeviceSlots(SlotView):
 
     def move(self, src: np.ndarray) -> None:
         self.owner.compact_slot(self.pool, self.start, src)  # on the device
+
+    @property
+    def keeps_rows(self) -> bool:
+        return self.batch == 1
+
+    def rows_at(self, start: int, n: int) -> list["DeviceRows"]:
+        """A copy of the slot's rows [start, start + n) of every layer, on the device."""
+        return [self.owner.take_rows(self.pool.pointer, *self._slices(), start, n)]
+
+    def put_rows(self, start: int, rows: list["DeviceRows"]) -> None:
+        """Write `rows_at`'s copy back at the slot's rows [start, start + n), on the device."""
+        self.owner.put_rows(self.pool.pointer, *self._slices(), start, rows[0])
+
+    def _slices(self) -> tuple[list[int], np.ndarray]:
+        """The pool as the row graphs see it, [2 * layers * slots * kv_heads, capacity, head_dim], and the slices of
+        it that are this slot's (each layer's keys and values, each kv head)."""
+        g, slots, heads, capacity, width = self.pool.shape
+        slices = (np.arange(g)[:, None] * slots + self.start) * heads + np.arange(heads)
+        return [g * slots * heads, capacity, width], slices.reshape(-1)
+
+
+class DeviceRows:
+    """Rows of a cache copied on the device: [2 * layers * kv_heads, n, head_dim], as `rows_at` took them."""
+
+    def __init__(self, value: ort.OrtValue, itemsize: int):
+        self.value, self.shape = value, value.shape()
+        self.nbytes = int(np.prod(self.shape)) * itemsize
 
 
 class DeviceSession:
@@ -195,19 +242,48 @@ class DeviceSession:
         self._run_in_place("slot_copy", slot_copy_model, pool.pointer, [g, slots, rest],
                            {"slot": [src], "at": [dst] * g})
 
-    def _run_in_place(self, name: str, model, pointer: int, shape: list[int], feeds: dict) -> None:
-        """Run one of the cache's graphs (`model(elem_type)`, made on first use) with the device buffer at `pointer`
-        bound as its `cache` input and `present` output (`shape`: the graph's view of it; the graph writes in place),
-        and the int64 `feeds` from the host."""
+    def take_rows(self, pointer: int, shape: list[int], slices: np.ndarray, start: int, n: int) -> DeviceRows:
+        """Rows [start, start + n) of the buffer at `pointer` seen as `shape` [slices, capacity, head_dim], of the
+        `slices` given, copied into a new device tensor (`take_rows_model`)."""
+        if start + n > shape[1]:
+            raise ValueError(f"rows [{start}, {start + n}) outside a cache of {shape[1]}")
+        io = self._kv_graph("take_rows", take_rows_model).io_binding()
+        io.bind_input("cache", self.device, 0, self.dtype, shape, pointer)
+        io.bind_cpu_input("slices", np.ascontiguousarray(slices, np.int64))
+        io.bind_cpu_input("rows", np.arange(start, start + n, dtype=np.int64))
+        io.bind_output("picked", self.device, 0)  # allocated by ONNX Runtime on the device, kept by the OrtValue
+        self.kv_graphs["take_rows"].run_with_iobinding(io)
+        return DeviceRows(io.get_outputs()[0], np.dtype(self.dtype).itemsize)
+
+    def put_rows(self, pointer: int, shape: list[int], slices: np.ndarray, start: int, rows: DeviceRows) -> None:
+        """Write `take_rows`'s copy back at rows [start, start + n) of the same slices, in place (`put_rows_model`)."""
+        n = rows.shape[1]
+        if start + n > shape[1] or rows.shape[0] != len(slices):
+            raise ValueError(f"rows {rows.shape} at {start} do not fit the cache's {len(slices)} slices of {shape[1]}")
+        index = np.stack(np.broadcast_arrays(np.asarray(slices)[:, None], start + np.arange(n)), axis=-1)
+        self._run_in_place("put_rows", put_rows_model, pointer, shape, {"index": index}, {"rows": rows.value})
+
+    def _kv_graph(self, name: str, model) -> ort.InferenceSession:
+        """One of the caches' small graphs (`model(elem_type)`), made on first use."""
         session = self.kv_graphs.get(name)
         if session is None:
             so = session_options(1, spin=False)
             session = self.kv_graphs[name] = ort.InferenceSession(model(self.elem_type), so, providers=self.providers)
+        return session
+
+    def _run_in_place(self, name: str, model, pointer: int, shape: list[int], feeds: dict,
+                      values: dict[str, ort.OrtValue] | None = None) -> None:
+        """Run one of the cache's graphs (`_kv_graph`) with the device buffer at `pointer` bound as its `cache` input
+        and `present` output (`shape`: the graph's view of it; the graph writes in place), the int64 `feeds` from
+        the host and device `values`."""
+        session = self._kv_graph(name, model)
         io = session.io_binding()
         io.bind_input("cache", self.device, 0, self.dtype, shape, pointer)
         io.bind_output("present", self.device, 0, self.dtype, shape, pointer)
         for key, value in feeds.items():
             io.bind_cpu_input(key, np.ascontiguousarray(value, np.int64))
+        for key, value in (values or {}).items():
+            io.bind_ortvalue_input(key, value)
         session.run_with_iobinding(io)
 
     def _binding(self, cache: DeviceCache, want: tuple[str, ...]) -> ort.IOBinding:
@@ -298,6 +374,24 @@ def slot_copy_model(elem_type: int) -> bytes:
              _node("TensorScatter", ["cache", "picked", "at"], ["present"], axis=1)]
     return _model("kv_slot_copy", nodes, [_value("cache", elem_type, ["g", "s", "r"]), _value("slot", 7, ["one"]),
                                           _value("at", 7, ["g"])], _value("present", elem_type, ["g", "s", "r"]))
+
+
+def take_rows_model(elem_type: int) -> bytes:
+    """Rows of some slices of a cache: `cache` [n, s, d], `slices` [p] and `rows` [k] int64; `picked` [p, k, d] (two
+    Gathers, on axes 0 and 1)."""
+    nodes = [_node("Gather", ["cache", "slices"], ["sliced"], axis=0),
+             _node("Gather", ["sliced", "rows"], ["picked"], axis=1)]
+    return _model("kv_take_rows", nodes, [_value("cache", elem_type, ["n", "s", "d"]), _value("slices", 7, ["p"]),
+                                          _value("rows", 7, ["k"])], _value("picked", elem_type, ["p", "k", "d"]))
+
+
+def put_rows_model(elem_type: int) -> bytes:
+    """`take_rows_model`'s rows written back: `cache` [n, s, d], `index` [p, k, 2] int64 (slice, row) and `rows`
+    [p, k, d]; `present` = cache with those rows set (ScatterND)."""
+    nodes = [_node("ScatterND", ["cache", "index", "rows"], ["present"])]
+    return _model("kv_put_rows", nodes, [_value("cache", elem_type, ["n", "s", "d"]), _value("index", 7, ["p", "k", "two"]),
+                                         _value("rows", elem_type, ["p", "k", "d"])],
+                  _value("present", elem_type, ["n", "s", "d"]))
 
 
 def _value(name: str, elem_type: int, dims: list[str]) -> bytes:
