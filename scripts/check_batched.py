@@ -3,6 +3,9 @@
 does), then all of them submitted at once to one batched engine (runtime/scheduler.py, `--max-batch` running
 together, the rest queued and joining as others leave), and each request's tokens compared with its run alone.
 
+The batched engine's prefix cache (runtime/prefix.py) copies the prompts' kept beginnings (the template's system
+prompt: on the device with `--device cuda`), and the count of prompt tokens it copied is printed.
+
 Greedy requests with EOS suppressed (every request runs its whole --new-tokens); with `--seeded K` the first K
 prompts are also sampled (temperature 0.8, top-p 0.95, seed = the prompt's index) alone and again inside the batch of
 greedy ones: a seeded request must give the same tokens whatever it is batched with. Prints, per prompts file, how
@@ -62,6 +65,8 @@ def main() -> None:
         jobs += [(p, SamplingParams(temperature=0.8, top_p=0.95, seed=k)) for k, p in enumerate(prompts[:args.seeded])]
         alone = [engine.generate(p, max_new_tokens=args.new_tokens, sampling=s, stop_ids=()).tokens for p, s in jobs]
         scheduler = Scheduler(batching, max_batch=args.max_batch)
+        store = batching.prefixes
+        queries, hits = store.queries, store.hits
         try:
             requests = [scheduler.submit(p, max_new_tokens=args.new_tokens, sampling=s, stop_ids=()) for p, s in jobs]
             batched = [r.result(timeout=3600).tokens for r in requests]
@@ -76,7 +81,8 @@ def main() -> None:
             differing = {k: f for k, f in zip(rows, firsts) if f is not None}
             print(f"  {path.name} {kind}: batched == alone on {same}/{len(rows)}"
                   + (f"; first differing token by request: {differing}" if differing else "")
-                  + (f" ({scheduler.steps} batched calls, {scheduler.rows / max(scheduler.steps, 1):.1f} rows per call)"
+                  + (f" ({scheduler.steps} batched calls, {scheduler.rows / max(scheduler.steps, 1):.1f} rows per call; "
+                     f"{store.hits - hits} of {store.queries - queries} prompt tokens copied from kept beginnings)"
                      if kind == "greedy" else ""), flush=True)
     sys.exit(1 if failed else 0)
 

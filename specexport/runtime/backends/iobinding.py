@@ -36,7 +36,32 @@ _TYPES = {"fp32": (np.float32, 1), "fp16": (np.float16, 10)}  # numpy type, ONNX
 _KEEP = 64  # staged input OrtValues kept per session (the steady state repeats a few shapes; prefills vary)
 
 
-class DeviceCache(CacheRows):
+class _DeviceRowsAt:
+    """Rows by offset of a one-sequence device cache (runtime/prefix.py's copies), on the device: `_rows_view` gives
+    the buffer's address, its shape as the row graphs see it [slices, capacity, head_dim] and the slices of it that
+    are this sequence's."""
+
+    batch: int
+    owner: "DeviceSession"
+
+    @property
+    def keeps_rows(self) -> bool:
+        return self.batch == 1
+
+    def rows_at(self, start: int, n: int) -> list["DeviceRows"]:
+        """A copy of rows [start, start + n) of every layer (`HostRows.rows_at`'s counterpart)."""
+        return [self.owner.take_rows(*self._rows_view(), start, n)]
+
+    def put_rows(self, start: int, rows: list["DeviceRows"]) -> None:
+        """Write `rows_at`'s copy back at rows [start, start + n) (the length is the caller's to advance)."""
+        pointer, shape, slices = self._rows_view()
+        self.owner.put_rows(pointer, shape, slices, start, rows[0])
+
+    def _rows_view(self) -> tuple[int, list[int], np.ndarray]:
+        raise NotImplementedError
+
+
+class DeviceCache(_DeviceRowsAt, CacheRows):
     """The KV cache of a `DeviceSession`, on its device. Its buffer never moves (`pointer` is fixed)."""
 
     def __init__(self, owner: "DeviceSession", batch: int, capacity: int):
@@ -54,21 +79,9 @@ class DeviceCache(CacheRows):
     def move(self, src: np.ndarray) -> None:
         self.owner.compact(self, src)  # on the device
 
-    @property
-    def keeps_rows(self) -> bool:
-        return self.batch == 1
-
-    def rows_at(self, start: int, n: int) -> list["DeviceRows"]:
-        """A copy of rows [start, start + n) of every layer, on the device (`HostRows.rows_at`'s counterpart)."""
-        return [self.owner.take_rows(self.pointer, self._flat(), np.arange(self._flat()[0]), start, n)]
-
-    def put_rows(self, start: int, rows: list["DeviceRows"]) -> None:
-        """Write `rows_at`'s copy back at rows [start, start + n), on the device."""
-        self.owner.put_rows(self.pointer, self._flat(), np.arange(self._flat()[0]), start, rows[0])
-
-    def _flat(self) -> list[int]:
-        """The buffer as the row graphs see it: [2 * layers * batch * kv_heads, capacity, head_dim]."""
-        return [int(np.prod(self.shape[:3])), self.capacity, self.shape[4]]
+    def _rows_view(self) -> tuple[int, list[int], np.ndarray]:
+        flat = [int(np.prod(self.shape[:3])), self.capacity, self.shape[4]]
+        return self.pointer, flat, np.arange(flat[0])
 
 
 class DevicePool(SlotPool):
@@ -98,7 +111,7 @@ class DevicePool(SlotPool):
         self.lengths[dst] = self.lengths[src]
 
 
-class DeviceSlots(SlotView):
+class DeviceSlots(_DeviceRowsAt, SlotView):
     """Device slots as one cache, bound by address like a `DeviceCache` (its layers `layer_bytes` apart)."""
 
     def __init__(self, pool: DevicePool, start: int, stop: int):
@@ -110,24 +123,10 @@ class DeviceSlots(SlotView):
     def move(self, src: np.ndarray) -> None:
         self.owner.compact_slot(self.pool, self.start, src)  # on the device
 
-    @property
-    def keeps_rows(self) -> bool:
-        return self.batch == 1
-
-    def rows_at(self, start: int, n: int) -> list["DeviceRows"]:
-        """A copy of the slot's rows [start, start + n) of every layer, on the device."""
-        return [self.owner.take_rows(self.pool.pointer, *self._slices(), start, n)]
-
-    def put_rows(self, start: int, rows: list["DeviceRows"]) -> None:
-        """Write `rows_at`'s copy back at the slot's rows [start, start + n), on the device."""
-        self.owner.put_rows(self.pool.pointer, *self._slices(), start, rows[0])
-
-    def _slices(self) -> tuple[list[int], np.ndarray]:
-        """The pool as the row graphs see it, [2 * layers * slots * kv_heads, capacity, head_dim], and the slices of
-        it that are this slot's (each layer's keys and values, each kv head)."""
-        g, slots, heads, capacity, width = self.pool.shape
+    def _rows_view(self) -> tuple[int, list[int], np.ndarray]:
+        g, slots, heads, capacity, width = self.pool.shape  # the slot's slices: each layer's keys and values, each head
         slices = (np.arange(g)[:, None] * slots + self.start) * heads + np.arange(heads)
-        return [g * slots * heads, capacity, width], slices.reshape(-1)
+        return self.pool.pointer, [g * slots * heads, capacity, width], slices.reshape(-1)
 
 
 class DeviceRows:
