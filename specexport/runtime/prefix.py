@@ -115,11 +115,11 @@ class PrefixStore:
             self.queries += tokens
 
     def restore(self, cache, chunks: list[list[int]], wants: tuple[str, ...] = ()) -> list[dict[str, np.ndarray]]:
-        """Copy into `cache`, which holds the first of `chunks` (the prompt's chunks from row 0), the kept rows of the
-        chunks after those, in order, as many as are kept (the cache advances past them), in one walk of the store;
-        returns, for each chunk copied, copies of the outputs `wants` names that its call gave. None copied where the
-        next is not kept with those outputs, the cache ends between chunks or takes no rows (the caller computes the
-        next chunk and `keep`s it)."""
+        """Copy into `cache`, which holds some leading chunks of `chunks` (the prompt's chunks from row 0), the kept
+        rows of the chunks after those, in order, as many as are kept (the cache advances past them), in one walk of
+        the store; returns, for each chunk copied, copies of the outputs `wants` names that its call gave. None copied
+        where the next is not kept with those outputs, the cache ends between chunks or takes no rows (the caller
+        computes the next chunk and `keep`s it)."""
         ends = np.cumsum([0] + [len(c) for c in chunks])
         fed = int(np.searchsorted(ends, cache.length)) if cache.keeps_rows else len(chunks)
         if fed >= len(chunks) or ends[fed] != cache.length:

@@ -22,6 +22,7 @@ A one-sequence cache (a `DeviceCache` of batch 1, a pool's slot) gives rows of e
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,7 @@ _TYPES = {"fp32": (np.float32, 1), "fp16": (np.float16, 10)}  # numpy type, ONNX
 _KEEP = 64  # staged input OrtValues kept per session (the steady state repeats a few shapes; prefills vary)
 
 
-class _DeviceRowsAt:
+class _DeviceRowsAt(ABC):
     """Rows by offset of a one-sequence device cache (runtime/prefix.py's copies), on the device: `_rows_view` gives
     the buffer's address, its shape as the row graphs see it [slices, capacity, head_dim] and the slices of it that
     are this sequence's."""
@@ -54,11 +55,11 @@ class _DeviceRowsAt:
 
     def put_rows(self, start: int, rows: list["DeviceRows"]) -> None:
         """Write `rows_at`'s copy back at rows [start, start + n) (the length is the caller's to advance)."""
-        pointer, shape, slices = self._rows_view()
-        self.owner.put_rows(pointer, shape, slices, start, rows[0])
+        self.owner.put_rows(*self._rows_view(), start, rows[0])
 
+    @abstractmethod
     def _rows_view(self) -> tuple[int, list[int], np.ndarray]:
-        raise NotImplementedError
+        """The buffer's address, its shape as the row graphs see it, this sequence's slices of it."""
 
 
 class DeviceCache(_DeviceRowsAt, CacheRows):
@@ -246,12 +247,13 @@ class DeviceSession:
         `slices` given, copied into a new device tensor (`take_rows_model`)."""
         if start + n > shape[1]:
             raise ValueError(f"rows [{start}, {start + n}) outside a cache of {shape[1]}")
-        io = self._kv_graph("take_rows", take_rows_model).io_binding()
+        session = self._kv_graph("take_rows", take_rows_model)
+        io = session.io_binding()
         io.bind_input("cache", self.device, 0, self.dtype, shape, pointer)
         io.bind_cpu_input("slices", np.ascontiguousarray(slices, np.int64))
         io.bind_cpu_input("rows", np.arange(start, start + n, dtype=np.int64))
         io.bind_output("picked", self.device, 0)  # allocated by ONNX Runtime on the device, kept by the OrtValue
-        self.kv_graphs["take_rows"].run_with_iobinding(io)
+        session.run_with_iobinding(io)
         return DeviceRows(io.get_outputs()[0], np.dtype(self.dtype).itemsize)
 
     def put_rows(self, pointer: int, shape: list[int], slices: np.ndarray, start: int, rows: DeviceRows) -> None:
