@@ -24,6 +24,7 @@ chunks used longest ago first (a chunk never outlives the chunks before it).
 
 from __future__ import annotations
 
+import heapq
 import threading
 
 import numpy as np
@@ -180,15 +181,21 @@ class PrefixStore:
 
     def _shrink(self) -> None:
         """Forget the chunks used longest ago, each after the chunks kept after it, until the store fits its
-        budget."""
+        budget: one walk for the leaves, then a heap (a chunk whose last child goes becomes a leaf; it is never
+        older than its children, so the order holds)."""
+        if self.nbytes <= self.budget:
+            return
+        leaves, stack = [], [self._root]
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if not node.children and node is not self._root:
+                leaves.append((node.used, id(node), node))
+        heapq.heapify(leaves)
         while self.nbytes > self.budget:
-            leaves, stack = [], [self._root]
-            while stack:
-                node = stack.pop()
-                stack.extend(node.children.values())
-                if not node.children and node is not self._root:
-                    leaves.append(node)
-            oldest = min(leaves, key=lambda c: c.used)
-            del oldest.parent.children[oldest.tokens]
+            _, _, oldest = heapq.heappop(leaves)
+            parent = oldest.parent
+            del parent.children[oldest.tokens]
             self.nbytes -= oldest.nbytes
-
+            if not parent.children and parent is not self._root:
+                heapq.heappush(leaves, (parent.used, id(parent), parent))
