@@ -17,8 +17,8 @@ Printed per configuration and C: aggregate tokens/s (all new tokens / wall time)
 (submit to first token: queueing and prefill included), time between tokens p50/p99 (the gap before each step's
 tokens divided by how many it brought, over all steps of all requests), the mean rows per target call and the
 scheduler's time outside the graph calls per step. Configurations alternate at each C, so they see the same
-machine, and each closed loop starts after one short untimed request on its configuration (the first calls after
-another bundle's run slower). With `--rounds R` each configuration runs R closed loops at each C (each round after
+machine; each closed loop runs in a process of its own (its bundle loaded afresh, so that no configuration runs beside
+another's engine, caches and threads) and starts after one short untimed request. With `--rounds R` each configuration runs R closed loops at each C (each round after
 the first in a shuffled order): the tokens/s printed is their median, the latencies are pooled, and the ratios are
 taken round by round (the budget over the better of plain and fixed in the same round), with the median and the
 range over rounds; plain then runs twice a round, and the ratio of the pair (`plain-again` / `plain`, an A/A test)
@@ -183,9 +183,38 @@ class _Done:
         return self.generation
 
 
+def worker(job: dict) -> dict:
+    """One closed loop of configuration job["config"] at C = job["clients"], in this process: its figures, and its
+    scheduler's steps, rows, summed widths and time outside the graph calls."""
+    engine = Engine.load(job["bundle"], threads=job["threads"])
+    prompts = [json.loads(line)["prompt"] for line in Path(job["prompts"]).read_text().splitlines() if line.strip()]
+    new, name = job["new_tokens"], job["config"]
+
+    def sampling():
+        return SamplingParams(job["temperature"], top_p=job["top_p"]) if job["temperature"] else None
+
+    if name == "batch-1":
+        engine.generate(prompts[0], max_new_tokens=8, stop_ids=())  # warm-up, untimed
+        one = BatchOne(engine, new)
+        return closed_loop(lambda prompt: one.submit(prompt, sampling()), prompts, job["clients"], job["per_client"])
+    scheduler = Scheduler(engine, max_batch=job["max_batch"], plain=name.startswith("plain"), budget=name != "fixed")
+    widths = [0]  # the widths of every target call, summed (Scheduler.on_step)
+    scheduler.on_step = lambda n, width: widths.__setitem__(0, widths[0] + width)
+    try:
+        scheduler.submit(prompts[0], max_new_tokens=8, stop_ids=()).result(timeout=600)  # warm-up, untimed
+        before = (scheduler.steps, scheduler.rows, scheduler.overhead_s, widths[0])
+        row = closed_loop(lambda prompt: scheduler.submit(prompt, max_new_tokens=new, stop_ids=(), sampling=sampling()),
+                          prompts, job["clients"], job["per_client"])
+        row.update(steps=scheduler.steps - before[0], rows=scheduler.rows - before[1],
+                   overhead_ms=1e3 * (scheduler.overhead_s - before[2]), width=widths[0] - before[3])
+    finally:
+        scheduler.close()
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--plain", type=Path, required=True, help="a plain-decoding bundle")
+    ap.add_argument("--plain", type=Path, help="a plain-decoding bundle")
     ap.add_argument("--method", type=Path, default=None, help="a speculative bundle (its fixed tree)")
     ap.add_argument("--prompts", type=Path, default=Path("bench/sharegpt40.jsonl"))
     ap.add_argument("--concurrency", default="1,2,4,8,16")
@@ -200,17 +229,16 @@ def main() -> None:
     ap.add_argument("--genai", type=Path, default=None, metavar="CACHE",
                     help="add onnxruntime-genai's og.Engine (its venv and models in CACHE, as bench_plain.py makes them)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # one closed loop (a job's JSON), in this process
     args = ap.parse_args()
+    if args.worker is not None:
+        print(json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    if args.plain is None:
+        sys.exit("--plain is required")
     if args.rounds < 1 or args.requests < 1:
         sys.exit("--rounds and --requests must be >= 1")
-    prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
     levels = [int(c) for c in args.concurrency.split(",")]
-    plain = Engine.load(args.plain, threads=args.threads)
-    schedulers = {"plain": Scheduler(plain, max_batch=max(levels), plain=True)}
-    if args.method is not None:
-        method = Engine.load(args.method, threads=args.threads)
-        schedulers["fixed"] = Scheduler(method, max_batch=max(levels), budget=False)
-        schedulers["budget"] = Scheduler(method, max_batch=max(levels))
     new = args.new_tokens
     genai = None
     if args.genai is not None and args.temperature:
@@ -218,57 +246,43 @@ def main() -> None:
     if args.genai is not None:
         from bench_plain import ensure_genai  # this folder's script: genai's venv and model folders
 
+        plain = Engine.load(args.plain, threads=args.threads)  # its precision and tokenizer; dropped before the runs
+        prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
         precision = plain.bundle.precision if plain.bundle.precision in ("fp32", "int4") else "int4"
         python, folders = ensure_genai(args.genai, [precision])
-        worker = args.genai / "genai_engine_worker.py"
-        worker.write_text(GENAI_ENGINE_WORKER)
-        genai = (python, worker, folders[precision], [plain.encode(p) for p in prompts])
+        worker_file = args.genai / "genai_engine_worker.py"
+        worker_file.write_text(GENAI_ENGINE_WORKER)
+        genai = (python, worker_file, folders[precision], [plain.encode(p) for p in prompts])
+        del plain
         print(f"genai: onnxruntime-genai's og.Engine, {precision} (static batching)", file=sys.stderr)
+    configs = ["plain"] + (["fixed", "budget"] if args.method is not None else [])
 
-    def submitter(name):
-        def sampling():
-            return SamplingParams(args.temperature, top_p=args.top_p) if args.temperature else None
-        if name == "batch-1":
-            one = BatchOne(plain, new)
-            return lambda prompt: one.submit(prompt, sampling())
-        return lambda prompt: schedulers[name].submit(prompt, max_new_tokens=new, stop_ids=(), sampling=sampling())
-
-    width_sums = dict.fromkeys(schedulers, 0)  # the widths of every target call, summed (Scheduler.on_step)
-    for name, scheduler in schedulers.items():
-        scheduler.on_step = lambda n, width, name=name: width_sums.__setitem__(name, width_sums[name] + width)
     def one_run(name: str, c: int, r: int) -> dict:
-        """One closed loop of configuration `name` at C = c: its figures, and its scheduler's steps, rows, widths
-        and time outside the graph calls (sums: the rounds are pooled)."""
-        key = "plain" if name == "plain-again" else name
-        scheduler = schedulers.get(key)
-        if scheduler:  # warm-up, untimed: one short request (the first calls after another bundle's are slower)
-            scheduler.submit(prompts[0], max_new_tokens=8, stop_ids=()).result(timeout=600)
-        elif name == "batch-1":
-            plain.generate(prompts[0], max_new_tokens=8, stop_ids=())
-        before = (scheduler.steps, scheduler.rows, scheduler.overhead_s, width_sums[key]) if scheduler else None
+        """One closed loop of configuration `name` at C = c, in a process of its own."""
         if name == "genai":
             row = genai_closed_loop(*genai[:3], genai[3], c, args.requests, new)
         else:
-            row = closed_loop(submitter(key), prompts, c, args.requests)
+            bundle = args.plain if name in ("plain", "plain-again", "batch-1") else args.method
+            job = {"bundle": str(bundle), "config": name, "clients": c, "per_client": args.requests,
+                   "new_tokens": new, "temperature": args.temperature, "top_p": args.top_p, "threads": args.threads,
+                   "prompts": str(args.prompts), "max_batch": max(levels)}
+            done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], stdout=subprocess.PIPE,
+                                  text=True)
+            if done.returncode:
+                sys.exit(f"{name} failed at C={c} (exit {done.returncode}); its error is above")
+            row = json.loads(done.stdout.strip().splitlines()[-1])
         row.update(config=name, concurrency=c, round=r)
-        if scheduler:
-            row.update(steps=scheduler.steps - before[0], rows=scheduler.rows - before[1],
-                       overhead_ms=1e3 * (scheduler.overhead_s - before[2]), width=width_sums[key] - before[3])
         print(f"  C={c:<3} round {r} {name:<12} {row['tokens_per_s']:7.1f} tok/s", file=sys.stderr, flush=True)
         return row
 
     runs = []  # one closed loop each: (config, C, round)
-    try:
-        for c in levels:
-            names = (["batch-1"] if c == 1 else []) + list(schedulers) + (["plain-again"] if args.rounds > 1 else []) \
-                + (["genai"] if genai else [])
-            for r in range(args.rounds):
-                order = names if r == 0 else random.Random(f"{c}/{r}").sample(names, len(names))  # neighbours vary
-                for name in order:
-                    runs.append(one_run(name, c, r))
-    finally:
-        for s in schedulers.values():
-            s.close()
+    for c in levels:
+        names = (["batch-1"] if c == 1 else []) + configs + (["plain-again"] if args.rounds > 1 else []) \
+            + (["genai"] if genai else [])
+        for r in range(args.rounds):
+            order = names if r == 0 else random.Random(f"{c}/{r}").sample(names, len(names))  # neighbours vary
+            for name in order:
+                runs.append(one_run(name, c, r))
     report(args, levels, runs, genai is not None)
 
 
