@@ -42,7 +42,6 @@ message; the others go on.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 import traceback
@@ -55,11 +54,11 @@ from specexport.errors import UserError
 from specexport.runtime import drafting, tree
 from specexport.runtime.budget import AcceptanceRates, BatchLatency, grid, share, worth_drafting
 from specexport.runtime.drafting import DraftingProposer
-from specexport.runtime.generate import PREFILL_CHUNK, Engine, Generation, Output, Stats, StepRecord
+from specexport.runtime.generate import PREFILL_CHUNK, Engine, Output, Stats, StepRecord
+from specexport.runtime.request import Request
 from specexport.runtime.sampling import Sampler, SamplingParams
 from specexport.runtime.verify import Acceptance, accept, accept_greedy
 
-_DONE = object()
 BATCH_ACCEPT = ("batch_accept_mask", "batch_accept_len", "batch_bonus")  # the graph's batched greedy acceptance
 STEP_BLEND = 0.1  # the last step's weight in the running averages (the steps' costs, the host's per sampled row)
 PROBE_STEPS = 16  # while drafting does not pay, one batched step in this many proposes anyway (see _drafting_pays)
@@ -70,77 +69,6 @@ WIDTHS_KEPT = 10_000  # target calls whose (sequences, width) the scheduler keep
 def _blend(average: float | None, value: float) -> float:
     """A running average with the last step weighted STEP_BLEND (the first value starts it)."""
     return value if average is None else average + STEP_BLEND * (value - average)
-
-
-class Request:
-    """A submitted generation, as its submitter holds it: `stream()` its text, `result()`, `cancel()`. Thread-safe."""
-
-    def __init__(self, rid: int, prompt_tokens: int, on_end=None, on_tokens=None, cancel=None):
-        self.id, self.prompt_tokens = rid, prompt_tokens
-        self._on_end, self._on_tokens = on_end, on_tokens
-        self._asked = getattr(cancel, "is_set", cancel)  # the submitter's own cancellation, read at each step
-        self.submitted = time.perf_counter()
-        self.arrivals: list[tuple[float, int]] = []  # (perf_counter time, tokens) of each step that emitted
-        self._events: queue.Queue = queue.Queue()
-        self._cancel = threading.Event()
-        self._finished = threading.Event()
-        self._result: Generation | None = None
-        self._error: str | None = None
-
-    def cancel(self) -> None:
-        """Stop at the next step; the result keeps what was generated (stop_reason "cancelled")."""
-        self._cancel.set()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set() or (self._asked is not None and bool(self._asked()))
-
-    @property
-    def done(self) -> bool:
-        return self._finished.is_set()
-
-    def stream(self, timeout: float | None = None):
-        """The text as it is accepted, piece by piece, until the request ends (raises UserError if it failed).
-        `timeout`: the most seconds to wait for each piece."""
-        while True:
-            try:
-                item = self._events.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"request {self.id}: no text for {timeout} s") from None
-            if item is _DONE:
-                break
-            yield item
-        if self._error is not None:
-            raise UserError(self._error)
-
-    def result(self, timeout: float | None = None) -> Generation:
-        """Wait for the end of the request; its Generation (raises UserError with its message if it failed)."""
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"request {self.id} still running after {timeout} s")
-        if self._error is not None:
-            raise UserError(self._error)
-        return self._result
-
-    # -- the scheduler's side ------------------------------------------------------------------
-    def _text(self, piece: str) -> None:
-        self._events.put(piece)
-
-    def _finish(self, result: Generation | None, error: str | None = None) -> None:
-        self._result, self._error = result, error
-        self._finished.set()
-        self._events.put(_DONE)
-        if self._on_end is not None:
-            self._on_end(self)
-
-    @property
-    def generation(self) -> Generation | None:
-        """The result once the request has ended (None while it runs, or when it failed)."""
-        return self._result
-
-    @property
-    def error(self) -> str | None:
-        """Why the request failed (None while it runs, or when it did not)."""
-        return self._error
 
 
 @dataclass

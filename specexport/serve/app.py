@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 
 from specexport.errors import UserError, first_line
 from specexport.runtime.generate import Engine
-from specexport.runtime.scheduler import Request as Submitted
+from specexport.runtime.request import Request as Submitted
 from specexport.runtime.scheduler import Scheduler
 from specexport.serve import protocol
 from specexport.serve.metrics import CONTENT_TYPE, Metrics

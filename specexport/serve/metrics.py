@@ -21,7 +21,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily
 
 from specexport.runtime.generate import Generation
-from specexport.runtime.scheduler import Request, Scheduler
+from specexport.runtime.request import Request
+from specexport.runtime.scheduler import Scheduler
 
 P = "specexport:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0,
