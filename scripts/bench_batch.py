@@ -18,13 +18,14 @@ Printed per configuration and C: aggregate tokens/s (all new tokens / wall time)
 tokens divided by how many it brought, over all steps of all requests), the mean rows per target call and the
 scheduler's time outside the graph calls per step. Configurations alternate at each C, so they see the same
 machine; each closed loop runs in a process of its own (its bundle loaded afresh, so that no configuration runs beside
-another's engine, caches and threads) and starts after one short untimed request. With `--rounds R` each configuration runs R closed loops at each C (each round after
-the first in a shuffled order): the tokens/s printed is their median, the latencies are pooled, and the ratios are
-taken round by round (the budget over the better of plain and fixed in the same round), with the median and the
-range over rounds; plain then runs twice a round, and the ratio of the pair (`plain-again` / `plain`, an A/A test)
-shows how far such a ratio moves on this machine with nothing changed. Greedy unless `--temperature` (then every
-request samples, with `--top-p`, unseeded: a seeded request keeps its whole tree, so that its tokens never depend
-on the batch), EOS suppressed (every request emits exactly --new-tokens).
+another's engine, caches and threads) and starts after one short untimed request. With `--rounds R` each
+configuration runs R closed loops at each C (each round after the first in a shuffled order): the tokens/s printed is
+their median, the latencies are pooled, and the ratios are taken round by round (the budget over the better of plain
+and fixed in the same round), with the median and the range over rounds; plain then runs twice a round, and the
+ratio of the pair (`plain-again` / `plain`, an A/A test) shows how far such a ratio moves on this machine with
+nothing changed. Greedy unless `--temperature` (then every request samples, with `--top-p`, unseeded: a seeded
+request keeps its whole tree, so that its tokens never depend on the batch), EOS suppressed (every request emits
+exactly --new-tokens).
 
     python scripts/bench_batch.py --plain BUNDLE --method BUNDLE [--prompts bench/sharegpt40.jsonl]
         [--concurrency 1,2,4,8,16] [--requests 2] [--rounds 1] [--new-tokens 128] [--temperature T [--top-p P]]

@@ -115,7 +115,6 @@ def test_the_store_forgets_the_chunks_used_longest_ago_within_its_budget():
     assert small.nbytes == 0 and small.restore(_empty(), [[1, 2]]) == []
 
 
-
 def test_one_shrink_forgets_a_whole_chain_child_first_when_it_was_used_longest_ago():
     row = sum(r.nbytes for r in _empty().rows_at(0, 1))
     store = PrefixStore(budget=5 * row)
@@ -128,6 +127,7 @@ def test_one_shrink_forgets_a_whole_chain_child_first_when_it_was_used_longest_a
     assert store.nbytes == 5 * row
     assert store.restore(_empty(), [[1]]) == [] and store.restore(_empty(), [[9]]) == [{}]
     assert store.restore(_empty(), [[5, 5, 5, 5]]) == [{}]
+
 
 def _prefill(engine, ids: list[int], store: PrefixStore):
     """The prompt prefilled on a fresh cache with `store`: the cache, the last logits and the target calls made."""
