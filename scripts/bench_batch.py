@@ -48,6 +48,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from specexport.errors import UserError  # noqa: E402
+from specexport.runtime.bench import read_prompts  # noqa: E402
 from specexport.runtime.generate import Engine  # noqa: E402
 from specexport.runtime.sampling import SamplingParams  # noqa: E402
 from specexport.runtime.scheduler import Scheduler  # noqa: E402
@@ -188,7 +190,7 @@ def worker(job: dict) -> dict:
     """One closed loop of configuration job["config"] at C = job["clients"], in this process: its figures, and its
     scheduler's steps, rows, summed widths and time outside the graph calls."""
     engine = Engine.load(job["bundle"], threads=job["threads"])
-    prompts = [json.loads(line)["prompt"] for line in Path(job["prompts"]).read_text().splitlines() if line.strip()]
+    prompts = [p["prompt"] for p in read_prompts(job["prompts"])]
     new, name = job["new_tokens"], job["config"]
 
     def sampling():
@@ -240,6 +242,10 @@ def main() -> None:
     if args.rounds < 1 or args.requests < 1:
         sys.exit("--rounds and --requests must be >= 1")
     levels = [int(c) for c in args.concurrency.split(",")]
+    try:
+        prompts = [p["prompt"] for p in read_prompts(args.prompts)]  # checked here, read again by each worker
+    except UserError as e:
+        sys.exit(str(e))
     new = args.new_tokens
     genai = None
     if args.genai is not None and args.temperature:
@@ -248,7 +254,6 @@ def main() -> None:
         from bench_plain import ensure_genai  # this folder's script: genai's venv and model folders
 
         plain = Engine.load(args.plain, threads=args.threads)  # its precision and tokenizer; dropped before the runs
-        prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
         precision = plain.bundle.precision if plain.bundle.precision in ("fp32", "int4") else "int4"
         python, folders = ensure_genai(args.genai, [precision])
         worker_file = args.genai / "genai_engine_worker.py"
