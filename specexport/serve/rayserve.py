@@ -167,7 +167,11 @@ def run(bundle, host: str, port: int, address: str | None, on_ready, start_timeo
         signal.signal(sig, lambda *_: stop.set())
     leave = False  # whether the application stays on the cluster when this returns
     try:
-        serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})  # one endpoint
+        try:
+            serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})  # one endpoint
+        except Exception as e:  # noqa: BLE001 - the proxy's failure (a port in use) arrives wrapped by Ray
+            why = str(e).strip().splitlines()[-1][:300]
+            raise UserError(f"Ray Serve could not listen on {host}:{port}: {why}") from None
         running = DEPLOYMENT in serve.status().applications
         leave = detach and running  # a failed update leaves the replicas that run
         deploy(build_app(bundle, **app_options), start_timeout)
