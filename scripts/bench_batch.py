@@ -186,11 +186,20 @@ class _Done:
         return self.generation
 
 
+def prompt_texts(path) -> list[str]:
+    """The prompts of a JSON-lines file (runtime.bench.read_prompts checks each line); a missing or malformed file
+    ends the script with one line."""
+    try:
+        return [p["prompt"] for p in read_prompts(path)]
+    except UserError as e:
+        sys.exit(str(e))
+
+
 def worker(job: dict) -> dict:
     """One closed loop of configuration job["config"] at C = job["clients"], in this process: its figures, and its
     scheduler's steps, rows, summed widths and time outside the graph calls."""
     engine = Engine.load(job["bundle"], threads=job["threads"])
-    prompts = [p["prompt"] for p in read_prompts(job["prompts"])]
+    prompts = prompt_texts(job["prompts"])
     new, name = job["new_tokens"], job["config"]
 
     def sampling():
@@ -242,10 +251,7 @@ def main() -> None:
     if args.rounds < 1 or args.requests < 1:
         sys.exit("--rounds and --requests must be >= 1")
     levels = [int(c) for c in args.concurrency.split(",")]
-    try:
-        prompts = [p["prompt"] for p in read_prompts(args.prompts)]  # checked here, read again by each worker
-    except UserError as e:
-        sys.exit(str(e))
+    prompts = prompt_texts(args.prompts)  # checked here, read again by each worker
     new = args.new_tokens
     genai = None
     if args.genai is not None and args.temperature:

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_batch import prompt_texts  # this folder's script
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -134,7 +136,7 @@ def main() -> None:
         return python_worker(args.bundles[0], args.threads)
     if not Path(args.service).exists():
         raise SystemExit(f"no service at {args.service}: run 'specexport embed --build' first, or pass --service")
-    prompts = [json.loads(line)["prompt"] for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    prompts = prompt_texts(args.prompts)
     print(f"CPU: {cpu_name()}; {len(prompts)} prompts, {args.max_new_tokens} new tokens, greedy", flush=True)
     results = []
     for bundle in args.bundles:

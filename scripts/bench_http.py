@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench_batch import prompt_texts  # this folder's script
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -155,7 +157,7 @@ def main() -> None:
                                                              "replicas (comma-separated; the cores split among them).")
     parser.add_argument("--json", type=Path, default=None, help="Also write the rows here.")
     args = parser.parse_args()
-    prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
+    prompts = prompt_texts(args.prompts)
     levels = [int(c) for c in args.concurrency.split(",")]
     specexport = Path(sys.executable).parent / "specexport"
     servers = []

@@ -25,7 +25,6 @@ tokens/s and TTFT p50, round by round (the median and the range).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -36,7 +35,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_batch import closed_loop, pct  # noqa: E402
+from bench_batch import closed_loop, pct, prompt_texts  # noqa: E402
 
 from specexport.runtime.generate import Engine  # noqa: E402
 from specexport.runtime.prefix import PrefixStore  # noqa: E402
@@ -96,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.rounds < 1 or args.requests < 1 or args.turns < 1:
         sys.exit("--rounds, --requests and --turns must be >= 1")
-    prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
+    prompts = prompt_texts(args.prompts)
     levels = [int(c) for c in args.concurrency.split(",")]
     engines = {name: Engine.load(args.bundle, threads=args.threads) for name in CONFIGS}
     marks = engines["kept"].prefixes.marks

@@ -20,12 +20,13 @@ path, its KV pool on the device, and each request is compared with its run alone
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_batch import prompt_texts  # noqa: E402 - this folder's script
 
 from specexport.runtime.backends import DEVICES  # noqa: E402
 from specexport.runtime.generate import Engine  # noqa: E402
@@ -53,6 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     root = Path(__file__).resolve().parent.parent
     files = args.prompts or [root / "bench" / "sharegpt40.jsonl", root / "bench" / "humaneval40.jsonl"]
+    texts = {path: prompt_texts(path) for path in files}  # every file checked before the engines load
     engine = Engine.load(args.bundle, threads=args.threads, device="cpu")
     batching = engine if args.device == "cpu" else Engine.load(args.bundle, threads=args.threads, device=args.device)
     print(f"{args.bundle.name}: {engine.describe()}, {engine.bundle.precision}; {args.new_tokens} new tokens, "
@@ -60,7 +62,7 @@ def main() -> None:
           + (f", {args.seeded} seeded" if args.seeded else ""))
     failed = False
     for path in files:
-        prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+        prompts = texts[path]
         jobs = [(p, None) for p in prompts]
         jobs += [(p, SamplingParams(temperature=0.8, top_p=0.95, seed=k)) for k, p in enumerate(prompts[:args.seeded])]
         alone = [engine.generate(p, max_new_tokens=args.new_tokens, sampling=s, stop_ids=()).tokens for p, s in jobs]

@@ -21,7 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench_http import free_port  # this folder's script
+from bench_batch import prompt_texts  # this folder's scripts
+from bench_http import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,7 +90,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    prompts = [json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines() if line.strip()]
+    prompts = prompt_texts(args.prompts)
     port, model = free_port(), args.bundle.name
     server = subprocess.Popen([str(Path(sys.executable).parent / "specexport"), "serve", str(args.bundle), "--port",
                                str(port), "--max-batch", str(args.max_batch), "--max-queue", "1000"],
