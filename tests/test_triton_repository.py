@@ -3,10 +3,12 @@ real tritonserver runs in test_tritonserver.py)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 
 import numpy as np
 import pytest
+from helpers import free_port
 from served import SPECEXPORT
 
 from specexport.errors import UserError
@@ -98,6 +100,18 @@ def test_cli_bad_inputs_are_one_line(tiny_ngram_bundle, tmp_path):
     not_repo = run("triton-serve", tmp_path / "nothing")
     assert not_repo.returncode == 1 and "not a Triton model repository" in not_repo.stderr
     assert not_repo.stderr.count("\n") == 1
+    with socket.socket() as taken:  # where Triton cannot listen: one line before it starts (it exits on its own)
+        taken.bind(("127.0.0.1", free_port()))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = ["--http-port", free_port(), "--grpc-port", port, "--metrics-port", free_port()]
+        for args, line in [(ports, f"cannot listen on 127.0.0.1:{port} (--grpc-port): Address already in use"),
+                           (["--http-port", 9100, "--metrics-port", 9100],
+                            "--http-port, --grpc-port, --metrics-port must be different ports"),
+                           (["--host", "no-such-host.invalid"], "cannot listen on no-such-host.invalid: ")]:
+            refused = run("triton-serve", tmp_path / "repo", *args)
+            assert refused.returncode == 1 and refused.stderr.count("\n") == 1, refused.stderr
+            assert refused.stderr.startswith(f"Error: {line}"), refused.stderr
 
 
 def test_the_launcher_names_what_is_missing(monkeypatch, tmp_path):

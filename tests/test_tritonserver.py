@@ -36,13 +36,16 @@ MODEL = "tiny"
 class Triton:
     """`specexport triton-serve REPO` in a subprocess on free loopback ports."""
 
-    def __init__(self, repo, model: str = MODEL, timeout: float = 180):
+    def __init__(self, repo, model: str = MODEL, timeout: float = 180, host: str = "127.0.0.1", address=None):
+        """`host`: --host; `address`: where the tests reach it (default: host)."""
         self.model = model
         self.http, self.grpc, self.metrics = free_port(), free_port(), free_port()
+        address = address or host
+        self.address = f"[{address}]" if ":" in address else address
         self.log = open(repo.parent / "tritonserver.log", "w+")
-        self.process = subprocess.Popen([SPECEXPORT, "triton-serve", repo, "--http-port", str(self.http),
-                                         "--grpc-port", str(self.grpc), "--metrics-port", str(self.metrics)],
-                                        stdout=self.log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen([SPECEXPORT, "triton-serve", repo, "--host", host, "--http-port",
+                                         str(self.http), "--grpc-port", str(self.grpc), "--metrics-port",
+                                         str(self.metrics)], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while not self.ready():
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -53,12 +56,12 @@ class Triton:
 
     def ready(self) -> bool:
         try:
-            return urllib.request.urlopen(f"http://127.0.0.1:{self.http}/v2/health/ready", timeout=2).status == 200
+            return urllib.request.urlopen(f"http://{self.address}:{self.http}/v2/health/ready", timeout=2).status == 200
         except OSError:
             return False
 
     def post(self, path: str, body: dict) -> tuple[int, bytes]:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.http}/v2/models/{self.model}/{path}",
+        request = urllib.request.Request(f"http://{self.address}:{self.http}/v2/models/{self.model}/{path}",
                                          data=json.dumps(body).encode(), method="POST")
         try:
             with urllib.request.urlopen(request, timeout=120) as response:
@@ -67,7 +70,7 @@ class Triton:
             return e.code, e.read()
 
     def counters(self, model: str = MODEL) -> dict[str, float]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics}/metrics", timeout=10).read().decode()
+        text = urllib.request.urlopen(f"http://{self.address}:{self.metrics}/metrics", timeout=10).read().decode()
         return {m[0]: float(m[2]) for m in re.findall(r"^(specexport_\w+)\{([^}]*)\} (\S+)$", text, re.M)
                 if f'model="{model}"' in m[1]}
 
@@ -227,7 +230,7 @@ def test_bad_requests_are_triton_errors_and_the_server_goes_on(server, engine):
 
 
 def test_a_cancelled_grpc_stream_frees_its_slot(server, engine):
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc}")
+    client = grpcclient.InferenceServerClient(f"{server.address}:{server.grpc}")
     got: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: got.put((result, error)))
     inputs = []
@@ -263,6 +266,35 @@ def test_a_bundle_missing_on_the_node_fails_the_load_in_one_line(tiny_ngram_bund
                              capture_output=True, text=True, timeout=180, env={**os.environ})
     assert process.returncode != 0
     assert f"bundle {bundle} not found on this node" in process.stdout + process.stderr
+
+
+def test_an_ipv6_address_or_a_name_as_host(tiny_ngram_bundle, engine, tmp_path):
+    """--host ::1 and --host localhost: generate over HTTP, a gRPC stream and the metrics answer there (Triton's HTTP
+    endpoint reads only numeric IPv4 addresses as written: triton-serve gives it the resolved address, an IPv6 one
+    spelt as each endpoint wants)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    made = subprocess.run([SPECEXPORT, "triton", tiny_ngram_bundle, "--output", tmp_path / "repo", "--name", MODEL,
+                           "--threads", "1"], capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    named = socket.getaddrinfo("localhost", 0, type=socket.SOCK_STREAM)[0][4][0]
+    for host, address in [("::1", "::1"), ("localhost", named)]:
+        triton = Triton(tmp_path / "repo", host=host, address=address)
+        try:
+            status, raw = triton.post("generate", {"text_input": PROMPTS[1], "max_tokens": 12, "raw": True})
+            answer = json.loads(raw)
+            assert status == 200 and (answer["output_ids"], answer["text_output"], answer["finish_reason"]) == \
+                expected(engine, PROMPTS[1], 12), raw
+            out = grpc_stream(f"{triton.address}:{triton.grpc}", PROMPTS[0], 8)
+            assert (out["ids"], out["text"], out["finish"]) == expected(engine, PROMPTS[0], 8), out
+            assert triton.counters()["specexport_generation_tokens_total"] == len(answer["output_ids"]) + len(out["ids"])
+        finally:
+            assert triton.stop() == 0
 
 
 @pytest.mark.real

@@ -49,7 +49,8 @@ def triton(bundle, output, name, copy, instances, max_batch, threads, max_contex
 
 @click.command("triton-serve")
 @click.argument("repo", type=click.Path(path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address every endpoint listens on.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address (IPv4, IPv6 or a name) every endpoint listens on.")
 @click.option("--http-port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--grpc-port", type=click.IntRange(1, 65535), default=8001, show_default=True)
 @click.option("--metrics-port", type=click.IntRange(1, 65535), default=8002, show_default=True)

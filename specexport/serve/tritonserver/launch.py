@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import site
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -40,7 +41,8 @@ def pytriton_dir() -> Path:
 
 def command(repo: Path, workspace: Path, host: str, http_port: int, grpc_port: int, metrics_port: int,
             log_verbose: int = 0) -> tuple[list[str], dict]:
-    """The server's command line and environment; the backend (with this Python's stub) is set up in `workspace`."""
+    """The server's command line and environment, listening on the numeric address `host`; the backend (with this
+    Python's stub) is set up in `workspace`."""
     if int(np.__version__.split(".")[0]) >= 2:
         raise UserError(f"Triton's Python backend stub reads tensors with numpy 1.x, this environment has numpy "
                         f"{np.__version__}: pip install 'numpy<2' (the tritonserver extra pins it)")
@@ -59,12 +61,35 @@ def command(repo: Path, workspace: Path, host: str, http_port: int, grpc_port: i
     libs = [str(root.parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR") or ""]
     env["LD_LIBRARY_PATH"] = os.pathsep.join([p for p in libs if p] + [env.get("LD_LIBRARY_PATH", "")]).rstrip(":")
     env["SPECEXPORT_SITE"] = os.pathsep.join(site.getsitepackages())  # the repository's model.py adds them
+    v6 = ":" in host  # HTTP and metrics spell an IPv6 address ipv6:ADDR (libevhtp), gRPC [ADDR]
+    http, grpc = (f"ipv6:{host}", f"[{host}]") if v6 else (host, host)
     argv = [str(dist / "bin" / "tritonserver"), f"--model-repository={repo}",
-            f"--backend-directory={workspace / 'backends'}", f"--http-address={host}", f"--http-port={http_port}",
-            f"--grpc-address={host}", f"--grpc-port={grpc_port}", f"--metrics-address={host}",
+            f"--backend-directory={workspace / 'backends'}", f"--http-address={http}", f"--http-port={http_port}",
+            f"--grpc-address={grpc}", f"--grpc-port={grpc_port}", f"--metrics-address={http}",
             f"--metrics-port={metrics_port}", "--exit-on-error=true", "--strict-readiness=true",
             f"--log-verbose={log_verbose}"]
     return argv, env
+
+
+def listen_address(host: str, ports: dict[str, int]) -> str:
+    """`host` as the numeric address Triton is given, each of `ports` (option name: port) checked free for listening
+    there now and no two the same: one line before Triton spends its start loading the models (it then fails on a
+    port in use in its own log). Numeric, because Triton's HTTP endpoint reads only numbers: a name, or an IPv6
+    address, binds it to 255.255.255.255."""
+    if len(set(ports.values())) < len(ports):
+        raise UserError(f"{', '.join(ports)} must be different ports")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise UserError(f"cannot listen on {host}: {e.strerror}") from None
+    for option, port in ports.items():
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers set it: TIME_WAIT is free
+            try:
+                probe.bind((address[0], port, *address[2:]))
+            except OSError as e:
+                raise UserError(f"cannot listen on {host}:{port} ({option}): {e.strerror}") from None
+    return address[0]
 
 
 def serve(repo, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
@@ -74,6 +99,7 @@ def serve(repo, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int =
     repo = Path(repo).resolve()
     if not repo.is_dir() or not any(p.joinpath("config.pbtxt").is_file() for p in repo.iterdir()):
         raise UserError(f"{repo} is not a Triton model repository (no model folder with a config.pbtxt)")
+    host = listen_address(host, {"--http-port": http_port, "--grpc-port": grpc_port, "--metrics-port": metrics_port})
     with tempfile.TemporaryDirectory(prefix="specexport-triton-") as workspace:
         argv, env = command(repo, Path(workspace), host, http_port, grpc_port, metrics_port, log_verbose)
         server = subprocess.Popen(argv, env=env)
