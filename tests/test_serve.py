@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -470,6 +471,16 @@ def test_serve_bad_options_are_one_line(bundle, tmp_path):
         result = subprocess.run([SPECEXPORT, "serve", *map(str, args)], capture_output=True, text=True, timeout=120)
         assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
         assert match in result.stderr.strip().splitlines()[-1], result.stderr
+    with socket.socket() as taken:  # an address it cannot have: one line, before the bundle loads
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for args, line in [(["--port", port], f"cannot listen on 127.0.0.1:{port} (--port): Address already in use"),
+                           (["--host", "no-such-host.invalid"], "cannot listen on no-such-host.invalid: ")]:
+            result = subprocess.run([SPECEXPORT, "serve", bundle, *map(str, args)], capture_output=True, text=True,
+                                    timeout=120)
+            assert result.returncode == 1 and "KV cache" not in result.stderr, result.stderr
+            assert result.stderr.strip().splitlines()[-1].startswith(f"Error: {line}"), result.stderr
 
 
 # ---- the real model --------------------------------------------------------------------------------------------------

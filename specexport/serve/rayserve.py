@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from specexport.errors import UserError
+from specexport.serve.listen import bound_socket
 
 DEPLOYMENT = "specexport"
 MIRROR_PERIOD_S = 5.0
@@ -150,6 +151,7 @@ def run(bundle, host: str, port: int, address: str | None, on_ready, start_timeo
     if detach and address is None:
         raise UserError("--detach needs --address: a private local instance ends with this process")
     if address is None:  # a private local instance on loopback only (read when ray is imported), no token in ~/.ray
+        bound_socket(host, port).close()  # the proxy's address, here: one it cannot have is one line before Ray starts
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
@@ -169,7 +171,7 @@ def run(bundle, host: str, port: int, address: str | None, on_ready, start_timeo
     try:
         try:
             serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})  # one endpoint
-        except Exception as e:  # noqa: BLE001 - the proxy's failure (a port in use) arrives wrapped by Ray
+        except Exception as e:  # noqa: BLE001 - the proxy's failure (its port taken since, or on a cluster's head)
             why = str(e).strip().splitlines()[-1][:300]
             raise UserError(f"Ray Serve could not listen on {host}:{port}: {why}") from None
         running = DEPLOYMENT in serve.status().applications

@@ -18,6 +18,7 @@ import uvicorn
 from specexport.runtime.generate import Engine
 from specexport.runtime.scheduler import Scheduler
 from specexport.serve.app import ServeConfig, ServerState, build_app
+from specexport.serve.listen import bound_socket
 
 log = logging.getLogger("specexport.serve")
 
@@ -103,13 +104,15 @@ def open_app(bundle, max_batch: int = 8, max_queue: int = 64, api_key: str | Non
 def serve(bundle, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = 30.0, on_ready=None,
           **app_options) -> None:
     """Serve open_app(bundle, **app_options) until a signal; returns after the drain. `on_ready(url)`: called once
-    the socket listens (port 0 takes a free port; the url names it)."""
-    app = open_app(bundle, **app_options)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                           timeout_graceful_shutdown=5, lifespan="on"),
-                            app.state.serve, drain_timeout, on_ready)
-    try:
-        server.run()
-    finally:
-        app.state.serve.scheduler.close()
+    the socket listens (port 0 takes a free port; the url names it). The address is bound before the bundle loads:
+    one it cannot have is one line at once."""
+    with bound_socket(host, port) as sock:
+        app = open_app(bundle, **app_options)
+        logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+        server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                               timeout_graceful_shutdown=5, lifespan="on"),
+                                app.state.serve, drain_timeout, on_ready)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            app.state.serve.scheduler.close()

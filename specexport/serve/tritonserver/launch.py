@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import site
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from specexport.errors import UserError
+from specexport.serve.listen import bound_socket
 
 
 def pytriton_dir() -> Path:
@@ -78,18 +78,10 @@ def listen_address(host: str, ports: dict[str, int]) -> str:
     address, binds it to 255.255.255.255."""
     if len(set(ports.values())) < len(ports):
         raise UserError(f"{', '.join(ports)} must be different ports")
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    except socket.gaierror as e:
-        raise UserError(f"cannot listen on {host}: {e.strerror}") from None
     for option, port in ports.items():
-        with socket.socket(family, kind, proto) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers set it: TIME_WAIT is free
-            try:
-                probe.bind((address[0], port, *address[2:]))
-            except OSError as e:
-                raise UserError(f"cannot listen on {host}:{port} ({option}): {e.strerror}") from None
-    return address[0]
+        with bound_socket(host, port, option) as probe:
+            address = probe.getsockname()[0]
+    return address
 
 
 def serve(repo, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001, metrics_port: int = 8002,
