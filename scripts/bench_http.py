@@ -18,7 +18,6 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,13 +28,9 @@ from pathlib import Path
 
 from bench_batch import prompt_texts  # this folder's script
 
+from specexport.serve.listen import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -1,10 +1,8 @@
-"""Helpers the tests share by import (conftest holds the fixtures): a tiny ShareGPT-format file, a free port, the
-kept prompt beginnings' check on a method's engine (runtime/prefix.py)."""
+"""Helpers the tests share by import (conftest holds the fixtures): a tiny ShareGPT-format file, the kept prompt
+beginnings' check on a method's engine (runtime/prefix.py)."""
 
 import json
 import random
-import socket
-from pathlib import Path
 
 from specexport.train.data import HELDOUT
 
@@ -28,26 +26,6 @@ def write_sharegpt(path, train=TRAIN_CONVERSATIONS, heldout=HELDOUT, truncate=Tr
         text = text[:-2] + ',\n{"id": "cut", "conversations": [{"from": "human", "value": "The sea'
     path.write_text(text)
     return path
-
-
-def free_port() -> int:
-    """A TCP port free on loopback now, for a server a test starts. Drawn below the kernel's ephemeral range, where
-    it places every bind to port 0 and every outgoing connection: a Ray instance opens hundreds of those, and one of
-    them took a port drawn from that range before Ray's proxy could listen on it (CI, stop 40). Above Ray's worker
-    ports (10002-19999). Where no such range is left (a kernel set so), the kernel's pick."""
-    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    ephemeral = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
-    rng = random.Random()
-    for _ in range(200 if ephemeral > 21000 else 0):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", rng.randrange(20000, ephemeral)))
-            except OSError:
-                continue
-            return s.getsockname()[1]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def check_prefix_copied(engine, new_tokens: int = 12) -> None:

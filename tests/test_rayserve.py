@@ -12,10 +12,10 @@ import threading
 import time
 
 import pytest
-from helpers import free_port
 from served import SPECEXPORT, Served
 
 from specexport.runtime.generate import Engine
+from specexport.serve.listen import free_port
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # this process's Ray nodes on loopback (read at import)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -34,10 +34,12 @@ def bundle(tiny_ngram_bundle):
 
 def test_two_replicas_behind_one_endpoint(bundle):
     """Two replicas (half a CPU each) behind Ray's proxy: concurrent greedy requests, streamed and not, each equal
-    to the engine's batch-1 output, answered by both replicas (X-Served-By); SIGTERM shuts it all down, exit 0."""
+    to the engine's batch-1 output, answered by both replicas (X-Served-By); SIGTERM shuts it all down, exit 0. The
+    proxy on --port 0: a free port, named in the URL printed."""
     engine = Engine.load(bundle, threads=1)
-    with Served(bundle, "--ray", "--replicas", "2", "--num-cpus", "0.5", "--threads", "1", port=free_port(),
+    with Served(bundle, "--ray", "--replicas", "2", "--num-cpus", "0.5", "--threads", "1", port=0,
                 start_timeout=300) as served:
+        assert not served.url.endswith(":0") and not served.url.endswith(":8000"), served.url
         api = openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=120)
         answers, served_by = {}, []
 
@@ -148,7 +150,8 @@ def test_ray_options_and_placement_are_one_line(bundle):
                         (["--ray", "--replicas", "2", "--autoscale", "1:2"], "give --replicas or --autoscale"),
                         (["--ray", "--autoscale", "3:1"], "--autoscale takes MIN:MAX"),
                         (["--detach"], "--detach need --ray"),
-                        (["--ray", "--detach"], "--detach needs --address")]:
+                        (["--ray", "--detach"], "--detach needs --address"),
+                        (["--ray", "--address", "127.0.0.1:1", "--port", "0"], "--port 0 (a free port) needs the local")]:
         result = subprocess.run([SPECEXPORT, "serve", bundle, *args], capture_output=True, text=True, timeout=120)
         assert result.returncode == 1 and match in result.stderr.strip().splitlines()[-1], result.stderr
     # more CPUs per replica than this machine has: refused after --start-timeout, nothing left running

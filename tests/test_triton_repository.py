@@ -8,11 +8,11 @@ import subprocess
 
 import numpy as np
 import pytest
-from helpers import free_port
 from served import SPECEXPORT
 
 from specexport.errors import UserError
 from specexport.runtime.sampling import SamplingParams
+from specexport.serve.listen import free_port
 from specexport.serve.tritonserver import INPUTS, OUTPUTS, launch
 from specexport.serve.tritonserver.model import Job, manifest_sha256, parse
 from specexport.serve.tritonserver.repository import MODEL_PY, write_repository

@@ -18,11 +18,11 @@ import urllib.request
 
 import numpy as np
 import pytest
-from helpers import free_port
 from served import SPECEXPORT
 
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import SamplingParams
+from specexport.serve.listen import free_port
 
 pytest.importorskip("pytriton")
 grpcclient = pytest.importorskip("tritonclient.grpc")

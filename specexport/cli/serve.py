@@ -102,7 +102,7 @@ def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, 
             raise ModuleNotFoundError("No module named 'ray'", name="ray")
     except ModuleNotFoundError as e:
         needs_extra("serve --ray", "ray", e)
-    rayserve.run(bundle, host=host, port=port or 8000, address=address, on_ready=ready, replicas=replicas or 1,
+    rayserve.run(bundle, host=host, port=port, address=address, on_ready=ready, replicas=replicas or 1,
                  autoscale=_range(autoscale) if autoscale else None, num_cpus=num_cpus, start_timeout=start_timeout,
                  detach=detach,
                  **options)

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from specexport.errors import UserError
-from specexport.serve.listen import bound_socket
+from specexport.serve.listen import bound_socket, free_port
 
 DEPLOYMENT = "specexport"
 MIRROR_PERIOD_S = 5.0
@@ -142,7 +142,8 @@ def _run_into(app, failure: list) -> None:
 def run(bundle, host: str, port: int, address: str | None, on_ready, start_timeout: float = 300,
         detach: bool = False, **app_options) -> None:
     """Deploy build_app(bundle, ...) on Ray (a local instance on this machine unless `address` names a cluster) with
-    the proxy on host:port; block until SIGTERM/SIGINT, then shut Serve down (Ray drains the replicas).
+    the proxy on host:port (port 0, a local instance only: a free one); block until SIGTERM/SIGINT, then shut Serve
+    down (Ray drains the replicas).
 
     `detach` (a cluster only): return once deployed, leaving the application on the cluster. Deploying again (a new
     bundle, other settings) is Ray's rolling update: new replicas start, the proxy moves to them as they become
@@ -150,8 +151,13 @@ def run(bundle, host: str, port: int, address: str | None, on_ready, start_timeo
     replicas alone. Ray's own `serve shutdown` removes it."""
     if detach and address is None:
         raise UserError("--detach needs --address: a private local instance ends with this process")
+    if port == 0 and address is not None:
+        raise UserError("--port 0 (a free port) needs the local instance: on a cluster give the proxy's port")
     if address is None:  # a private local instance on loopback only (read when ray is imported), no token in ~/.ray
-        bound_socket(host, port).close()  # the proxy's address, here: one it cannot have is one line before Ray starts
+        if port == 0:
+            port = free_port(host)
+        else:  # the proxy's address, here: one it cannot have is one line before Ray starts
+            bound_socket(host, port).close()
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     import ray
