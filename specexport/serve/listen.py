@@ -35,6 +35,8 @@ def free_port(host: str = "127.0.0.1") -> int:
     below the kernel's ephemeral range, where it places every bind to port 0 and every outgoing connection: a Ray
     instance opens hundreds of those, and one took a port drawn from that range before the proxy could bind it.
     Above Ray's worker ports (10002-19999). Where no such range is left (a kernel set so), the kernel's pick."""
+    with bound_socket(host, 0) as probe:  # the host checked once: one that is not this machine's is one line
+        kernel_pick = probe.getsockname()[1]
     ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
     ephemeral = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
     rng = random.Random()
@@ -44,5 +46,4 @@ def free_port(host: str = "127.0.0.1") -> int:
                 return probe.getsockname()[1]
         except UserError:
             continue
-    with bound_socket(host, 0) as probe:
-        return probe.getsockname()[1]
+    return kernel_pick
