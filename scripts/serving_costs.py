@@ -24,7 +24,8 @@ import urllib.request
 from pathlib import Path
 
 import psutil
-from bench_http import free_port  # this folder's script
+
+from specexport.serve.listen import free_port
 
 
 def post(url: str, body: dict) -> bool:

@@ -21,8 +21,9 @@ import threading
 import time
 from pathlib import Path
 
-from bench_batch import prompt_texts  # this folder's scripts
-from bench_http import free_port
+from bench_batch import prompt_texts  # this folder's script
+
+from specexport.serve.listen import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
