@@ -104,7 +104,8 @@ def test_build_takes_the_detected_profile_by_default(tiny_folder, tmp_path, monk
     profile = tmp_path / "p.toml"
     profile.write_text(with_speed().replace("draft_length = 8", "draft_length = 5"))
     monkeypatch.setattr("specexport.profiles.resolve_profile",  # this machine's: the profile above
-                        lambda spec: (load_profile(profile if spec == "auto" else spec), {"chosen": spec}))
+                        lambda spec: (load_profile(profile if spec == "auto" else spec),
+                                      {"chosen": spec, "measured_here": True, "why": "measured on this CPU's features"}))
     out = tmp_path / "a"
     result = build("--model", tiny_folder, "--method", "ngram", "--output", out, env={"SPECEXPORT_PROFILE": None})
     assert result.exit_code == 0, result.output
@@ -116,7 +117,7 @@ def test_build_takes_the_detected_profile_by_default(tiny_folder, tmp_path, monk
     assert best.exit_code == 0, best.output
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["method"]["name"] == "ngram" and manifest["method"]["draft_length"] == 4
-    assert "method ngram (the fastest that profile cpu-2core measured)" in best.output
+    assert "method ngram: the fastest that profile cpu-2core measured" in best.output
 
 
 def test_best_needs_a_profile_and_off_means_none(tiny_folder, tmp_path):

@@ -13,7 +13,7 @@ from specexport.profiles import bundled, dump, load_profile, names, parse
 from specexport.profiles import detect as detection
 from specexport.profiles.detect import Found, auto_profile
 from specexport.runtime.generate import Engine
-from specexport.runtime.scheduler import profiled_latency
+from specexport.runtime.governor import profiled_latency
 
 GOOD = (bundled()[0]).read_text()
 

@@ -17,8 +17,12 @@ def describe(bundle: Bundle) -> list[str]:
              f"method       {section['name']}"]
     if isinstance(m.get("profile"), dict):
         p = m["profile"]
-        lines.append(f"profile      {_get(p, 'name')} ({_get(p, 'description')}; "
-                     f"{'measured' if p.get('measured') else 'not measured'}; chosen by {_get(p, 'chosen')})")
+        features = (p.get("hardware") or {}).get("features") if isinstance(p.get("hardware"), dict) else None
+        measured = f"measured on {' '.join(features)}" if p.get("measured") and features else \
+            "measured" if p.get("measured") else "not measured"
+        why = f": {p['why']}" if isinstance(p.get("why"), str) else ""
+        lines.append(f"profile      {_get(p, 'name')} ({_get(p, 'description')}; {measured}; chosen by "
+                     f"{_get(p, 'chosen')}{why})")
     lines += methods.get(section["name"]).describe(section)
     lines.append(f"precision    {m['precision']} ({m['flavour']} ops), context {m['max_context']}")
     for name, g in m["graphs"].items():

@@ -14,11 +14,13 @@ from specexport.exporter import hub, methods, sources
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import FLAVOURS, PRECISIONS, GraphOptions
 from specexport.exporter.tensorrt import build as tensorrt
+from specexport.runtime.methods import PLAIN_NAME
+from specexport.tune import probe
 
 BACKENDS = ["onnxruntime", "tensorrt"]
 DEFAULT_CPU_PRECISION = "int8"  # AMX/VNNI DynamicQuantizeMatMul: cheap decode, and cheap wide verify
 DEFAULT_TRT_PRECISION = "fp16"
-BEST = "best"  # --method best: the profile's fastest measured method
+BEST = "best"  # --method best: the fastest method measured on this hardware (the profile's, or a probe's)
 NO_PROFILE = "off"  # --profile off: no profile (the methods' own defaults)
 # each method's run-time settings (saved in the bundle) and its build-only options, as options
 SETTINGS = SettingOptions({name: m.runtime.Settings for name, m in methods.METHODS.items()}, build=True)
@@ -88,7 +90,11 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
 @click.command()
 @model_options
 @click.option("--method", type=click.Choice([BEST, *methods.METHODS]), default="none", show_default=True,
-              help=f"Speculation method ({BEST}: the one the profile measured fastest on this hardware).")
+              help=f"Speculation method ({BEST}: the fastest on this hardware, plain decoding included: the "
+                   "profile's measurement where it was measured on this CPU's features, else a probe measures the "
+                   "candidates here, once per machine and model).")
+@click.option("--no-probe", is_flag=True,
+              help=f"--method {BEST}: choose by the profile's speeds even where they were measured on another CPU.")
 @SETTINGS
 @OPTIONS
 @click.option("--backend", type=click.Choice(BACKENDS), default=None, help="[default: the profile's, else onnxruntime]")
@@ -116,9 +122,9 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
               help="TensorRT: where sampled steps are accepted. host (default): the runtime, from the logits. plugin: "
                    "the engine, with the Triton tree acceptance kernel as a TensorRT plugin (triton at build time; "
                    "not yet run on a GPU).")
-def build(model_spec, method, backend, precision, profile_spec, serving, output, max_context, flavour, aux_layers,
-          no_validate, fused_accept, overwrite, workspace_gb, timing_cache, hardware_compatible, version_compatible,
-          sampling_accept, **method_kwargs):
+def build(model_spec, method, no_probe, backend, precision, profile_spec, serving, output, max_context, flavour,
+          aux_layers, no_validate, fused_accept, overwrite, workspace_gb, timing_cache, hardware_compatible,
+          version_compatible, sampling_accept, **method_kwargs):
     """Export a model and compile it for a backend into a ready-to-run bundle.
 
     \b
@@ -132,7 +138,7 @@ def build(model_spec, method, backend, precision, profile_spec, serving, output,
       specexport build --model llama3-8b --method none --precision int4
       specexport build --model smollm2-135m --method medusa --profile auto
       specexport build --model smollm2-135m --method none --serving   # int8 on a CPU: it batches better
-      specexport build --model smollm2-135m --method eagle3 --depth 3 --top-k 2 --total-tokens 6
+      specexport build --model smollm2-135m --method eagle3 --depth 3 --draft-top-k 2 --total-tokens 6
       specexport build --model llama3-8b --method eagle --draft ./EAGLE-LLaMA3-Instruct-8B
       specexport build --model smollm2-135m --method suffix
       specexport build --model llama3-8b --method suffix --datastore llama3-8b.npz --total-tokens 16
@@ -143,14 +149,21 @@ def build(model_spec, method, backend, precision, profile_spec, serving, output,
     profile = chosen = None
     if serving and profile_spec == NO_PROFILE:
         raise UserError(f"--serving chooses by a profile's measured speed under load: not with --profile {NO_PROFILE}")
+    if no_probe and method != BEST:
+        raise UserError(f"--no-probe is for --method {BEST}")
     if profile_spec != NO_PROFILE:
         profile, chosen = profiles.resolve_profile(profile_spec)
+        click.echo(f"profile {profile.name} ({profile.description}; chosen by {chosen['chosen']}: {chosen['why']})",
+                   err=True)
+        if profile_spec == "auto" and not chosen["measured_here"] and profile.hardware.kind == "cpu":
+            profile, chosen = _probed(model_spec, profile, chosen, method == BEST and not no_probe and not serving)
     if method == BEST:
         if profile is None:
             raise UserError(f"--method {BEST} chooses by a profile's measured speed: not with --profile {NO_PROFILE}")
         method = profiles.best_method(profile, serving)
-        click.echo(f"method {method} (the fastest that profile {profile.name} measured"
-                   f"{' serving' if serving else ''})", err=True)
+        plain = " (no method beat plain decoding here)" if method == PLAIN_NAME else ""
+        click.echo(f"method {method}{plain}: the fastest that profile {profile.name} measured"
+                   f"{' serving' if serving else ''}", err=True)
     settings = SETTINGS.given(method_kwargs, method)
     method_options = OPTIONS.given(method_kwargs, method)
     if profile is not None:
@@ -164,8 +177,6 @@ def build(model_spec, method, backend, precision, profile_spec, serving, output,
                                err=True)
             flavour = flavour or profile.engine.flavour
         settings = profiles.merge(profile, methods.get(method).runtime, settings)
-        click.echo(f"profile {profile.name} ({profile.description}; "
-                   f"{'measured' if profile.measured else 'not measured on this hardware'})", err=True)
     backend = backend or "onnxruntime"
     if sampling_accept and backend != "tensorrt":
         raise UserError(f"--sampling-accept is for --backend tensorrt, and this build is for {backend}")
@@ -185,3 +196,18 @@ def build(model_spec, method, backend, precision, profile_spec, serving, output,
                             method=method, settings=settings, method_options=method_options,
                             profile=None if profile is None else {**profile.as_dict(), **chosen}, engines=engines)
     _print_export(export_bundle(model_spec, output, options, overwrite=overwrite), output)
+
+
+def _probed(model_spec: str, profile, chosen: dict, measure: bool):
+    """The profile and how it was chosen where `auto`'s profile was measured on another CPU: the probe kept for this
+    machine and model, else (`measure`: --method best) a probe run now (tune/probe.py), else the profile as found."""
+    name = sources.resolve(model_spec).name
+    kept = probe.cached(name)
+    if kept is None and measure:
+        kept = probe.probe(model_spec, profile, say=lambda text: click.echo(text, err=True))
+        click.echo("\n".join(["probe (decode tokens/s, greedy):", *probe.describe(kept)]), err=True)
+    if kept is None:
+        click.echo(f"  its speeds were measured on another CPU: --method {BEST} probes this one", err=True)
+        return profile, chosen
+    click.echo(f"profile {kept.name} (the probe kept for {name} on this machine: {kept.path})", err=True)
+    return kept, {**chosen, "chosen": "probe", "measured_here": True, "why": kept.description}

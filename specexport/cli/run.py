@@ -13,7 +13,7 @@ from specexport.cli import needs_extra
 from specexport.cli.common import PARAM, SettingOptions, path_option
 from specexport.errors import UserError
 from specexport.fsutil import write_json
-from specexport.runtime import methods
+from specexport.runtime import cpu, methods
 from specexport.runtime.backends import DEVICES
 from specexport.runtime.bench import encode_prompts, read_prompts, run_bench, summary_lines
 from specexport.runtime.generate import Engine
@@ -152,4 +152,11 @@ def info(bundle):
     Examples:
       specexport info smollm2-plain
     """
-    click.echo("\n".join(describe(load_bundle(bundle))))
+    loaded = load_bundle(bundle)
+    click.echo("\n".join(describe(loaded)))
+    hardware = (loaded.manifest.get("profile") or {}).get("hardware") or {}
+    if isinstance(hardware, dict) and hardware.get("kind") == "cpu":
+        same = set(hardware.get("features") or ()) == set(cpu.kernel_features())
+        click.echo(f"this CPU     {cpu.describe()}: " + (
+            "its profile was measured on these features" if same else
+            "its profile was not measured on these features (the tree budget measures this CPU when it starts)"))

@@ -56,8 +56,9 @@ class Steps:
 
 
 def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwrite: bool = False,
-                  quiet: bool = False) -> dict:
-    """Export `model_spec` into a bundle folder at `output`; returns the manifest."""
+                  quiet: bool = False, loaded: tuple | None = None) -> dict:
+    """Export `model_spec` into a bundle folder at `output`; returns the manifest. `loaded`: its (model, tokenizer)
+    as sources.load_model gave them (a caller building several bundles of one model loads it once)."""
     method = methods.get(options.method)
     settings = method.runtime.settings({}, options.settings)
     method_options = with_given(method.Options(), options.method_options, f"--method {options.method}")
@@ -84,7 +85,7 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
     step = Steps(3 + plan.extra_graphs + options.optimize + options.validate + (options.engines is not None), quiet)
     with staged_bundle(Path(output), overwrite=overwrite) as tmp:
         step(f"loading {source.name} ({source.kind}: {source.path})")
-        model, tokenizer = sources.load_model(source)
+        model, tokenizer = loaded or sources.load_model(source)
         step(f"building the {options.graph.precision} target graph ({options.graph.flavour} ops, {dims.layers} layers)")
         target_options = plan.graph_options(options.graph)
         graphs = {"target": write_graph(model, "target", target_options, max_context, tmp, quiet, plan.extensions())}

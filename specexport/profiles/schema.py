@@ -18,7 +18,7 @@ from pathlib import Path
 from specexport.errors import UserError, read_user_text
 from specexport.options import fields as setting_fields
 from specexport.options import with_given
-from specexport.runtime import methods
+from specexport.runtime import cpu, methods
 
 try:
     import tomllib
@@ -42,6 +42,9 @@ class Hardware:
     max_memory_gb: float = 0.0  # gpu: at most (0 = no bound)
     min_cores: int = 0  # cpu: logical cores
     max_cores: int = 0  # cpu: (0 = no bound)
+    # cpu: the kernel features (runtime/cpu.KERNEL_FEATURES) of the CPU its speeds were measured on; its [speed]
+    # and latencies hold on a CPU with the same ones (empty: not measured, any CPU)
+    features: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,7 @@ class Profile:
 SECTIONS = {"hardware": Hardware, "engine": EngineSettings, "limits": Limits, "measurements": Measurements}
 TOP_LEVEL = ("name", "description", "measured", "source")
 # optional, [name] method = { precision = tokens/s, ... } as measured on this hardware: [speed] one request at a time
-# (scripts/side_by_side.py), [serve_speed] the aggregate over 16 concurrent requests (scripts/bench_batch.py, C = 16)
+# (benchmarks/side_by_side.py), [serve_speed] the aggregate over 16 concurrent requests (benchmarks/bench_batch.py, C = 16)
 SPEED_TABLES = ("speed", "serve_speed")
 
 
@@ -242,6 +245,8 @@ def _check(p: Profile, fail) -> None:
     checks = [
         ("hardware", "kind", p.hardware.kind in KINDS, f"kind must be one of {', '.join(KINDS)}"),
         ("hardware", "match", bool(p.hardware.match), "match needs at least one name"),
+        ("hardware", "features", set(p.hardware.features) <= set(cpu.KERNEL_FEATURES),
+         f"features must be among {', '.join(cpu.KERNEL_FEATURES)}"),
         ("engine", "backend", p.engine.backend in BACKENDS, f"backend must be one of {', '.join(BACKENDS)}"),
         ("engine", "precision", p.engine.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}"),
         ("engine", "flavour", p.engine.flavour in FLAVOURS, f"flavour must be one of {', '.join(FLAVOURS)}"),

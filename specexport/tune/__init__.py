@@ -125,7 +125,9 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
 
 def _hardware() -> str:
     found = detect()
-    return f"{found.name} ({found.cores} cores{f', {found.memory_gb} GB' if found.kind == 'gpu' else ''})"
+    if found.kind == "gpu":
+        return f"{found.name} ({found.cores} cores, {found.memory_gb} GB)"
+    return f"{found.name} ({found.cores} cores; {' '.join(found.features) or 'no vector features found'})"
 
 
 def _measured_profile(base, engine: Engine, measured: measure.Measured, tokens: list[int], name: str):
@@ -137,8 +139,14 @@ def _measured_profile(base, engine: Engine, measured: measure.Measured, tokens: 
         methods[section] = with_given(base.methods[section], chosen["settings"], "profile")
     entry = (f"{engine.bundle.method} on {datetime.date.today()} (bundle {manifest['model']['name']} "
              f"{manifest['precision']})")
+    found = detect()
+    hardware, speeds = base.hardware, {"speed": base.speed, "serve_speed": base.serve_speed}
+    if found.kind == "cpu":  # the base's speeds were measured on this CPU's kernel features, or are another CPU's
+        hardware = dataclasses.replace(base.hardware, features=found.features)
+        if set(base.hardware.features) != set(found.features):
+            speeds = {"speed": {}, "serve_speed": {}}
     return dataclasses.replace(
-        base, name=name, path="", measured=True, methods=methods,
+        base, name=name, path="", measured=True, methods=methods, hardware=hardware, **speeds,
         description=base.description.removesuffix(", measured"),  # `measured = true` says it (older files said both)
         engine=dataclasses.replace(base.engine, backend="onnxruntime", precision=manifest["precision"],
                                    flavour=manifest["flavour"]),

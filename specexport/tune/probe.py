@@ -1,0 +1,193 @@
+"""`build --method best` on a CPU no profile was measured on: measure the candidates here, once per machine.
+
+A profile's [speed] table holds on the CPU it was measured on (its kernel features, profiles/detect.py): on another
+the balance moves (plain int4 decoded 2x faster on a VNNI EPYC than on an AVX2 one, and speculation's wider
+verification calls did not speed up alike). So where the profile `auto` found was measured elsewhere, the probe
+builds each candidate method in each CPU precision (int4, int8) without validation, runs them side by side on a
+few built-in prompts (greedy, interleaved, the order alternating), and writes a profile: the base profile's
+settings, this CPU's features, and the [speed] it measured. The profile is cached per machine and model (the CPU,
+its cores and features, the onnxruntime version, the model's name), so the next build reads it at once.
+
+Candidates: plain decoding always (so that `best` is plain where nothing beats it), and the speculative methods
+that the base profile measured within CANDIDATE_SHARE of its fastest (the order of methods comes mostly from their
+acceptance, which the CPU does not change; what the CPU changes, the cost of wider verification, is what the probe
+measures). A method that cannot be built for this model (no heads or draft for it) is left out, with a line.
+
+Example: on a 2-core AVX-512 VNNI EPYC with the AVX2 profile cpu-2core as base, the candidates are none, suffix,
+hybrid and ngram, in int4 and int8: eight builds and eight bundles run on PROMPTS prompts, about two minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import os
+import re
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+
+import onnxruntime as ort
+
+from specexport.errors import UserError
+from specexport.exporter import arch, methods, sources
+from specexport.exporter.export import ExportOptions, export_bundle
+from specexport.exporter.graph import GraphOptions
+from specexport.profiles import Profile, dump, load_profile, merge
+from specexport.profiles.detect import Found, detect
+from specexport.prompts import AGREEMENT_PROMPTS
+from specexport.runtime.generate import Engine
+from specexport.runtime.methods import PLAIN_NAME
+from specexport.runtime.methods.suffix import fresh_requests
+
+PRECISIONS = ("int4", "int8")  # what a CPU build can take: fp32 streams 4-8x the bytes and is never the fastest
+CANDIDATE_SHARE = 0.9  # speculative methods within this share of the base profile's fastest are probed
+PROMPTS = 4  # built-in prompts each candidate runs
+NEW_TOKENS = 64
+ROUNDS = 2
+MAX_CONTEXT = 1024  # the probe's bundles hold the prompts and their tokens, no more
+
+
+def cache_dir() -> Path:
+    """Where probes are kept: $SPECEXPORT_CACHE, else $XDG_CACHE_HOME/specexport, else ~/.cache/specexport."""
+    root = os.environ.get("SPECEXPORT_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specexport"
+
+
+def cache_path(model: str, found: Found) -> Path:
+    """The probe file of `model` on this machine, e.g. probes/smollm2-135m-cpu-2core-avx512_vnni-1a2b3c4d.toml."""
+    machine = f"{found.name}|{found.cores}|{' '.join(found.features)}|onnxruntime {ort.__version__}"
+    digest = hashlib.sha256(machine.encode()).hexdigest()[:8]
+    slug = re.sub(r"[^a-z0-9_.-]+", "-", model.lower()).strip("-") or "model"
+    top = found.features[-1] if found.features else "basic"
+    return cache_dir() / "probes" / f"{slug}-cpu-{found.cores}core-{top}-{digest}.toml"
+
+
+def cached(model: str, found: Found | None = None) -> Profile | None:
+    """The probe kept for `model` on this machine, or None (a damaged file is ignored: the next probe replaces it)."""
+    path = cache_path(model, found or detect())
+    if not path.is_file():
+        return None
+    try:
+        return load_profile(path)
+    except UserError:
+        return None
+
+
+def candidates(base: Profile) -> list[str]:
+    """Plain decoding, then the speculative methods the base profile measured within CANDIDATE_SHARE of its
+    fastest (fastest first); without a [speed] table, the training-free lookups (suffix, ngram)."""
+    speeds = {m: max(by.values()) for m, by in base.speed.items() if m != PLAIN_NAME}
+    if not speeds:
+        return [PLAIN_NAME, "suffix", "ngram"]
+    best = max(speeds.values())
+    return [PLAIN_NAME] + sorted((m for m, v in speeds.items() if v >= CANDIDATE_SHARE * best), key=lambda m: -speeds[m])
+
+
+def probe(model_spec: str, base: Profile, say=lambda text: None) -> Profile:
+    """Measure the candidates of `base` for `model_spec` here (module docstring), keep the profile in the cache and
+    return it. `say(text)` is told each stage."""
+    found = detect()
+    source = sources.resolve(model_spec)
+    names = candidates(base)
+    say(f"probing {', '.join(names)} in {' and '.join(PRECISIONS)} on this CPU ({found.describe()}): no profile was "
+        "measured on its features")
+    with tempfile.TemporaryDirectory(prefix="specexport-probe-") as tmp:
+        bundles = _build(model_spec, source, base, names, Path(tmp), say)
+        built = {m for m, _ in bundles}
+        if PLAIN_NAME not in built or len(built) < 2:
+            raise UserError("the probe could not build plain decoding and a speculative method for this model: pass "
+                            "--method NAME")
+        speed = _measure(bundles, say)
+    profile = _profile(base, found, source.name, speed)
+    path = cache_path(source.name, found)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
+        f.write(dump(profile, header=f"{profile.description}\n{profile.source}\nWritten by the probe of "
+                                     "`specexport build --method best`"))
+    os.replace(f.name, path)
+    return load_profile(path)
+
+
+def _build(model_spec: str, source, base: Profile, names: list[str], folder: Path, say) -> dict:
+    """Each candidate in each precision, built into `folder` without validation, the model loaded once:
+    {(method, precision): bundle folder}."""
+    say(f"loading {source.name}")
+    loaded = sources.load_model(source)
+    context = min(MAX_CONTEXT, arch.dims_from_config(sources.load_config(source)).max_positions)
+    bundles = {}
+    total = len(names) * len(PRECISIONS)
+    for name in names:
+        for precision in PRECISIONS:
+            say(f"building {name} {precision} ({len(bundles) + 1}/{total})")
+            settings = merge(base, methods.get(name).runtime, {})
+            options = ExportOptions(graph=GraphOptions(precision=precision), max_context=context, optimize=True,
+                                    validate=False, method=name, settings=settings,
+                                    profile={**base.as_dict(), "chosen": "probe"})
+            out = folder / f"{name}-{precision}"
+            try:
+                export_bundle(model_spec, out, options, quiet=True, loaded=loaded)
+            except UserError as e:
+                say(f"  {name} left out: {e}")
+                break
+            bundles[(name, precision)] = out
+    return bundles
+
+
+def _measure(bundles: dict, say) -> dict:
+    """Decode tokens/s of each bundle (after the first token), side by side: every prompt runs every bundle, the
+    order alternating, ROUNDS times, each run as a fresh engine's (a response store would draft a round's answers
+    from the round before). {method: {precision: tokens/s}}."""
+    engines = {key: Engine.load(path) for key, path in bundles.items()}
+    with ExitStack() as fresh:
+        for engine in engines.values():
+            fresh.enter_context(fresh_requests(engine))
+        return _side_by_side(engines, say)
+
+
+def _side_by_side(engines: dict, say) -> dict:
+    first = next(iter(engines.values()))
+    ids = [first.encode(p) for p in AGREEMENT_PROMPTS[:PROMPTS]]
+    for engine in engines.values():
+        engine.generate(ids[0], max_new_tokens=8)  # warm-up (and the drafting governor's latency)
+    totals = {key: [0, 0.0] for key in engines}
+    keys = list(engines)
+    for r in range(ROUNDS):
+        say(f"running {len(keys)} bundles on {len(ids)} prompts, round {r + 1}/{ROUNDS}")
+        for k, prompt in enumerate(ids):
+            for key in keys if (k + r) % 2 == 0 else keys[::-1]:
+                result = engines[key].generate(prompt, max_new_tokens=NEW_TOKENS, stop_ids=())
+                totals[key][0] += result.stats.new_tokens - 1
+                totals[key][1] += result.stats.seconds - result.stats.ttft_s
+    speed: dict = {}
+    for (name, precision), (tokens, seconds) in totals.items():
+        speed.setdefault(name, {})[precision] = round(tokens / seconds, 1) if seconds > 0 else 0.0
+    plain = max(speed[PLAIN_NAME].values())
+    for name, by in speed.items():
+        say("  " + "  ".join(f"{name} {p} {v:.1f} tokens/s ({v / plain:.2f}x)" for p, v in by.items()))
+    return speed
+
+
+def _profile(base: Profile, found: Found, model: str, speed: dict) -> Profile:
+    today = datetime.date.today()
+    hardware = dataclasses.replace(base.hardware, match=(found.name,), min_cores=found.cores, max_cores=found.cores,
+                                   features=found.features)
+    best = max(speed, key=lambda m: max(speed[m].values()))
+    return dataclasses.replace(
+        base, name=f"probe-{found.cores}core-{'-'.join(found.features) or 'basic'}", measured=True, path="",
+        description=f"{found.describe()}: probed for {model}",
+        source=f"probed by specexport build --method best on {found.describe()} on {today}, {model}, "
+               f"{PROMPTS} built-in prompts x {NEW_TOKENS} tokens x {ROUNDS} rounds, greedy; settings from "
+               f"{base.name}; fastest: {best} {max(speed[best], key=speed[best].get)}",
+        hardware=hardware, speed=speed, serve_speed={}, measurements=type(base.measurements)())
+
+
+def describe(profile: Profile) -> list[str]:
+    """The probe's table, fastest first, for the build's output."""
+    rows = sorted(((v, m, p) for m, by in profile.speed.items() for p, v in by.items()), reverse=True)
+    plain = max(profile.speed[PLAIN_NAME].values())
+    return [f"  {m:>7} {p}  {v:7.1f} tokens/s  {v / plain:.2f}x plain" for v, m, p in rows]
+
