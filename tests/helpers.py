@@ -47,10 +47,10 @@ def check_prefix_copied(engine, new_tokens: int = 12) -> None:
         cold, calls = [], engine.target.calls
         for prompt in prompts:
             engine.prefixes = PrefixStore(cut, min_part=start)  # nothing kept: computed
-            cold.append(engine.generate(prompt, max_new_tokens=new_tokens, stop_ids=()))
+            cold.append(engine.generate(prompt, max_new_tokens=new_tokens, stop_ids=(), budget=False))
         cold_calls, calls = engine.target.calls - calls, engine.target.calls
         engine.prefixes = PrefixStore(cut, min_part=start)
-        warm = [engine.generate(p, max_new_tokens=new_tokens, stop_ids=()) for p in prompts]
+        warm = [engine.generate(p, max_new_tokens=new_tokens, stop_ids=(), budget=False) for p in prompts]
         assert engine.target.calls - calls < cold_calls
         # the same tokens, and the same steps: the proposer drafted from what it read, as with the beginning computed
         assert [(g.tokens, g.stats.accept_lengths) for g in warm] == [(g.tokens, g.stats.accept_lengths) for g in cold]

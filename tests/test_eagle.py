@@ -5,6 +5,7 @@ model: lossless greedy, exact sampling, one-line errors from the CLI."""
 import json
 import pickle
 
+import chisquare
 import numpy as np
 import pytest
 import torch
@@ -12,7 +13,6 @@ from click.testing import CliRunner
 from conftest import TINY, TOKENIZER_VOCAB, method_export
 from helpers import check_prefix_copied
 
-from specexport import chisquare
 from specexport.cli import main
 from specexport.errors import UserError
 from specexport.exporter.eagle import DraftConfig, DraftModule, EagleDraft, load_draft, save_draft
@@ -342,7 +342,7 @@ def test_cli_bad_input(tiny_folder, trained, tmp_path):
     out = tmp_path / "bundle"
     base = ["build", "--model", tiny_folder, "--output", out, "--precision", "fp32"]
     fails(base + ["--method", "eagle3", "--draft", trained[1], "--depth", "0"], "--depth must be in 1..16")
-    fails(base + ["--method", "eagle3", "--draft", trained[1], "--top-k", "50"], "--draft-top-k must be in 1..10")
+    fails(base + ["--method", "eagle3", "--draft", trained[1], "--draft-top-k", "50"], "--draft-top-k must be in 1..10")
     fails(base + ["--method", "eagle3", "--draft", trained[1], "--total-tokens", "100000"], "--total-tokens must be")
     fails(base + ["--method", "eagle", "--draft", trained[1]], "is an EAGLE-3 draft: use --method eagle3")
     fails(base + ["--method", "medusa", "--draft", trained[1]], "--draft does not apply to --method medusa")
@@ -445,15 +445,28 @@ def test_profile_command_chooses_eagle_settings(eagle_engine, tiny_folder, train
         (chosen.depth, chosen.top_k, chosen.total_tokens)
 
 
-def test_warm_restart_carries_the_training_on(tiny_folder, sharegpt, trained, tmp_path):
-    """--init starts from a draft's weights and vocabulary; token-passes, time and the accuracy curve add up."""
+def test_warm_restart_carries_the_training_on(tiny_folder, sharegpt, trained, tmp_path, monkeypatch):
+    """--init starts from a draft's weights and vocabulary; token-passes, time and the accuracy curve add up.
+
+    The training loop's clock is a fake one that ticks a second per reading, so each of the 4 steps takes exactly
+    1.0 s whatever the CPU's speed (on a real clock 4 tiny steps can take < 0.05 s, which rounds to nothing)."""
+    import types
+
+    import specexport.train.loop as loop
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(monotonic=lambda: float(next(ticks))))
     first, folder = trained
     again = train_eagle(tiny_folder, tmp_path / "again", sharegpt, steps=4, init=folder)
     before, after = first["training"], again["training"]
     assert before["token_passes"] > 0 and len(before["curve"]) >= 1
+    assert again["steps"] == 4 and again["seconds"] == 4.0  # this run's own steps and (fake) time
     assert 0 < after["token_passes"] - before["token_passes"] <= 4 * TRAIN["batch"] * (64 + 32)  # 4 steps more
-    assert after["seconds"] > before["seconds"]
+    assert after["seconds"] == pytest.approx(before["seconds"] + 4.0)  # the earlier time carried on, not restarted
     assert after["curve"][:len(before["curve"])] == before["curve"] and len(after["curve"]) > len(before["curve"])
+    assert after["curve"][-1]["token_passes"] == after["token_passes"]
+    assert after["curve"][-1]["seconds"] == pytest.approx(before["seconds"] + 4.0)
+    assert load_draft(tmp_path / "again").meta["training"] == after  # saved with the draft, for the next restart
     np.testing.assert_array_equal(load_draft(tmp_path / "again").hot_ids, load_draft(folder).hot_ids)
     with pytest.raises(UserError, match="is an EAGLE-3 draft, not EAGLE-1"):
         train_eagle(tiny_folder, tmp_path / "wrong", sharegpt, method="eagle", steps=1, init=folder)
@@ -488,7 +501,8 @@ def test_each_checkpoint_leaves_an_fp16_draft_to_carry_on_from(trained):
 @pytest.mark.parametrize("settings", [{}, {"tree": "eagle1_25"}])
 def test_batched_eagle_drafts_together_and_keeps_batch_one_tokens(eagle_engine, settings):
     """Six requests on three slots, EAGLE's draft calls made together (runtime/drafting.together): every request
-    emits its batch-1 tokens, and the draft graph ran fewer calls than the requests' batch-1 runs did."""
+    emits its batch-1 tokens, and the draft graph ran fewer calls than the requests' batch-1 runs did (every tree
+    whole both ways: the drafting governor's choices depend on the machine's speed)."""
     from specexport.runtime.scheduler import Scheduler
 
     prompts = ["The sea wind over blue waves.", "A ship and calm night stars.", "x", "Far away quiet water.", "abab",
@@ -498,9 +512,9 @@ def test_batched_eagle_drafts_together_and_keeps_batch_one_tokens(eagle_engine, 
     try:
         draft = eagle_engine.graph("draft")
         before = draft.calls
-        want = [eagle_engine.generate(p, max_new_tokens=n, stop_ids=()) for p, n in zip(prompts, lengths)]
+        want = [eagle_engine.generate(p, max_new_tokens=n, stop_ids=(), budget=False) for p, n in zip(prompts, lengths)]
         alone = draft.calls - before
-        scheduler = Scheduler(eagle_engine, max_batch=3, prefill_chunk=4, background=False)
+        scheduler = Scheduler(eagle_engine, max_batch=3, prefill_chunk=4, budget=False, background=False)
         before = draft.calls
         requests = [scheduler.submit(p, max_new_tokens=n, stop_ids=()) for p, n in zip(prompts, lengths)]
         scheduler.run_until_idle()

@@ -16,8 +16,9 @@ from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions, _Graph,
 from specexport.exporter.save import write_graph
 from specexport.runtime import tree
 from specexport.runtime.backends import open_graph
-from specexport.runtime.backends.host import Backend, GraphSession
+from specexport.runtime.backends.host import GraphSession
 from specexport.runtime.backends.iobinding import DeviceSession, compact_model
+from specexport.runtime.backends.protocol import Backend
 
 CAPACITY = 64
 
@@ -248,7 +249,7 @@ def test_real_smollm2_device_path_equals_host_path(method, tmp_path):
     bundle = tmp_path / method
     subprocess.run([Path(sys.executable).parent / "specexport", "build", "--model", "smollm2-135m", "--method", method,
                     "--no-validate", "--max-context", "1024", "--output", bundle], check=True, capture_output=True)
-    bench = Path(__file__).parent.parent / "bench"
+    bench = Path(__file__).parent.parent / "benchmarks" / "prompts"
     prompts = [json.loads(line)["prompt"] for name in ("sharegpt40.jsonl", "humaneval40.jsonl")
                for line in (bench / name).read_text().splitlines()[:3]]
     host, device = Engine.load(bundle, threads=1, device="cpu"), Engine.load(bundle, threads=1, device="cpu-iobinding")

@@ -2,23 +2,26 @@
 else runs with it; slots are refilled, prompts prefilled in chunks, requests cancelled, failures kept to their
 request; and the KV pool's slot bookkeeping on hand-built cases."""
 
+import dataclasses
 import threading
 import time
 
+import chisquare
 import numpy as np
 import pytest
 from conftest import method_export
 from helpers import check_prefix_copied
 
-from specexport import chisquare
 from specexport.errors import UserError
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
 from specexport.runtime.budget import AcceptanceRates, BatchLatency, share, worth_drafting
 from specexport.runtime.generate import Engine
+from specexport.runtime.governor import PLAIN_PROBE_STEPS, PROBE_STEPS
 from specexport.runtime.kvcache import KVPool
+from specexport.runtime.prefix import PrefixStore
 from specexport.runtime.sampling import SamplingParams
-from specexport.runtime.scheduler import PLAIN_PROBE_STEPS, PROBE_STEPS, Scheduler
+from specexport.runtime.scheduler import Scheduler
 from specexport.runtime.tree import DraftTree
 
 PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat", "x", "abcabcabcabc",
@@ -54,11 +57,11 @@ def test_batched_greedy_equals_batch_one(engines, name, in_graph):
     lengths = [20, 7, 33, 12, 25, 3]
     draft_calls = lambda: sum(g.calls for g in engine.side_graphs())  # noqa: E731 - a draft model's graph
     before = draft_calls()
-    want = batch_one(engine, PROMPTS, lengths)
+    want = batch_one(engine, PROMPTS, lengths, budget=False)
     alone = draft_calls() - before
     scheduler = Scheduler(engine, max_batch=4, prefill_chunk=5, background=False)
-    assert scheduler.batch_accept == (name != "none")
-    scheduler.batch_accept = in_graph
+    assert scheduler.accepting.batched == (name != "none")
+    scheduler.accepting = dataclasses.replace(scheduler.accepting, batched=in_graph)
     requests = [scheduler.submit(p, max_new_tokens=n, stop_ids=()) for p, n in zip(PROMPTS, lengths)]
     scheduler.run_until_idle()
     for request, expected in zip(requests, want):
@@ -69,6 +72,36 @@ def test_batched_greedy_equals_batch_one(engines, name, in_graph):
     assert scheduler.active == 0 and not scheduler.running
     if alone:  # the draft model's calls were made together (runtime/drafting.together)
         assert scheduler.draft_pool is not None and draft_calls() - before - alone < alone
+
+
+@pytest.mark.parametrize("name, device", [("none", "cpu"), ("ngram", "cpu"), ("self1-tree", "cpu"),
+                                          ("ngram", "cpu-iobinding")])
+def test_a_burst_prefills_several_prompts_in_one_call(engines, name, device):
+    """Six requests at once, prompts in chunks of 5 tokens and up to 24 prompt tokens a step: several prompts' chunks
+    go in one call (fewer calls than chunks), no step computes more than 24 rows (real rows in a graph with ragged
+    rows, padded ones in plain decoding's chain-only graph), prompts join the running slots in the order they came,
+    and every request emits its batch-1 tokens (whole trees both ways)."""
+    engine = engines[name] if device == "cpu" else Engine.load(engines[name].bundle.path, threads=1, device=device)
+    lengths = [20, 7, 33, 12, 25, 3]
+    want = batch_one(engines[name], PROMPTS, lengths, budget=False)
+    saved, engine.prefixes = engine.prefixes, PrefixStore.of(engine.tokenizer)  # nothing kept: every chunk computed
+    scheduler = Scheduler(engine, max_batch=6, prefill_chunk=5, prefill_tokens=24, budget=False, background=False)
+    calls, joined = [], []
+    prefill_call = scheduler._prefill_call
+    sizes = lambda seqs: [len(s.chunks[s.fed]) for s in seqs]  # noqa: E731
+    scheduler._prefill_call = lambda seqs: calls.append(sum(sizes(seqs)) if engine.target.ragged else
+                                                        max(sizes(seqs)) * len(seqs)) or prefill_call(seqs)
+    requests = [scheduler.submit(p, max_new_tokens=n, stop_ids=(), on_tokens=lambda ids, k=k: joined.append(k))
+                for k, (p, n) in enumerate(zip(PROMPTS, lengths))]
+    try:
+        scheduler.run_until_idle()
+    finally:
+        engine.prefixes = saved
+    assert [r.result(timeout=0).tokens for r in requests] == [w.tokens for w in want]
+    assert list(dict.fromkeys(joined)) == sorted(set(joined))  # first tokens in the order the prompts came
+    chunks = sum(len(engine.prefill_chunks(engine.encode(p), 5)) for p in PROMPTS)
+    assert scheduler.prefill_chunks == chunks and scheduler.prefill_calls == len(calls) < chunks
+    assert max(calls) <= 24
 
 
 @pytest.mark.parametrize("name", ["none", "ngram", "self1-tree"])
@@ -532,7 +565,7 @@ def test_the_latency_table_interpolates_and_follows_the_calls_it_sees():
 def test_the_scheduler_measures_the_batched_call_or_reads_the_profiles_table(engines):
     engine = engines["self1-tree"]
     full = engine.method.tokens_per_step(engine.settings)
-    measured = Scheduler(engine, max_batch=4, background=False).latency  # this bundle's profile has no table
+    measured = Scheduler(engine, max_batch=4, background=False).governor.latency  # this bundle's profile has no table
     assert list(measured.sequences) == [1, 2, 4] and measured.widths[-1] == full
     assert measured.seconds.shape == (3, len(measured.widths)) and (measured.seconds > 0).all()
     assert engine.target.ragged and measured.single.shape == measured.seconds.shape and (measured.single > 0).all()
@@ -542,12 +575,12 @@ def test_the_scheduler_measures_the_batched_call_or_reads_the_profiles_table(eng
     try:
         manifest["profile"] = {"measured": True, "engine": {"precision": engine.bundle.precision},
                                "measurements": table}
-        latency = Scheduler(engine, max_batch=4, background=False).latency
+        latency = Scheduler(engine, max_batch=4, background=False).governor.latency
         assert latency(8, 4) == pytest.approx(0.030) and latency(8, 4, 8) == pytest.approx(0.012)
         del table["batch_single_ms"]  # measured without ragged rows' cost of a width alone: this graph's own
-        assert list(Scheduler(engine, max_batch=4, background=False).latency.sequences) == [1, 2, 4]
+        assert list(Scheduler(engine, max_batch=4, background=False).governor.latency.sequences) == [1, 2, 4]
         manifest["profile"]["engine"] = {"precision": "int4" if engine.bundle.precision != "int4" else "int8"}
-        assert list(Scheduler(engine, max_batch=4, background=False).latency.sequences) == [1, 2, 4]  # not its own
+        assert list(Scheduler(engine, max_batch=4, background=False).governor.latency.sequences) == [1, 2, 4]  # not its own
     finally:
         manifest["profile"] = saved
 
@@ -561,35 +594,35 @@ def test_the_budget_cuts_trees_under_load_and_a_fixed_tree_does_not(engines):
     fixed.run_until_idle()
     assert max(w for _, w in fixed.widths) == full
     budget = Scheduler(engine, max_batch=4, background=False)
-    budget.latency = BatchLatency([1, 4], [1, full], [[0.001, 0.25], [0.004, 1.0]])  # rows are dear: trees shrink
+    budget.governor.latency = BatchLatency([1, 4], [1, full], [[0.001, 0.25], [0.004, 1.0]])  # rows are dear: trees shrink
     for p, n in zip(PROMPTS[:4], [12, 12, 12, 30]):  # the last one runs alone at the end
         budget.submit(p, max_new_tokens=n, stop_ids=())
     budget.run_until_idle()
     crowded = [w for n, w in budget.widths if n == 4]
     assert crowded and max(crowded) < full
-    assert max(w for n, w in budget.widths if n == 1) == full  # alone, a sequence takes its whole tree
+    assert max(w for n, w in budget.widths if n == 1) < full  # alone, a sequence is governed by the same table
 
 
 def test_a_budget_that_stopped_drafting_proposes_again(engines):
-    """A proposing step's cost measured in a slow moment (here 10 s) stops drafting; one batched step in PROBE_STEPS
-    proposes anyway and its cost replaces the stale average."""
+    """A proposing step's cost measured in a slow moment (here 10 s) stops drafting; one step in PROBE_STEPS (the
+    governor counts every step, one sequence's alone too) proposes anyway and its cost replaces the stale average."""
     engine = engines["self1-tree"]
     full = engine.method.tokens_per_step(engine.settings)
     scheduler = Scheduler(engine, max_batch=2, background=False)
-    scheduler.latency = BatchLatency([1, 2], [1, full], [[0.01, 0.01], [0.02, 0.02]])  # rows are free
-    scheduler.step_cost[True] = 10.0
+    scheduler.governor.latency = BatchLatency([1, 2], [1, full], [[0.01, 0.01], [0.02, 0.02]])  # rows are free
+    scheduler.governor.cost[True] = 10.0
     for p in PROMPTS[:2]:
         scheduler.submit(p, max_new_tokens=PROBE_STEPS + 20, stop_ids=())
     scheduler.run_until_idle()
-    both = [w for n, w in scheduler.widths if n == 2]
-    assert both[:PROBE_STEPS] == [1] * PROBE_STEPS  # no proposals while they seemed to cost 10 s
-    assert both[PROBE_STEPS] > 1 and scheduler.step_cost[True] < 1.0  # the probe: measured afresh
+    steps = [w for _, w in scheduler.widths]
+    assert steps[:PROBE_STEPS] == [1] * PROBE_STEPS  # no proposals while they seemed to cost 10 s
+    assert steps[PROBE_STEPS] > 1 and scheduler.governor.cost[True] < 1.0  # the probe: measured afresh
 
 
 def test_a_budget_that_drafts_verifies_the_roots_alone_now_and_then(engines, monkeypatch):
     """While drafting pays, one batched step in PLAIN_PROBE_STEPS verifies the roots alone: a plain step's cost (and
     the one-row call's) stays measured at the load of the moment. The requests keep their batch-1 tokens."""
-    from specexport.runtime import scheduler as module
+    from specexport.runtime import governor as module
 
     monkeypatch.setattr(module, "worth_drafting", lambda *_, **__: True)
     monkeypatch.setattr(module, "share", lambda curves, *_, **__: np.array([len(c) for c in curves]))  # whole trees
@@ -599,10 +632,10 @@ def test_a_budget_that_drafts_verifies_the_roots_alone_now_and_then(engines, mon
     requests = [scheduler.submit(p, max_new_tokens=90, stop_ids=()) for p in PROMPTS[:2]]
     scheduler.run_until_idle()
     assert [r.result().tokens for r in requests] == [w.tokens for w in want]
-    both = [w for n, w in scheduler.widths if n == 2]
-    period = PLAIN_PROBE_STEPS + 1  # the first batched step proposes (no cost known yet), then each kind in turn
+    both = [w for n, w in scheduler.widths if n == 2]  # (the prompts are fed in one step: they run together)
+    period = PLAIN_PROBE_STEPS + 1  # the first step proposes (no cost known yet), then each kind in turn
     assert len(both) > period and [k for k, w in enumerate(both) if w == 1] == list(range(period - 1, len(both), period))
-    assert scheduler.step_cost[False] is not None and scheduler.step_cost[True] is not None
+    assert scheduler.governor.cost[False] is not None and scheduler.governor.cost[True] is not None
 
 
 @pytest.mark.parametrize("params", [{"temperature": 0.5, "top_p": 0.9}, {"temperature": 0.5}])
@@ -612,7 +645,7 @@ def test_batched_sampling_follows_plain_sampling(engines, params, monkeypatch):
     rows is left out of the budget, and so are the measured host and proposal times: against this table's 1-2 ms
     calls a slow moment on a shared machine would stop drafting (the budget's decisions follow the table alone, which
     does not learn from the calls here)."""
-    from specexport.runtime import scheduler as module
+    from specexport.runtime import governor as module
 
     monkeypatch.setattr(module, "share", lambda curves, latency, host_s, kept, **_: share(curves, latency, 0.0, kept))
     monkeypatch.setattr(module, "worth_drafting", lambda n, tokens, rows, width, latency, host_s, draft_s, **_:
@@ -622,8 +655,8 @@ def test_batched_sampling_follows_plain_sampling(engines, params, monkeypatch):
     full = engine.method.tokens_per_step(engine.settings)
     # three rows per sequence cost no more than one, more are dear: trees cut to about three nodes; the table stays
     # as given (the calls it would learn from take ~0.1 ms here, a wider one relatively dearer: drafting would stop)
-    scheduler.latency = BatchLatency([1, 8], [1, 3, full], [[0.001, 0.001, 0.002], [0.002, 0.002, 0.05]])
-    monkeypatch.setattr(scheduler.latency, "observe", lambda *_: None)
+    scheduler.governor.latency = BatchLatency([1, 8], [1, 3, full], [[0.001, 0.001, 0.002], [0.002, 0.002, 0.05]])
+    monkeypatch.setattr(scheduler.governor.latency, "observe", lambda *_: None)
     spec, lengths = chisquare.sampled_counts(engine, "the cat", False, 2000, 0, 3, scheduler, **params)
     plain = chisquare.sampled_counts(engine, "the cat", True, 2000, 100_000, 3, **params)[0]
     stat, dof = chisquare.two_sample(spec, plain)
@@ -667,9 +700,9 @@ def test_steps_skip_proposals_that_do_not_pay(engines, name):
     full = engine.method.tokens_per_step(engine.settings)
     for propose_s, counting_s, drafts in ((1.0, 0.0, False), (0.0, 0.0, True), (0.0, 1.0, None)):
         scheduler = Scheduler(engine, max_batch=3, background=False)
-        scheduler.latency = BatchLatency([1, 3], [1, full], [[0.001, 0.0011], [0.003, 0.0033]])  # rows are cheap
-        scheduler.step_cost[True] = propose_s
-        scheduler.rates.update = slow(scheduler.rates.update, counting_s)
+        scheduler.governor.latency = BatchLatency([1, 3], [1, full], [[0.001, 0.0011], [0.003, 0.0033]])  # rows are cheap
+        scheduler.governor.cost[True] = propose_s
+        scheduler.governor.rates.update = slow(scheduler.governor.rates.update, counting_s)
         requests = [scheduler.submit(p, max_new_tokens=n, stop_ids=()) for p, n in zip(PROMPTS[:3], lengths)]
         scheduler.run_until_idle()
         assert [r.result().tokens for r in requests] == [w.tokens for w in want]

@@ -1,10 +1,10 @@
 """The speculative loop end to end on tiny bundles: lossless greedy, exact sampling, fused acceptance."""
 
+import chisquare
 import numpy as np
 import pytest
 from conftest import method_export
 
-from specexport import chisquare
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.save import write_graph
@@ -50,9 +50,9 @@ def test_greedy_is_lossless(engines, name, lossless):
 
 
 def test_a_perfect_draft_is_always_accepted(engines):
-    result = engines["same-chain"].generate("hello", max_new_tokens=NEW, stop_ids=())
+    result = engines["same-chain"].generate("hello", max_new_tokens=NEW, stop_ids=(), budget=False)
     assert result.stats.accept_lengths[:-1] == [5] * (len(result.stats.accept_lengths) - 1)  # K = 4 drafts + bonus
-    result = engines["same-tree"].generate("hello", max_new_tokens=NEW, stop_ids=())
+    result = engines["same-tree"].generate("hello", max_new_tokens=NEW, stop_ids=(), budget=False)
     assert max(result.stats.accept_lengths) == 4  # depth 3 + bonus, through the branches
 
 
@@ -99,7 +99,7 @@ def test_the_sampling_test_catches_a_broken_rule(engines, monkeypatch):
 def test_sampling_in_the_graph_equals_sampling_in_the_runtime(engines, params):
     """Same seed, same random numbers: the fused graph and the runtime's rule emit the same tokens."""
     fused, outside = engines["self1-tree"], engines["self1-tree-logits"]
-    assert fused.fused_accept and not outside.fused_accept
+    assert fused.accepting.graph and not outside.accepting.graph
     for seed, prompt in enumerate(PROMPTS):
         sampling = SamplingParams(seed=seed, **params)
         a = fused.generate(prompt, max_new_tokens=NEW, sampling=sampling, stop_ids=())

@@ -220,7 +220,7 @@ def test_trt_bundles_decode_losslessly(bundle, lossless, method):
     """The runtime on a trt bundle: the cache is the graph's fixed length, greedy steps accept in the graph and
     emit plain decoding's tokens; sampled steps accept outside it (the graph takes no random numbers)."""
     engine = Engine.load(bundle(method, "fp16"), threads=1)
-    assert engine.fused_accept and not engine.target.fused_inputs
+    assert engine.accepting.graph and not engine.accepting.sampling
     assert engine.target.new_cache(10).capacity == MAX_CONTEXT
     results = lossless(engine, ["the cat sat on the mat", "one two three one two three"], 12)
     assert sum(r.stats.steps for r in results) < 24  # speculation took more than one token in some step

@@ -6,8 +6,7 @@ outputs, and returns the step's DraftTree. Its cache bookkeeping (rewind, advanc
 its calls. `alone` runs one generator on its own cache (batch 1: `propose`); `together` runs the generators of the
 running sequences of a batched step in lockstep on a pool of draft caches whose slots mirror the target's
 (runtime/kvcache.KVPool): each round, every sequence still drafting gives one call, and the calls are made as one,
-each sequence's nodes padded to the widest (a padded row sees only itself and writes past its sequence's length,
-which nothing reads), as the target's verification call is (runtime/scheduler.py). A call wider than `limit` (a
+laid out as the target's verification call is (runtime/batch.PaddedBatch). A call wider than `limit` (a
 prompt's first feed) runs alone on its slot, after the batched one (whose padding writes past every slot's length):
 padding every sequence to a prompt's length would cost more than it saves. A generator that raises fails its own
 sequence only.
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specexport.runtime.batch import Entry, PaddedBatch
 from specexport.runtime.proposer import Proposer
 
 
@@ -107,36 +107,15 @@ def _one(session, cache, call: DraftCall) -> dict:
 
 
 def _batched(session, pool, n: int, calls: dict[int, tuple[int, DraftCall]], behind: int) -> dict:
-    """One call over the first n slots, `calls` {key: (slot b, call)}: its nodes in batch row b, padded to the widest
-    call; the mask's columns cover `behind` cached rows before each row's first node. Returns each key's outputs:
-    per-row outputs by its call's rows, per-batch-row outputs ([1, t, ...]) by its slot."""
-    width = max(len(c.ids) for _, c in calls.values())
-    lengths = pool.lengths[:n]
-    ids = np.zeros((n, width), np.int64)
-    positions = lengths[:, None] + np.arange(width)  # padding: each slot's next rows, past its length
-    mask = np.zeros((n, width, behind + width), np.bool_)
-    mask[:, np.arange(width), behind + np.arange(width)] = True  # a padded row sees only itself
-    inputs: dict[str, np.ndarray] = {}
-    rows, first, live = [], {}, np.zeros(n, np.int64)
-    for key, (b, call) in calls.items():
-        t, k = len(call.ids), call.mask.shape[1]
-        live[b] = t
-        ids[b, :t] = call.ids
-        positions[b, :t] = call.positions
-        mask[b, :t] = False
-        mask[b, :t, behind - (k - t):behind + t] = call.mask
-        for name, value in call.inputs.items():
-            if name not in inputs:
-                inputs[name] = np.zeros((n, width) + value.shape[1:], value.dtype)
-            inputs[name][b, :t] = value
-        first[key] = len(rows)
-        rows.extend(b * width + r for r in call.rows)
+    """One call over the first n slots, `calls` {key: (slot b, call)}, laid out by runtime/batch.PaddedBatch; the
+    mask's columns cover `behind` cached rows before each row's first node. Returns each key's outputs: per-row
+    outputs by its call's rows, per-batch-row outputs ([1, t, ...]) by its slot."""
+    batch = PaddedBatch.lay_out(pool.lengths[:n], [Entry(key, b, c.ids, np.asarray(c.positions), c.mask, c.rows,
+                                                         c.inputs) for key, (b, c) in calls.items()], behind)
     want = tuple(sorted({w for _, c in calls.values() for w in c.want}))
-    out = session.forward(pool.rows(n), ids, positions, mask, np.asarray(rows, np.int64), want=want, inputs=inputs,
-                          live=live)
-    return {key: {name: out[name][b:b + 1, :len(call.ids)] if name in session.batch_outputs
-                  else out[name][first[key]:first[key] + len(call.rows)] for name in call.want}
-            for key, (b, call) in calls.items()}
+    out = session.forward(pool.rows(n), batch.ids, batch.positions, batch.mask, batch.selected, want=want,
+                          inputs=batch.inputs, live=batch.live)
+    return {key: batch.placed(key, out, call.want, session.batch_outputs) for key, (_, call) in calls.items()}
 
 
 def own_cache(proposer, capacity: int, cache=None):

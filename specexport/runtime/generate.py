@@ -18,14 +18,17 @@ from specexport.bundle import Bundle, load_bundle
 from specexport.errors import UserError
 from specexport.runtime import cpu, methods, tree
 from specexport.runtime.backends import open_graph
-from specexport.runtime.backends.host import Backend, Cache
+from specexport.runtime.backends.protocol import Backend, Cache
+from specexport.runtime.budget import BatchLatency, grid
+from specexport.runtime.governor import WHOLE, Governor, profiled_latency
 from specexport.runtime.prefix import PrefixStore
 from specexport.runtime.sampling import Sampler, SamplingParams
 from specexport.runtime.tokenizer import StreamDecoder, Tokenizer, find_stop
-from specexport.runtime.tree import AcceptMode, DraftTree
-from specexport.runtime.verify import Acceptance, accept, fused_inputs
+from specexport.runtime.tree import DraftTree
+from specexport.runtime.verify import Acceptance, Accepting, Route, accept, fused_inputs
 
 PREFILL_CHUNK = 512  # tokens per prefill call: bounds the tree mask ([T, T] bools) and activations
+LATENCY_CONTEXT = 128  # rows of context at which an engine measures its calls when no profile measured them here
 
 
 @dataclass
@@ -38,6 +41,7 @@ class Stats:
     accept_lengths: list[int] = field(default_factory=list)  # tokens emitted per step (1 for plain decoding)
     drafted: int = 0  # draft tokens verified
     drafting_steps: int = 0  # steps that verified at least one draft token
+    cached_tokens: int = 0  # prompt tokens copied from kept prompt beginnings (runtime/prefix.py), not computed
 
     @property
     def tokens_per_s(self) -> float:
@@ -119,13 +123,14 @@ class Engine:
         if notes.get("int8_weight_bits", 8 if ort_int8 else 0) > cpu.int8_weight_bits():  # older bundles: 8 bits
             self.warnings.append("this int8 bundle was built for a CPU with VNNI/AMX; this CPU's int8 kernels saturate "
                                  "on its 8-bit weights (logits off by ~1): rebuild it on this machine")
-        self.fused_accept = "accept_rows" in self.target.outputs  # greedy and sampling acceptance inside the graph
+        self.accepting = Accepting.of(self.target)  # what the target graph accepts itself (each step's Route)
         self.method = methods.get(bundle.method)
         self.settings = self.method.settings(bundle.manifest["method"], {})
         if bundle.manifest["graphs"]["target"].get("chain_only") and self.method.tokens_per_step(self.settings) > 1:
             raise UserError(f"bundle {bundle.path}: its target graph verifies chains only (plain decoding's), and its "
                             f"method ({bundle.method}) verifies trees: rebuild it")
         self._graphs: dict[str, Backend] = {}
+        self._governor: Governor | None = None
 
     @classmethod
     def load(cls, path: str | Path, threads: int | None = None, device: str = "auto", verify: bool = True) -> "Engine":
@@ -137,6 +142,7 @@ class Engine:
         given = {k: v for k, v in given.items() if v is not None}
         methods.check_given(self.bundle.method, given)
         self.settings = self.method.settings(self.bundle.manifest["method"], given)
+        self._governor = None  # its rates are of the trees the old settings made
 
     def limit_context(self, tokens: int) -> None:
         """Take prompts plus new tokens up to `tokens` only (below the bundle's context): a batched engine's KV pool
@@ -166,16 +172,25 @@ class Engine:
         info = self.bundle.graphs[name]
         return open_graph(self.bundle.file(info["file"]), info, threads=self.threads, device=self.device, spin=spin)
 
+    def governor(self) -> Governor | None:
+        """The drafting governor of this engine's generations alone (runtime/governor.py), made at the first: its
+        latency is the profile's where the profile was measured on this CPU (profiled_latency), else measured now
+        (one sequence, widths up to the method's tree, about half a second). None for trees of one row, and where
+        the backend has no pool to measure its calls on (TensorRT: every tree whole)."""
+        rows = self.method.tokens_per_step(self.settings)
+        if self._governor is None and rows > 1 and hasattr(self.target, "new_pool"):
+            widths = grid(rows)
+            context = min(LATENCY_CONTEXT, self.max_context - rows)
+            latency = profiled_latency(self) or BatchLatency.measure(
+                self.target, self.target.new_pool(1, context + rows), [1], widths, context, repeats=3)
+            self._governor = Governor(rows, latency)
+        return self._governor
+
     def proposer(self, sampler: Sampler, plain: bool = False) -> methods.Proposer:
         """The bundle's proposer with the current settings; `plain`: plain decoding (the baseline)."""
         if plain:
             return methods.PLAIN.proposer(self, methods.PLAIN.Settings(), sampler)
         return self.method.proposer(self, self.settings, sampler)
-
-    def accepts_in_graph(self, sampler: Sampler, mode: AcceptMode) -> bool:
-        """Whether steps accept inside the target graph: greedy always; sampling where the graph takes the random
-        numbers (older bundles accepted greedily only), except Medusa's lossy typical acceptance."""
-        return self.fused_accept and (sampler.params.greedy or (self.target.fused_inputs and mode is not AcceptMode.TYPICAL))
 
     def request(self, prompt: str | list[int], max_new_tokens: int, stop: tuple[str, ...], chat: bool
                 ) -> tuple[list[int], int]:
@@ -235,28 +250,42 @@ class Engine:
                      fused: bool | None = None) -> tuple[int, np.ndarray]:
         """Feed the next of a prompt's `chunks` (`prefill_chunks`) into `cache`, which holds the first `fed` of them;
         returns how many it holds then and the logits of the last token fed. Chunks an earlier prompt began with
-        are copied as its calls left them (never the last: its logits are wanted), the others computed and kept
-        (runtime/prefix.py: the same rows; a proposer that reads the calls' outputs observes the kept ones).
+        are copied as its calls left them (`restore_kept`), the next computed and kept (`computed`).
         `fused`: whether the proposer's steps accept in the graph (what it wants from the target depends on it;
         default: this engine's graph)."""
-        extra = self._prefill_wants(proposer, fused)
-        last = len(chunks) - 1
         if fed == 0:
             self.prefixes.asked(sum(len(c) for c in chunks))
-        for out in self.prefixes.restore(cache, chunks[:last], extra):
+        fed = self.restore_kept(cache, chunks, fed, proposer, fused)
+        extra = self._prefill_wants(proposer, fused)
+        out = self.forward_chain(cache, chunks[fed], ("logits",) + extra)
+        self.computed(cache, chunks, fed, out, proposer, fused)
+        return fed + 1, out["logits"][-1]
+
+    def restore_kept(self, cache: Cache, chunks: list[list[int]], fed: int, proposer=None,
+                     fused: bool | None = None) -> int:
+        """Copy into `cache` (holding the first `fed` chunks) the leading chunks an earlier prompt kept, never the
+        last (its logits are wanted): the same rows, as its calls left them (runtime/prefix.py); a proposer that
+        reads the calls' outputs observes the kept ones. Returns the chunks the cache holds then."""
+        extra = self._prefill_wants(proposer, fused)
+        for out in self.prefixes.restore(cache, chunks[:len(chunks) - 1], extra):
             if extra:
                 proposer.observe(out, range(len(chunks[fed])))
             fed += 1
-        out = self.forward_chain(cache, chunks[fed], ("logits",) + extra)
-        if fed < last:
+        return fed
+
+    def computed(self, cache: Cache, chunks: list[list[int]], fed: int, out: dict, proposer=None,
+                 fused: bool | None = None) -> None:
+        """Chunk `fed` was computed into `cache` (now holding `fed` + 1), with these outputs: kept for later prompts
+        (unless it is the last), and observed by a proposer that reads them."""
+        extra = self._prefill_wants(proposer, fused)
+        if fed < len(chunks) - 1:
             self.prefixes.keep(cache, chunks[:fed + 1], {name: out[name] for name in extra})
         if extra:
             proposer.observe(out, range(len(chunks[fed])))
-        return fed + 1, out["logits"][-1]
 
     def _prefill_wants(self, proposer, fused: bool | None) -> tuple[str, ...]:
         """What the proposer reads from the prompt's calls besides the logits."""
-        return proposer.wants(self.fused_accept if fused is None else fused) if proposer is not None else ()
+        return proposer.wants(self.accepting.graph if fused is None else fused) if proposer is not None else ()
 
     def forward_chain(self, cache: Cache, ids: list[int], want=("logits",)) -> dict:
         """Append a chain of tokens; returns the `want`ed outputs, the logits of the last row, [1, vocab]."""
@@ -274,12 +303,27 @@ class Engine:
                                    np.arange(len(draft)), want=want, accept=accept)
 
     # -- the loop ------------------------------------------------------------------------------
-    def step(self, cache: Cache, history: list[int], proposer: methods.Proposer, sampler: Sampler) -> StepRecord:
-        """One speculative step: propose, verify, accept, commit. history[-1] is the root."""
-        start = time.perf_counter()
-        draft = proposer.propose(history).truncated(cache.room())
+    def step(self, cache: Cache, history: list[int], proposer: methods.Proposer, sampler: Sampler,
+             governor: Governor | None = None) -> StepRecord:
+        """One speculative step: propose, verify, accept, commit. history[-1] is the root. With a `governor`
+        (runtime/governor.py) the step may skip proposing (the root verified alone) or verify part of the tree;
+        a request sampled with a seed keeps its whole tree."""
+        start, inside = time.perf_counter(), self.target.seconds
+        seeded = not sampler.params.greedy and sampler.params.seed is not None
+        if governor is None:
+            plan = WHOLE
+        else:
+            with governor.lock:  # an engine's generations may run in several threads
+                plan = governor.decide(1, sampled=int(not sampler.params.greedy), seeded=seeded)
+        if plan.propose:
+            draft = proposer.propose(history).truncated(cache.room())
+            if governor is not None and len(draft) > 1:
+                with governor.lock:
+                    draft = governor.cut(plan, [draft], [seeded], [not sampler.params.greedy])[0]
+        else:
+            draft = DraftTree.root_only(history[-1])
         proposed = time.perf_counter()
-        fused = self.accepts_in_graph(sampler, draft.mode)
+        fused = self.accepting.route(sampler.params, draft.mode) is Route.GRAPH
         extra = proposer.wants(fused)
         if fused:  # verify and accept in one graph call: only the path and the bonus token come back
             feeds = fused_inputs(draft, sampler.params, sampler.rng)
@@ -291,28 +335,37 @@ class Engine:
             acceptance = accept(draft, out["logits"], sampler.params, sampler.rng)
         verified = time.perf_counter()
         cache.commit(acceptance.path)
-        proposer.accepted(acceptance.path)
+        if plan.propose:
+            proposer.accepted(acceptance.path)
         if extra:
             proposer.observe(out, acceptance.path)
-        return StepRecord(draft, acceptance, len(history), proposed - start, verified - proposed,
-                          time.perf_counter() - start)
+        record = StepRecord(draft, acceptance, len(history), proposed - start, verified - proposed,
+                            time.perf_counter() - start)
+        if governor is not None:
+            call_s = self.target.seconds - inside  # (another thread's calls too, where generations share the engine)
+            with governor.lock:
+                governor.verified([draft], [acceptance.path], 1, len(draft), call_s, len(draft))
+                governor.record(plan, record.step_s - call_s, 1)
+        return record
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                  stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] | None = None, chat: bool = True,
-                 on_text=None, plain: bool = False, on_step=None, cancel=None, on_tokens=None) -> Generation:
-        """Generate up to `max_new_tokens` with the bundle's method (`plain`: plain decoding). `on_text(text)`
+                 on_text=None, plain: bool = False, on_step=None, cancel=None, on_tokens=None,
+                 budget: bool = True) -> Generation:
+        """Generate up to `max_new_tokens` with the bundle's method (`plain`: plain decoding); `budget`: the drafting
+        governor decides each step's tree (runtime/governor.py), else every tree is verified whole. `on_text(text)`
         streams the text as it is accepted, `on_tokens(ids)` the token ids each step emitted (after their text);
         `on_step(StepRecord)` sees every step. `cancel`: a threading.Event or a
         callable returning True to stop, checked before each step, after the tokens of the previous one (or the
         prefill's token) are all emitted; generation then stops with stop_reason "cancelled" and keeps what it has."""
         cancelled = getattr(cancel, "is_set", cancel) or (lambda: False)
-        ids, budget = self.request(prompt, max_new_tokens, stop, chat)
+        ids, allowed = self.request(prompt, max_new_tokens, stop, chat)
         sampler = Sampler(sampling or SamplingParams())
         proposer = self.proposer(sampler, plain)
-        cache = self.target.new_cache(len(ids) + budget + proposer.max_drafts)
+        cache = self.target.new_cache(len(ids) + allowed + proposer.max_drafts)
         proposer.start(len(ids), cache.capacity)
         stats = Stats(prompt_tokens=len(ids))
-        output = Output(self.tokenizer, stop, stop_ids, max_new_tokens, budget, on_text)
+        output = Output(self.tokenizer, stop, stop_ids, max_new_tokens, allowed, on_text)
 
         def emit(tokens) -> bool:
             before = len(output.tokens)
@@ -321,6 +374,7 @@ class Engine:
                 on_tokens(output.tokens[before:])
             return ended
 
+        governor = self.governor() if budget and not plain else None
         start = time.perf_counter()
         pending = [sampler(self.prefill(cache, ids, proposer))]
         stats.ttft_s = time.perf_counter() - start
@@ -328,7 +382,7 @@ class Engine:
             if cancelled():
                 output.reason = "cancelled"
                 break
-            record = self.step(cache, ids + output.tokens, proposer, sampler)
+            record = self.step(cache, ids + output.tokens, proposer, sampler, governor)
             stats.record(record)
             if on_step is not None:
                 on_step(record)

@@ -122,6 +122,10 @@ class SlotPool(ABC):
         """Slot j alone as a cache."""
         return self._view(j, j + 1)
 
+    def span(self, start: int, stop: int) -> "SlotView":
+        """Slots start..stop-1 as one cache (the prompts being fed, after the running ones)."""
+        return self._view(start, stop)
+
     def _view(self, start: int, stop: int) -> "SlotView":
         if not 0 <= start < stop <= self.slots:
             raise ValueError(f"slots [{start}, {stop}) outside a pool of {self.slots}")

@@ -5,34 +5,31 @@ A front end (a server, a benchmark, a script with threads) `submit`s requests to
 scheduler runs one loop (its own thread, or `run_until_idle` called by the owner) whose every step is:
 
 1. Requests cancelled since the last step stop (their slots are free for the next step).
-2. Waiting requests are admitted while there are free slots; one at a time prefills.
-3. The prefilling request feeds one chunk of its prompt (at most `prefill_chunk` tokens): a long prompt holds the
-   running streams back by one chunk per step, never by its whole length. Its last chunk gives its first token. A
-   prompt whose leading chunks an earlier prompt began with (the template's system prompt, a conversation's earlier
-   turns) copies their rows, kept by that prompt, into its slot instead of computing them (runtime/prefix.py), in the
-   same step as its next chunk.
-   (Filling the rest of a step's `prefill_chunk` with the next waiting prompts measured worse, README: requests
-   prefilled together finish together and come back as a burst, whose prefill stalls every stream.)
-4. One target call verifies every running sequence's tree: each sequence proposes its tree with its own proposer,
-   the trees are padded to the widest (a padded row sees only itself and writes cache rows past its sequence's
-   length, which nothing reads; a graph with ragged rows computes the real rows only, exporter/graph.py), each row
-   with its sequence's past length and positions. Each sequence accepts
-   its rows with its own sampling settings and random stream (runtime/verify.accept: a seeded request gives the
-   same tokens whatever else is in the batch), commits its path in its slot, and emits. A sequence running alone
-   takes the engine's own step (Engine.step: its whole tree, the acceptance fused into the graph), as batch 1 does.
-   With a tree budget (runtime/budget.py) the step first asks whether drafting pays at all (what a proposing step
-   costs outside the target's call against a plain one, both measured, weighed with what the last proposing steps
-   chose); where it does not, every sequence verifies its root alone; where it does, the budget shares the step's
-   rows among the trees.
+2. Waiting requests are admitted while there are free slots (`max_batch` admitted at most, decoding or prefilling).
+3. The admitted prompts are fed (`_prefill`): each its next chunk (at most `prefill_chunk` tokens), in the order
+   they came, one prompt a step by default, or several in one call up to `prefill_tokens` prompt tokens a step; a
+   long prompt holds the running streams back by a chunk a step, never by its whole length. A prompt's last chunk
+   gives its first token. A prompt whose leading chunks an earlier prompt began with (the template's system prompt,
+   a conversation's earlier turns) copies their rows, kept by that prompt, into its slot instead of computing them
+   (runtime/prefix.py).
+4. One target call verifies every running sequence's tree (`_decode`): trees -> cut -> verify -> accept -> commit.
+   The drafting governor (runtime/governor.py) first decides whether the step drafts at all; where it does, each
+   sequence proposes its tree with its own proposer and the governor cuts the trees to the rows worth their cost
+   (runtime/budget.share). The trees are laid out in one call (runtime/batch.PaddedBatch: each in its slot's row,
+   padded to the widest; a graph with ragged rows computes the real rows only, exporter/graph.py). Each sequence
+   accepts its rows with its own sampling settings and random stream (a seeded request keeps its whole tree and
+   gives the same tokens whatever else is in the batch), commits its path in its slot, and emits. A sequence running
+   alone takes the engine's own step (Engine.step, governed by the same governor), as a batch-1 generation does.
 
 The KV cache is a pool of slots (runtime/kvcache.KVPool) with the running sequences in a prefix, bound in place:
 the batched call takes a view of the first n slots, no copy. A finished sequence's slot is refilled by moving the
-last running one down (one copy of its rows); the prefilling request sits right after the running ones.
+last running one down (one copy of its rows); the prefilling requests sit right after the running ones, in order,
+and join them as their prompts finish (a prompt never finishes before one that came earlier).
 
-Greedy sequences are accepted by the graph's batched acceptance (exporter/fused.add_batch_accept: each sequence's
-accepted rows and bonus token from its own rows; the call then brings back no logits when every sequence is greedy),
-or, where the graph has none (plain decoding's chain-only graph, older bundles), on the host from one argmax over
-the call's rows. Sampled sequences accept on the host from their rows' logits (runtime/verify.accept), each with
+Each sequence's acceptance route is decided in one place (runtime/verify.Accepting.route): greedy sequences are
+accepted by the graph's batched acceptance (exporter/fused.add_batch_accept: each sequence's accepted rows and bonus
+token from its own rows; the call then brings back no logits when every sequence is greedy), or, where the graph has
+none (plain decoding's chain-only graph, older bundles), on the host from one argmax over the call's rows. Sampled sequences accept on the host from their rows' logits (runtime/verify.accept), each with
 its own settings and random stream. The batch-1 acceptance fused into the graph runs on batch row 0 and is ignored.
 Proposers with a draft graph (EAGLE's, a draft model's) draft together: their caches are the slots of a second pool
 mirroring the target's (moved with them), and each round of their draft calls is one batched call over the running
@@ -52,23 +49,16 @@ import numpy as np
 
 from specexport.errors import UserError
 from specexport.runtime import drafting, tree
-from specexport.runtime.budget import AcceptanceRates, BatchLatency, grid, share, worth_drafting
+from specexport.runtime.batch import Entry, PaddedBatch
+from specexport.runtime.budget import BatchLatency, grid
 from specexport.runtime.drafting import DraftingProposer
 from specexport.runtime.generate import PREFILL_CHUNK, Engine, Output, Stats, StepRecord
+from specexport.runtime.governor import WHOLE, Governor, HostClock, Plan, profiled_latency
 from specexport.runtime.request import Request
 from specexport.runtime.sampling import Sampler, SamplingParams
-from specexport.runtime.verify import Acceptance, accept, accept_greedy
+from specexport.runtime.verify import Acceptance, Route, accept, accept_greedy
 
-BATCH_ACCEPT = ("batch_accept_mask", "batch_accept_len", "batch_bonus")  # the graph's batched greedy acceptance
-STEP_BLEND = 0.1  # the last step's weight in the running averages (the steps' costs, the host's per sampled row)
-PROBE_STEPS = 16  # while drafting does not pay, one batched step in this many proposes anyway (see _drafting_pays)
-PLAIN_PROBE_STEPS = 16  # while drafting pays, one batched step in this many verifies the roots alone (likewise)
 WIDTHS_KEPT = 10_000  # target calls whose (sequences, width) the scheduler keeps (a server runs for weeks)
-
-
-def _blend(average: float | None, value: float) -> float:
-    """A running average with the last step weighted STEP_BLEND (the first value starts it)."""
-    return value if average is None else average + STEP_BLEND * (value - average)
 
 
 @dataclass
@@ -97,71 +87,50 @@ class _Sequence:
         return self.output.tokens[-1] if self.output.tokens else self.ids[-1]
 
 
-class _HostAccepting:
-    """The engine as a scheduled sequence's proposer sees it: its steps accept on the host (the acceptance fused into
-    the graph is batch 1), so a proposer that reads the target's outputs asks for every row's."""
-
-    def __init__(self, engine: Engine):
-        self._engine = engine
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
-
-    def accepts_in_graph(self, sampler, mode) -> bool:
-        return False
-
-
 class Scheduler:
-    """Continuous batching on one engine (see the module docstring). `max_batch`: the most sequences in a step
-    (more requests wait their turn, never refused); `prefill_chunk`: the most prompt tokens fed per step;
-    `plain`: plain decoding instead of the bundle's method; `budget`: one tree budget for the batch
-    (runtime/budget.py: the trees' width chosen per step), else every tree as its proposer made it; `background`: run
-    the loop in a thread of its own (else the owner calls `run_until_idle`)."""
+    """Continuous batching on one engine (see the module docstring). `max_batch`: the most sequences admitted at
+    once, decoding or prefilling (more requests wait their turn, never refused); `prefill_chunk`: the most tokens of
+    one prompt in one call; `prefill_tokens`: the most prompt tokens a step computes, several prompts' chunks in one
+    call (None: one prompt's chunk a step: on a 2-core CPU, where a prompt's prefill is compute-bound, a bigger call
+    costs as much per token and makes every prompt in it wait for the whole call: see `_prefill`); `plain`: plain decoding instead of the bundle's method; `budget`: the drafting
+    governor (runtime/governor.py: whether a step drafts, and the trees' width), else every tree as its proposer made
+    it; `background`: run the loop in a thread of its own (else the owner calls `run_until_idle`)."""
 
     def __init__(self, engine: Engine, max_batch: int = 8, prefill_chunk: int | None = None, plain: bool = False,
-                 budget: bool = True, background: bool = True):
+                 budget: bool = True, background: bool = True, prefill_tokens: int | None = None):
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
         prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
         if prefill_chunk < 1:
             raise UserError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if prefill_tokens is not None and prefill_tokens < 1:
+            raise UserError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+        self.prefill_tokens = prefill_tokens or 1  # (1: a step's first prompt's chunk only)
         if not hasattr(engine.target, "new_pool"):
             raise UserError("batched generation runs on ONNX Runtime (--device cpu, cuda or cpu-iobinding) in this "
                             "version")
         self.engine, self.max_batch, self.prefill_chunk, self.plain = engine, max_batch, prefill_chunk, plain
-        self._host = _HostAccepting(engine)
         self.step_rows = 1 if plain else engine.method.tokens_per_step(engine.settings)
-        self.batch_accept = set(BATCH_ACCEPT) <= set(engine.target.outputs)
+        self.accepting = engine.accepting  # what the graph accepts itself (runtime/verify.Accepting)
         self.pool = engine.target.new_pool(max_batch, engine.max_context + self.step_rows)
-        self.rates = self.latency = None
+        self.governor = None  # the drafting policy (runtime/governor.py); None: every tree whole
         if budget and self.step_rows > 1:
-            self.rates = AcceptanceRates(self.step_rows)
             widths = grid(self.step_rows)  # at 128 rows of context, or what the model's positions leave
-            self.latency = profiled_latency(engine) or BatchLatency.measure(
+            latency = profiled_latency(engine) or BatchLatency.measure(
                 engine.target, self.pool, grid(max_batch), widths, min(128, engine.max_context - max(widths)))
-        # a batched step's time outside the target's calls, by whether it proposed (True) or not (False): the host's
-        # work (the proposals, their scoring, the width's choice, the bookkeeping of the accepted paths) and the
-        # draft graphs' calls, less the acceptance of sampled rows (priced per row, `row_s`); an average over the
-        # last steps of the kind, None before the first
-        self.step_cost: dict[bool, float | None] = {True: None, False: None}
-        # what the budget chose at its last proposing steps: (expected tokens and real rows per sequence, the call's
-        # width), whole trees before the first; a step proposes where that, at its cost, beats plain decoding
-        self.choice = None if self.rates is None else (float(self.rates.expected(self.step_rows)[-1]),
-                                                       float(self.step_rows), float(self.step_rows))
-        self.unproposed = 0  # batched steps since the last that proposed
-        self.proposed = 0  # batched steps that proposed since the last that did not
-        self.row_s = None  # the host's time to accept one sampled row (an average over the last steps; None: not yet)
-        self.sampled_s = 0.0  # the host's time accepting sampled rows so far (part of overhead_s)
+            self.governor = Governor(self.step_rows, latency)
+        self.clock = HostClock(engine)
         self.draft_pool = None  # the draft graph's caches, slot for slot with `pool` (made for the first proposer)
         self.draft_limit = self.step_rows + 1  # the widest draft call made with the others (runtime/drafting.py)
         self.widths: deque[tuple[int, int]] = deque(maxlen=WIDTHS_KEPT)  # (sequences, width) of the last calls
         self.on_step = None  # called with (sequences, width) after each target call (the scheduler's thread)
         self.running: list[_Sequence] = []  # decoding, slot k = index k
-        self.prefilling: _Sequence | None = None  # slot len(running)
+        self.prefilling: list[_Sequence] = []  # admitted, their prompts being fed; slots len(running)... in order
         self.waiting: deque[_Sequence] = deque()
         self._lock = threading.Condition()
         self._ids = 0
         self._closed = False
+        self.prefill_calls = self.prefill_chunks = 0  # prompt chunks computed so far, and the calls they took
         self.steps = 0  # batched target calls so far
         self.rows = 0  # rows they computed (padding included, where the graph computes it)
         self.overhead_s = 0.0  # the steps' time outside every graph call (the scheduler's own work)
@@ -185,7 +154,7 @@ class Scheduler:
         ids, budget = engine.request(prompt, max_new_tokens, stop, chat)
         sampler = Sampler(sampling or SamplingParams())
         proposer = engine.proposer(sampler, self.plain) if self.plain else \
-            engine.method.proposer(self._host, engine.settings, sampler)
+            engine.method.proposer(engine, engine.settings, sampler)
         with self._lock:
             if self._closed:
                 raise UserError("the scheduler is closed")
@@ -206,10 +175,10 @@ class Scheduler:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join()
-        for seq in list(self.running) + ([self.prefilling] if self.prefilling else []) + list(self.waiting):
+        for seq in list(self.running) + list(self.prefilling) + list(self.waiting):
             seq.output.reason = seq.output.reason or "cancelled"
             self._end(seq)
-        self.running, self.prefilling, self.waiting = [], None, deque()
+        self.running, self.prefilling, self.waiting = [], [], deque()
 
     @property
     def alive(self) -> bool:
@@ -219,7 +188,7 @@ class Scheduler:
     @property
     def active(self) -> int:
         """Requests admitted or waiting."""
-        return len(self.running) + (self.prefilling is not None) + len(self.waiting)
+        return len(self.running) + len(self.prefilling) + len(self.waiting)
 
     def run_until_idle(self) -> None:
         """Run steps until no request is left (for a scheduler without a background thread)."""
@@ -242,8 +211,8 @@ class Scheduler:
 
     def _fail_admitted(self, message: str) -> None:
         """End every admitted request with `message` and free the pool (the waiting ones are untouched)."""
-        seqs = self.running + ([self.prefilling] if self.prefilling is not None else [])
-        self.running, self.prefilling = [], None
+        seqs = self.running + self.prefilling
+        self.running, self.prefilling = [], []
         self.pool.lengths[:] = 0
         if self.draft_pool is not None:
             self.draft_pool.lengths[:] = 0
@@ -253,17 +222,14 @@ class Scheduler:
 
     def step(self) -> bool:
         """One scheduler step (the module docstring); returns whether any request is left."""
-        graphs = [self.engine.target] + self.engine.side_graphs()
-        start, inside = time.perf_counter(), sum(g.seconds for g in graphs)
+        mark = self.clock.mark()
         self._drop_cancelled()
         self._admit()
-        if self.prefilling is not None:
-            self._prefill_one_chunk()
+        if self.prefilling:
+            self._prefill()
         if self.running:
             self._decode()
-        graphs = [self.engine.target] + self.engine.side_graphs()
-        host = time.perf_counter() - start - (sum(g.seconds for g in graphs) - inside)
-        self.overhead_s += host
+        self.overhead_s += self.clock.since(mark)[0]
         return self.active > 0
 
     def _drop_cancelled(self) -> None:
@@ -275,23 +241,26 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.output.reason = "cancelled"
                 self._end(seq)
-        if self.prefilling is not None and self.prefilling.request.cancelled:
-            seq, self.prefilling = self.prefilling, None
+        for seq in [s for s in self.prefilling if s.request.cancelled]:
             seq.output.reason = "cancelled"
-            self._end(seq)
+            self._unprefill(seq)
 
     def _admit(self) -> None:
-        with self._lock:
-            if self.prefilling is not None or not self.waiting or len(self.running) >= self.max_batch:
-                return
-            seq = self.waiting.popleft()
-        seq.slot = len(self.running)
-        self.pool.lengths[seq.slot] = 0
-        try:
-            seq.proposer.start(len(seq.ids), seq.capacity, self._draft_cache(seq))
-        except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
-            return self._end(seq, error=_message(e))
-        self.prefilling = seq
+        """Admit waiting requests while slots are free: each after the last admitted (runtime/kvcache.SlotPool)."""
+        while True:
+            with self._lock:
+                if not self.waiting or len(self.running) + len(self.prefilling) >= self.max_batch:
+                    return
+                seq = self.waiting.popleft()
+            seq.slot = len(self.running) + len(self.prefilling)
+            self.pool.lengths[seq.slot] = 0
+            self.engine.prefixes.asked(len(seq.ids))
+            try:
+                seq.proposer.start(len(seq.ids), seq.capacity, self._draft_cache(seq))
+            except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
+                self._end(seq, error=_message(e))
+                continue
+            self.prefilling.append(seq)
 
     def _draft_cache(self, seq: _Sequence):
         """The slot of the draft pool for a proposer with a draft graph (the pool made for the first), else None."""
@@ -304,39 +273,101 @@ class Scheduler:
         self.draft_pool.lengths[seq.slot] = 0
         return self.draft_pool.slot(seq.slot)
 
-    def _prefill_one_chunk(self) -> None:
-        seq, cache = self.prefilling, self.pool.slot(self.prefilling.slot)
-        try:
-            seq.fed, logits = self.engine.prefill_next(cache, seq.chunks, seq.fed, seq.proposer, fused=False)
-            if seq.fed < len(seq.chunks):
-                return
-            seq.pending = [seq.sampler(logits)]
-        except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
-            self.prefilling = None
-            self._end(seq, error=_message(e))
+    def _prefill(self) -> None:
+        """Feed the admitted prompts' next chunks, several in one call (runtime/batch.PaddedBatch over their slots),
+        at most `prefill_tokens` tokens a step (the padded rows, where the graph computes them), in the order they
+        came. On a 2-core CPU (2026-12-04, 16 clients, int4) one prompt a step gave TTFT p50 ~0.2 s and p99 ~1.4-1.7 s,
+        512 tokens a step p99 ~1.6 s and p50 up to ~1 s (docs/benchmarks): hence the default of one prompt a step. Chunks an earlier prompt kept are copied
+        first (Engine.restore_kept). A prompt never finishes before one admitted earlier (the finished ones join the
+        running slots in order, with no move), and on a bundle that feeds a prompt's first token alone (int8: its
+        activations would set the call's quantization scale) first tokens go in calls of their own (every prompt's
+        is the same token at position 0). A prompt whose next chunk ends a beginning being computed in this step (the
+        same system prompt, say) waits a step and copies it then. The prompts that finish emit their first token."""
+        engine, chosen, tokens, behind, solo, computing = self.engine, [], 0, False, None, set()
+        ragged, widest = engine.target.ragged, 0  # a graph without ragged rows computes every padded row
+        for seq in list(self.prefilling):
+            try:
+                fed = seq.fed
+                seq.fed = engine.restore_kept(self.pool.slot(seq.slot), seq.chunks, seq.fed, seq.proposer, fused=False)
+                seq.stats.cached_tokens += sum(len(c) for c in seq.chunks[fed:seq.fed])
+            except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
+                self._unprefill(seq, _message(e))
+                continue
+            size, alone = len(seq.chunks[seq.fed]), engine.first_token_alone and seq.fed == 0
+            finishes = seq.fed + 1 == len(seq.chunks)
+            beginning = tuple(tuple(c) for c in seq.chunks[:seq.fed + 1])
+            widest = max(widest, size)
+            rows = tokens + size if ragged else widest * (len(chosen) + 1)  # what the call computes
+            if chosen and (rows > self.prefill_tokens or alone != solo or (behind and finishes)
+                           or beginning in computing):
+                break
+            chosen.append(seq)
+            computing.add(beginning)
+            tokens, behind, solo = tokens + size, behind or not finishes, alone
+        if not chosen:
             return
-        seq.stats.ttft_s = time.perf_counter() - seq.request.submitted
-        self.prefilling = None
-        self.running.append(seq)  # its slot is len(running) already
-        if self._emit(seq, seq.pending):
-            self._retire(seq)
+        self.prefill_calls, self.prefill_chunks = self.prefill_calls + 1, self.prefill_chunks + len(chosen)
+        try:
+            outs = self._prefill_call(chosen)
+        except Exception as e:  # noqa: BLE001 - the call failed: every prompt in it fails with its message
+            for seq in chosen:
+                self._unprefill(seq, _message(e))
+            return
+        for seq in chosen:  # every row in before any request leaves (a slot move copies committed rows)
+            self.pool.slot(seq.slot).advance(len(seq.chunks[seq.fed]))
+        for seq, out in zip(chosen, outs):
+            try:
+                engine.computed(self.pool.slot(seq.slot), seq.chunks, seq.fed, out, seq.proposer, fused=False)
+                seq.fed += 1
+                if seq.fed == len(seq.chunks):
+                    seq.pending = [seq.sampler(out["logits"][-1])]
+            except Exception as e:  # noqa: BLE001
+                self._unprefill(seq, _message(e))
+        while self.prefilling and self.prefilling[0].pending:  # finished, in order: slot len(running) already
+            seq = self.prefilling.pop(0)
+            seq.stats.ttft_s = time.perf_counter() - seq.request.submitted
+            self.running.append(seq)
+            if self._emit(seq, seq.pending):
+                self._retire(seq)
+
+    def _prefill_call(self, seqs: list[_Sequence]) -> list[dict]:
+        """One target call over the consecutive slots of `seqs`, each fed its next chunk; each one's outputs: the
+        logits of its last row and what its proposer reads of the prompt's rows."""
+        first = seqs[0].slot
+        lengths = self.pool.lengths[first:first + len(seqs)]
+        entries = []
+        for k, seq in enumerate(seqs):
+            chunk = seq.chunks[seq.fed]
+            entries.append(Entry(k, k, chunk, lengths[k] + np.arange(len(chunk)), tree.causal_mask(len(chunk)),
+                                 [len(chunk) - 1]))
+        batch = PaddedBatch.lay_out(lengths, entries)
+        extra = tuple(sorted({w for seq in seqs for w in seq.proposer.wants(False)}))
+        target = self.engine.target
+        out = target.forward(self.pool.span(first, first + len(seqs)), batch.ids, batch.positions, batch.mask,
+                             batch.selected, want=("logits",) + extra, live=batch.live)
+        return [batch.placed(k, out, ("logits",) + seq.proposer.wants(False), target.batch_outputs)
+                for k, seq in enumerate(seqs)]
+
+    def _unprefill(self, seq: _Sequence, error: str | None = None) -> None:
+        """A prefilling request leaves (cancelled, or failed with `error`): the ones after it move down a slot."""
+        k = self.prefilling.index(seq)
+        self.prefilling.pop(k)
+        for later in self.prefilling[k:]:
+            self._move(later, later.slot - 1)
+        self._end(seq, error)
 
     def _decode(self) -> None:
-        """One target call over every running sequence's tree, then each sequence's acceptance, commit and emission.
-        Sequences that end leave after every sequence has committed (a slot move copies committed rows only)."""
+        """One target call over every running sequence's tree, then each sequence's acceptance, commit and emission:
+        trees -> cut -> verify -> accept -> commit. Sequences that end leave after every sequence has committed (a
+        slot move copies committed rows only)."""
         if len(self.running) == 1 and not self.running[0].request.cancelled \
                 and self.running[0].proposer.wants(True) == self.running[0].proposer.wants(False):
             return self._single_step(self.running[0])
-        graphs = [self.engine.target] + self.engine.side_graphs()
-        seqs, trees, leaving, started = [], [], [], time.perf_counter()
-        inside, sampled_s = sum(g.seconds for g in graphs), self.sampled_s
+        mark = self.clock.mark()
         live = [seq for seq in self.running if not seq.request.cancelled]  # a cancelled one's row is padding
-        proposing = self._drafting_pays(live)
-        probe = self._probe_due if proposing else self.proposed >= PLAIN_PROBE_STEPS
-        drafts_s = sum(g.seconds for g in graphs[1:])  # draft graphs' calls (EAGLE's, a draft model's)
-        proposals = self._propose(live) if proposing else [tree.DraftTree.root_only(s.last) for s in live]
-        drafts_s = sum(g.seconds for g in graphs[1:]) - drafts_s
-        self.unproposed, self.proposed = (0, self.proposed + 1) if proposing else (self.unproposed + 1, 0)
+        plan = self._plan(live)
+        proposals = self._propose(live) if plan.propose else [tree.DraftTree.root_only(s.last) for s in live]
+        seqs, trees, leaving = [], [], []
         for seq, draft in zip(live, proposals):
             if isinstance(draft, Exception):  # one request's failure ends that request only
                 leaving.append((seq, _message(draft)))
@@ -344,78 +375,47 @@ class Scheduler:
             room = self.pool.capacity - int(self.pool.lengths[seq.slot])
             trees.append(draft.truncated(min(room, self.step_rows)))
             seqs.append(seq)
+        sampled_s = 0.0
         if seqs:
-            if self.rates is not None and proposing:  # the budget shares the step's rows among the trees
+            if self.governor is not None and plan.propose:  # the budget shares the step's rows among the trees
                 # seeded sampling keeps its tree: its tokens must not depend on the batch
-                kept, sampled = [_seeded(s) for s in seqs], [not s.sampler.params.greedy for s in seqs]
-                curves = self.rates.curves(trees)
-                nodes = share(curves, self.latency, self.step_cost[True] or 0.0, kept, row_s=self.row_s or 0.0,
-                              sampled=sampled)
-                trees = [t.truncated(int(k)) for t, k in zip(trees, nodes)]
-                self._chose(curves, nodes, probe)
-            out, placed, rows = self._verify(seqs, trees)
+                trees = self.governor.cut(plan, trees, [_seeded(s) for s in seqs],
+                                          [not s.sampler.params.greedy for s in seqs])
+            out, batch, call = self._verify(seqs, trees)
             verified = time.perf_counter()
-            accepted = self._accept_all(seqs, trees, out, placed, rows)
-            if self.rates is not None:
+            accepted, sampled_s = self._accept_all(seqs, trees, out, batch)
+            if self.governor is not None:
                 fine = [(t, a.path) for t, a in zip(trees, accepted) if not isinstance(a, Exception)]
-                self.rates.update([t for t, _ in fine], [path for _, path in fine])
+                self.governor.verified([t for t, _ in fine], [path for _, path in fine], *call)
             for seq, draft, acceptance in zip(seqs, trees, accepted):
                 try:
                     if isinstance(acceptance, Exception):
                         raise acceptance
                     self.pool.slot(seq.slot).commit(acceptance.path)
-                    if proposing:
+                    if plan.propose:
                         seq.proposer.accepted(acceptance.path)
-                    if mine := placed(seq, len(draft), out):
+                    if mine := self._placed(seq, batch, out):
                         seq.proposer.observe(mine, acceptance.path)
                 except Exception as e:  # noqa: BLE001
                     leaving.append((seq, _message(e)))
                     continue
                 context = len(seq.ids) + len(seq.output.tokens)  # len(history), without building it
-                seq.stats.record(StepRecord(draft, acceptance, context, 0.0, verified - started,
-                                            time.perf_counter() - started))
+                seq.stats.record(StepRecord(draft, acceptance, context, 0.0, verified - mark[0],
+                                            time.perf_counter() - mark[0]))
                 if self._emit(seq, acceptance.tokens):
                     leaving.append((seq, None))
-        # what this kind of step costs outside the target's call: the host's work and the draft graphs' calls, less
-        # the sampled rows' acceptance (priced per row); the requests leaving (a slot move) are not the kind's cost
-        cost = time.perf_counter() - started - (sum(g.seconds for g in graphs) - inside) + drafts_s \
-            - (self.sampled_s - sampled_s)
-        known = self.step_cost[proposing]
-        self.step_cost[proposing] = cost if probe or known is None else _blend(known, cost)
+        if self.governor is not None:  # the requests leaving (a slot move) are not the kind's cost
+            host, _, side = self.clock.since(mark)
+            self.governor.record(plan, host + side - sampled_s, max(len(live), 1))
         for seq, error in leaving:
             self._retire(seq, error)
 
-    def _drafting_pays(self, seqs: list[_Sequence]) -> bool:
-        """Whether this step proposes (runtime/budget.worth_drafting, with the measured cost of each kind of step
-        outside the target's call, `step_cost`): always without a budget, before a proposing step's cost is known,
-        and while a request sampled with a seed runs (its tree stays whole). Each kind is tried now and then, so that
-        both stay measured at the load of the moment: while drafting does not pay, one batched step in PROBE_STEPS
-        proposes anyway (a slow moment on a shared machine, or a load that has passed, must not stop drafting for
-        good); while it pays, one in PLAIN_PROBE_STEPS verifies the roots alone (what plain decoding's call and step
-        cost, which the choice is made against: otherwise only the latency table, measured at another context and
-        on another machine, would say). A probe's cost replaces its kind's average."""
-        if self.rates is None or not seqs or self.step_cost[True] is None or self._probe_due:
-            return True
-        if any(_seeded(s) for s in seqs):
-            return True
-        if self.proposed >= PLAIN_PROBE_STEPS:
-            return False
-        plain = self.step_cost[False] or 0.0  # before a plain step: all of a proposing step's cost counts
+    def _plan(self, seqs: list[_Sequence]) -> Plan:
+        """Whether this step proposes (runtime/governor.Governor.decide): always without a governor."""
+        if self.governor is None or not seqs:
+            return WHOLE
         sampled = sum(not s.sampler.params.greedy for s in seqs)
-        return worth_drafting(len(seqs), *self.choice, self.latency, plain, max(self.step_cost[True] - plain, 0.0),
-                              row_s=self.row_s or 0.0, sampled=sampled)
-
-    def _chose(self, curves: list, nodes: np.ndarray, probe: bool) -> None:
-        """Keep what the budget chose (`choice`: expected tokens and real rows per sequence, the call's width),
-        averaged over the last proposing steps (a probe's replaces)."""
-        chosen = (float(np.mean([c[k - 1] for c, k in zip(curves, nodes)])), float(nodes.mean()), float(nodes.max()))
-        self.choice = chosen if probe else tuple(_blend(a, b) for a, b in zip(self.choice, chosen))
-
-    @property
-    def _probe_due(self) -> bool:
-        """Drafting was skipped for PROBE_STEPS batched steps: the next proposes, and its cost replaces the average
-        (which is as old as the last proposal)."""
-        return self.unproposed >= PROBE_STEPS
+        return self.governor.decide(len(seqs), sampled=sampled, seeded=any(_seeded(s) for s in seqs))
 
     def _propose(self, seqs: list[_Sequence]) -> list:
         """Each sequence's tree (or the exception its proposer raised); draft graphs' calls made together."""
@@ -434,71 +434,59 @@ class Scheduler:
     def _single_step(self, seq: _Sequence) -> None:
         """One sequence running: the engine's own step (Engine.step), as a batch-1 generation runs it: the proposer's
         whole tree, accepted inside the graph where the graph can (same random numbers as the host's rule)."""
-        target, before = self.engine.target, self.engine.target.seconds
         try:
-            record = self.engine.step(self.pool.slot(seq.slot), seq.history, seq.proposer, seq.sampler)
+            record = self.engine.step(self.pool.slot(seq.slot), seq.history, seq.proposer, seq.sampler,
+                                      self.governor)
         except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
             return self._retire(seq, _message(e))
         width = len(record.tree)
         self._count_call(1, width, width)
-        if self.rates is not None:
-            self.rates.update([record.tree], [record.acceptance.path])
-            self.latency.observe(1, width, target.seconds - before, width)
         seq.stats.record(record)
         if self._emit(seq, record.acceptance.tokens):
             self._retire(seq)
 
-    def _verify(self, seqs: list[_Sequence], trees: list) -> tuple[dict, object, dict]:
-        """The batched target call over the running slots, each tree padded to the widest (a padded row sees only
-        itself); returns the outputs, a function giving a sequence what its proposer wants of them (per-row
-        outputs by its rows, per-batch-row outputs by its slot), and each request's (slot, first selected row). The
-        logits come back only for what the graph does not accept itself: sampled sequences, or every sequence where
-        the graph has no batched acceptance."""
-        n, width = len(self.running), max(len(t) for t in trees)
-        ids = np.zeros((n, width), np.int64)
-        positions = np.repeat(self.pool.lengths[:n, None], width, axis=1)
-        mask = np.broadcast_to(np.eye(width, dtype=np.bool_), (n, width, width)).copy()
-        rows, first, live = [], {}, np.zeros(n, np.int64)  # live: each batch row's real rows (a cancelled one's: 0)
-        for seq, draft in zip(seqs, trees):
-            b, t = seq.slot, len(draft)
-            live[b] = t
-            ids[b, :t] = draft.tokens
-            positions[b, :t] += tree.depths(draft.parents)
-            mask[b, :t, :t] = tree.ancestor_mask(draft.parents)
-            first[seq.request.id] = (b, len(rows))
-            rows.extend(range(b * width, b * width + t))
-        wants = {seq.request.id: seq.proposer.wants(False) for seq in seqs}
+    def _verify(self, seqs: list[_Sequence], trees: list) -> tuple[dict, PaddedBatch, tuple]:
+        """The batched target call over the running slots (runtime/batch.PaddedBatch: each tree in its slot's row,
+        padded to the widest); returns the outputs, the layout (where each request's are: `_placed`) and the call's
+        (sequences, width, seconds, real rows). The logits come back only for what the graph does not accept itself:
+        sampled sequences, or every sequence where the graph has no batched acceptance."""
+        n = len(self.running)
+        lengths = self.pool.lengths[:n]
+        batch = PaddedBatch.lay_out(lengths, [
+            Entry(seq.request.id, seq.slot, draft.tokens, lengths[seq.slot] + tree.depths(draft.parents),
+                  tree.ancestor_mask(draft.parents), list(range(len(draft)))) for seq, draft in zip(seqs, trees)])
         target = self.engine.target
-        greedy = [seq.sampler.params.greedy for seq in seqs]
-        in_graph = ("batch_accept_mask", "batch_bonus") if self.batch_accept and any(greedy) else ()
-        logits = ("logits",) if not in_graph or not all(greedy) else ()
-        want = logits + in_graph + tuple(sorted({w for ws in wants.values() for w in ws}))
+        routes = {self.accepting.route(seq.sampler.params, batched=True) for seq in seqs}
+        want = tuple(name for route in Route for name in route.outputs if route in routes) + \
+            tuple(sorted({w for seq in seqs for w in seq.proposer.wants(False)}))
         before = target.seconds
-        out = target.forward(self.pool.rows(n), ids, positions, mask, np.array(rows, np.int64), want=want, live=live)
-        computed = len(rows) if target.ragged else n * width
-        self._count_call(n, width, computed)
-        if self.latency is not None:
-            self.latency.observe(n, width, target.seconds - before, len(rows))
+        out = target.forward(self.pool.rows(n), batch.ids, batch.positions, batch.mask, batch.selected, want=want,
+                             live=batch.live)
+        computed = batch.real_rows() if target.ragged else n * batch.width
+        self._count_call(n, batch.width, computed)
+        return out, batch, (n, batch.width, target.seconds - before, batch.real_rows())
 
-        def placed(seq: _Sequence, t: int, out: dict, names: tuple[str, ...] | None = None) -> dict:
-            b, start = first[seq.request.id]
-            return {name: out[name][b:b + 1, :t] if name in target.batch_outputs else out[name][start:start + t]
-                    for name in (wants[seq.request.id] if names is None else names)}
-        return out, placed, first
+    def _placed(self, seq: _Sequence, batch: PaddedBatch, out: dict, names: tuple[str, ...] | None = None) -> dict:
+        """What a sequence's proposer wants of a batched call's outputs (or `names`): per-row outputs by its rows,
+        per-batch-row outputs by its slot."""
+        names = seq.proposer.wants(False) if names is None else names
+        return batch.placed(seq.request.id, out, names, self.engine.target.batch_outputs)
 
-    def _accept_all(self, seqs: list[_Sequence], trees: list, out: dict, placed, rows: dict) -> list:
-        """Each sequence's acceptance (or the exception it raised): greedy ones from the graph's batched acceptance
-        (exporter/fused.add_batch_accept) where it has one, else from one argmax over every row of the call;
-        sampled ones on the host from their rows' logits, each with its own settings and random stream."""
+    def _accept_all(self, seqs: list[_Sequence], trees: list, out: dict, batch: PaddedBatch) -> tuple[list, float]:
+        """Each sequence's acceptance (or the exception it raised), and the host's time accepting sampled rows, by
+        the call's acceptance route (runtime/verify.Route): greedy ones from the graph's batched acceptance
+        (exporter/fused.add_batch_accept) where it has one, else from one argmax over every row of the call; sampled
+        ones on the host from their rows' logits, each with its own settings and random stream."""
         top = None
-        if "batch_accept_mask" not in out and any(s.sampler.params.greedy for s in seqs):
+        if any(self.accepting.route(s.sampler.params, batched=True) is Route.HOST and s.sampler.params.greedy
+               for s in seqs):
             top = out["logits"].argmax(-1)  # one pass for the whole batch
         accepted, sampled_rows, began = [], 0, time.perf_counter()
         for seq, draft in zip(seqs, trees):
-            b, start = rows[seq.request.id]
+            entry, start = batch.entries[seq.request.id]
             try:
                 if not seq.sampler.params.greedy:
-                    logits = placed(seq, len(draft), out, ("logits",))["logits"]
+                    logits = self._placed(seq, batch, out, ("logits",))["logits"]
                     sampled_rows += len(draft)
                     accepted.append(accept(draft, logits, seq.sampler.params, seq.sampler.rng))
                 elif top is not None and len(draft) == 1:  # a root alone (plain steps): accept_greedy's result
@@ -506,15 +494,15 @@ class Scheduler:
                 elif top is not None:
                     accepted.append(accept_greedy(draft.tokens, draft.parents, top[start:start + len(draft)]))
                 else:
-                    path = np.flatnonzero(out["batch_accept_mask"][b, :len(draft)]).tolist()
-                    accepted.append(Acceptance(path, [draft.tokens[r] for r in path[1:]] + [int(out["batch_bonus"][b])]))
+                    path = np.flatnonzero(out["batch_accept_mask"][entry.b, :len(draft)]).tolist()
+                    accepted.append(Acceptance(path, [draft.tokens[r] for r in path[1:]]
+                                               + [int(out["batch_bonus"][entry.b])]))
             except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
                 accepted.append(e)
-        if sampled_rows:  # the greedy ones' share of this time is a lookup each
-            seconds = time.perf_counter() - began
-            self.sampled_s += seconds
-            self.row_s = _blend(self.row_s, seconds / sampled_rows)
-        return accepted
+        seconds = time.perf_counter() - began if sampled_rows else 0.0  # the greedy ones' share: a lookup each
+        if sampled_rows and self.governor is not None:
+            self.governor.sampled_rows(seconds, sampled_rows)
+        return accepted, seconds
 
     def _count_call(self, sequences: int, width: int, rows: int) -> None:
         self.steps, self.rows = self.steps + 1, self.rows + rows
@@ -534,14 +522,14 @@ class Scheduler:
 
     # -- leaving ----------------------------------------------------------------------------------
     def _retire(self, seq: _Sequence, error: str | None = None) -> None:
-        """A running sequence leaves: the last running one moves into its slot, the prefilling one down after it."""
+        """A running sequence leaves: the last running one moves into its slot, the prefilling ones down after it."""
         k = self.running.index(seq)
         last = self.running.pop()
         if last is not seq:
             self._move(last, k)
             self.running[k] = last
-        if self.prefilling is not None:
-            self._move(self.prefilling, len(self.running))
+        for j, later in enumerate(self.prefilling):
+            self._move(later, len(self.running) + j)
         self._end(seq, error)
 
     def _move(self, seq: _Sequence, slot: int) -> None:
@@ -558,20 +546,6 @@ class Scheduler:
             seq.request._finish(None, error)
             return
         seq.request._finish(seq.output.close(seq.stats))
-
-
-def profiled_latency(engine: Engine) -> BatchLatency | None:
-    """The batched latency table of the profile the bundle was built with, where that profile measured it on a bundle
-    of the same precision (another precision's kernels scale differently with rows) and, for a graph with ragged rows,
-    measured what a width costs alone (`BatchLatency.single`); None otherwise."""
-    profile = engine.bundle.manifest.get("profile") or {}
-    if not profile.get("measured") or (profile.get("engine") or {}).get("precision") != engine.bundle.precision:
-        return None
-    measurements = dict(profile.get("measurements") or {})
-    if not engine.target.ragged:  # every row computed: what ragged calls cost does not apply
-        measurements.pop("batch_single_ms", None)
-    latency = BatchLatency.from_measurements(measurements)
-    return None if latency is None or (engine.target.ragged and latency.single is None) else latency
 
 
 def _seeded(seq: _Sequence) -> bool:

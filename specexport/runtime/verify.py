@@ -32,6 +32,7 @@ A chain is the tree [-1, 0, 1, ...] in either of the first two modes (`accept_ch
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
@@ -155,6 +156,44 @@ def accept(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.
         return accept_typical(tokens, parents, p, u)
     q = None if tree.mode is AcceptMode.TOPK else tree.q[:len(tokens)]
     return accept_tree(tokens, parents, p, q, u, tree.mode)
+
+
+class Route(Enum):
+    """Where one sequence's step is accepted, named by the outputs the target call brings back for it."""
+
+    GRAPH = ("accept_rows", "bonus_token")  # in the target graph, batch 1 (exporter/fused.add_accept)
+    GRAPH_BATCHED = ("batch_accept_mask", "batch_bonus")  # in the graph, a batched call's greedy (add_batch_accept)
+    HOST = ("logits",)  # on the host, from the rows' logits (`accept`)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Accepting:
+    """What a target graph accepts itself (`of`), and so each step's route (`route`: the one place it is decided).
+    `graph`: a step's tree, greedy; `sampling`: sampled steps too (the graph takes the random numbers); `batched`:
+    each greedy sequence of a batched call."""
+
+    graph: bool
+    sampling: bool
+    batched: bool
+
+    @classmethod
+    def of(cls, target) -> "Accepting":
+        outputs = set(target.outputs)
+        return cls(set(Route.GRAPH.outputs) <= outputs, bool(target.fused_inputs),
+                   {"batch_accept_mask", "batch_accept_len", "batch_bonus"} <= outputs)
+
+    def route(self, params: SamplingParams, mode: AcceptMode = AcceptMode.TOPK, batched: bool = False) -> Route:
+        """E.g. greedy alone: GRAPH where the graph has the acceptance; Medusa's typical acceptance (lossy, host
+        only): HOST; a sampled sequence of a batched call: HOST."""
+        if batched:
+            return Route.GRAPH_BATCHED if params.greedy and self.batched else Route.HOST
+        if self.graph and (params.greedy or (self.sampling and mode is not AcceptMode.TYPICAL)):
+            return Route.GRAPH
+        return Route.HOST
 
 
 def fused_inputs(tree: DraftTree, params: SamplingParams, rng: np.random.Generator) -> dict[str, np.ndarray]:

@@ -42,7 +42,7 @@ class Metrics:
         labels = {"model_name": model}
         running = Gauge(P + "num_requests_running", "Requests in the batch (decoding or prefilling).",
                         ["model_name"], registry=r)
-        running.labels(**labels).set_function(lambda: len(scheduler.running) + (scheduler.prefilling is not None))
+        running.labels(**labels).set_function(lambda: len(scheduler.running) + len(scheduler.prefilling))
         waiting = Gauge(P + "num_requests_waiting", "Requests queued for a slot in the batch.", ["model_name"],
                         registry=r)
         waiting.labels(**labels).set_function(lambda: len(scheduler.waiting))

@@ -18,7 +18,7 @@ from specexport.runtime.budget import BatchLatency
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import Sampler, SamplingParams
 from specexport.runtime.tree import DraftTree
-from specexport.runtime.verify import accept_greedy
+from specexport.runtime.verify import Route, accept_greedy
 
 TREE_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -85,7 +85,7 @@ def record_runs(engine: Engine, prompts: list[list[int]], new_tokens: int, progr
     before = {id(g): (g.calls, g.seconds) for g in engine.side_graphs()}
     for ids in prompts:
         records = []
-        result = engine.generate(ids, max_new_tokens=new_tokens, on_step=records.append)
+        result = engine.generate(ids, max_new_tokens=new_tokens, on_step=records.append, budget=False)
         text = ids + result.tokens
         rec.samples += [(r.tree, text[r.history_length:]) for r in records]
         rec.accept_lengths += result.stats.accept_lengths
@@ -126,8 +126,8 @@ def median_ms(call, reps: int) -> float:
 
 
 def step_outputs(engine: Engine, proposer) -> tuple[str, ...]:
-    fused = engine.fused_accept
-    return (("accept_rows", "bonus_token") if fused else ("logits",)) + proposer.wants(fused)
+    route = engine.accepting.route(SamplingParams())
+    return route.outputs + proposer.wants(route is Route.GRAPH)
 
 
 def verify_latency(engine: Engine, tree_tokens, context: int, reps: int, progress) -> list[float]:
@@ -190,7 +190,7 @@ def side_by_side(engine: Engine, prompts: list[list[int]], new_tokens: int, rows
                 for r in rows + [{"tree": None}]:
                     if r["tree"] is not None:
                         engine.configure(**r["settings"])
-                    result = engine.generate(ids, max_new_tokens=new_tokens, plain=r["tree"] is None)
+                    result = engine.generate(ids, max_new_tokens=new_tokens, plain=r["tree"] is None, budget=False)
                     t = totals[r["tree"]]
                     t[0] += result.stats.new_tokens - 1
                     t[1] += result.stats.seconds - result.stats.ttft_s

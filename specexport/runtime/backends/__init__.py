@@ -1,12 +1,13 @@
-"""Which backend runs a bundle's graph on a device (`runtime.backends.host.Backend`)."""
+"""Which backend runs a bundle's graph on a device (`runtime.backends.protocol.Backend`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from specexport.errors import UserError
-from specexport.runtime.backends.host import Backend, GraphSession, providers
+from specexport.runtime.backends.host import GraphSession, providers
 from specexport.runtime.backends.iobinding import DeviceSession
+from specexport.runtime.backends.protocol import Backend
 from specexport.runtime.backends.tensorrt import TensorRTSession
 
 DEVICES = ("auto", "cpu", "cuda", "cpu-iobinding")

@@ -29,7 +29,8 @@ class RuntimeMethod(Protocol):
 METHODS: dict[str, RuntimeMethod] = {"none": none.METHOD, "ngram": ngram.METHOD, "draft": draft.METHOD,
                                      "medusa": medusa.METHOD, "eagle": eagle.EAGLE1, "eagle3": eagle.EAGLE3,
                                      "suffix": suffix.METHOD, "hybrid": hybrid.METHOD}
-PLAIN = METHODS["none"]
+PLAIN_NAME = "none"  # plain decoding: the baseline every method is measured against
+PLAIN = METHODS[PLAIN_NAME]
 
 
 def get(name: str) -> RuntimeMethod:

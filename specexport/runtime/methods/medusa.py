@@ -30,10 +30,13 @@ class Settings:
 
 
 class MedusaHeads(Proposer):
-    def __init__(self, tree: rank_tree.RankTree, heads_session=None, typical: bool = False):
+    """`heads()`: the heads graph, asked for where a step accepts outside the target graph (which then brings the
+    hidden states, not the candidates the fused graph's heads made)."""
+
+    def __init__(self, tree: rank_tree.RankTree, heads=None, typical: bool = False):
         self.tree, self.parents = tree, tree.parents
         self.max_drafts = tree.size - 1
-        self.heads_session = heads_session
+        self.heads = heads
         self.mode = AcceptMode.TYPICAL if typical else AcceptMode.TOPK
         self.candidates = None
 
@@ -48,7 +51,7 @@ class MedusaHeads(Proposer):
             self.candidates = outputs["medusa_tokens"][0]
             return
         hidden = outputs["hidden_states"][0, list(rows)[-1]][None]
-        self.candidates = self.heads_session.run({"hidden": hidden})["medusa_tokens"][0]
+        self.candidates = self.heads().run({"hidden": hidden})["medusa_tokens"][0]
 
     def propose(self, history: list[int]) -> DraftTree:
         if self.candidates is None:
@@ -80,9 +83,8 @@ class Medusa:
     def proposer(self, engine, settings: Settings, sampler) -> MedusaHeads:
         if settings.typical and sampler.params.greedy:
             raise UserError("--typical needs --temperature > 0 (greedy acceptance is already exact)")
-        mode = AcceptMode.TYPICAL if settings.typical else AcceptMode.TOPK
-        heads = None if engine.accepts_in_graph(sampler, mode) else engine.graph("medusa_heads")
-        return MedusaHeads(self.resolve(settings, engine.bundle.manifest["method"]), heads, settings.typical)
+        return MedusaHeads(self.resolve(settings, engine.bundle.manifest["method"]),
+                           lambda: engine.graph("medusa_heads"), settings.typical)
 
     def describe(self, settings: Settings) -> str:
         tree = rank_tree.parse(settings.tree)
