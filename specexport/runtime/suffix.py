@@ -1,21 +1,25 @@
 """Suffix lookup (SuffixDecoding): a step's drafts are what followed earlier occurrences of the context's last
-tokens, in the request itself (prompt and output so far) and in a datastore of the target's own outputs. The
+tokens, in the request itself (prompt and output so far), in the engine's store of earlier responses (what the
+requests it served before, and those it serves now, generated), and in a datastore of the target's own outputs. The
 continuations of the occurrences of the longest match form a trie whose nodes carry an estimated probability: the
 product, along the path, of continuation frequencies (of the occurrences that reach a node, the share that go on
 with the child's token).
 
-Both indexes are prefix arrays: the positions p of a text sorted by the tokens at p, p - 1, p - 2, ... (the text
+The indexes are prefix arrays: the positions p of a text sorted by the tokens at p, p - 1, p - 2, ... (the text
 read backwards from p, `depth` tokens deep; before the text's start reads as -1). The positions where the
 context's last m tokens end are one contiguous range, and the range for m + 1 lies inside the range for m, sorted
 by the next token back; so the longest match is found by narrowing, two binary searches per token of context.
-The datastore's array is static (numpy, from a file: runtime/datastore.py); the request's is a list that grows with
-the text, each new position put in place by one binary search. Pure numpy and Python.
+The datastore's array is static (numpy, from a file: runtime/datastore.py); the request's and the response store's
+grow with their texts, each new position put in place by one binary search. Pure numpy and Python.
 """
 
 from __future__ import annotations
 
 import heapq
+import threading
+from array import array
 from bisect import bisect_left, bisect_right
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,6 +27,11 @@ import numpy as np
 
 MATCH_DEPTH = 32  # the longest context matched, in tokens (how deep the prefix arrays are sorted)
 SAMPLE = 256  # occurrences read at most per match: evenly spaced in the range, a sample stratified by context
+STORE_TOKENS = 1 << 18  # an engine's response store holds at most this many tokens by default (about 3 MB)
+LEAD_IN = MATCH_DEPTH  # prompt tokens stored before each response: the context its first tokens are matched in
+USED_MATCH = 8  # a lookup that matches this deep counts as a use of the stored responses it reads (for eviction)
+OFFSET_BITS = 24  # a response store's position: its response's number << OFFSET_BITS | its offset in its text
+_MASK = (1 << OFFSET_BITS) - 1
 
 
 @dataclass(frozen=True)
@@ -47,10 +56,11 @@ class Draft:
         return k
 
 
-def narrow(order: Sequence[int], token_at, context: Sequence[int], lo: int, hi: int, depth: int, matched: int = 0
-           ) -> tuple[int, int, int]:
+def narrow(order: Sequence[int], token_at, context: Sequence[int], lo: int, hi: int, depth: int, matched: int = 0,
+           keep=None) -> tuple[int, int, int]:
     """(m, lo, hi): the longest m <= depth for which order[lo:hi] holds the positions p whose text ends with
-    context[-m:] at p, narrowed from a range whose positions all end with context[-matched:]."""
+    context[-m:] at p, narrowed from a range whose positions all end with context[-matched:]. `keep(a, b)`: whether
+    a narrower range order[a:b] counts (else the match stops short of it)."""
     m = matched
     for d in range(matched, min(depth, len(context))):
         c = int(context[-1 - d])
@@ -60,7 +70,7 @@ def narrow(order: Sequence[int], token_at, context: Sequence[int], lo: int, hi: 
 
         a = bisect_left(order, c, lo, hi, key=key)
         b = bisect_right(order, c, a, hi, key=key)
-        if a == b:
+        if a == b or (keep is not None and not keep(a, b)):
             break
         lo, hi, m = a, b, d + 1
     return m, lo, hi
@@ -182,3 +192,113 @@ class HistoryIndex:
         step = max(1, -(-(hi - lo) // SAMPLE))
         rows = [(self.text[p + 1:p + 1 + width] + [-1] * width)[:width] for p in self.order[lo:hi:step]]
         return Draft(m, hi - lo, *best_first(sorted(rows), limit, min_prob))
+
+
+class ResponseStore:
+    """Earlier responses, shared by the requests of one engine (SuffixDecoding's global tree of responses). A stored
+    text is the last LEAD_IN tokens of a prompt, then its response: the prompt's tokens are context only, to match
+    the response's first tokens in (a repeated question matches its earlier answer from the first step); every
+    continuation drafted is response text. The positions followed by a response token are one prefix array (a
+    position: the response's number and the offset in its text), grown a binary-search insertion per token as
+    requests write their responses (`open`, then `extend` as they go, so concurrent requests see each other's), and
+    whole responses are dropped, least recently used first (written to, or read by a lookup that matched at least
+    USED_MATCH tokens), so that the texts hold at most `capacity` tokens. A lookup leaves out the asking request's
+    own response (`skip`): its own text is HistoryIndex's, and counting it twice would skew the frequencies. One
+    lock: the scheduler's thread and Engine.generate threads share an engine's store."""
+
+    def __init__(self, capacity: int = STORE_TOKENS, depth: int = MATCH_DEPTH):
+        self.capacity, self.depth = capacity, depth
+        self.longest = _MASK - 2 * depth  # the most tokens of one text (a position read back past its start: -1)
+        self.lock = threading.Lock()
+        self.texts: OrderedDict[int, array] = OrderedDict()  # number -> lead-in + response, least recently used first
+        self.leads: dict[int, int] = {}  # number -> the length of its lead-in
+        self.order = array("q")  # the indexed positions, sorted by the text read backwards
+        self.tokens = 0  # in all texts
+        self._next = 0
+
+    def __len__(self) -> int:
+        """Responses held."""
+        return len(self.texts)
+
+    def token_at(self, q: int) -> int:
+        text, off = self.texts.get(q >> OFFSET_BITS), q & _MASK  # (read back past a start, q borrows: off > longest)
+        return text[off] if text is not None and off < len(text) else -1
+
+    def _key(self, q: int) -> array:
+        text, off = self.texts[q >> OFFSET_BITS], q & _MASK
+        return text[max(0, off - self.depth + 1):off + 1][::-1]
+
+    def bound(self, capacity: int) -> None:
+        """Hold at most `capacity` tokens from now on (0: none), dropping responses now if needed."""
+        with self.lock:
+            self.capacity = capacity
+            self._evict()
+
+    def open(self, lead_in: Sequence[int]) -> int:
+        """A new response, after the end of its prompt (`lead_in`, of which the last LEAD_IN tokens are kept): its
+        number, for `extend` and `draft(skip=...)`."""
+        with self.lock:
+            number, self._next = self._next, self._next + 1
+            text = array("i", [int(t) for t in lead_in[len(lead_in) - min(len(lead_in), LEAD_IN):]])
+            self.texts[number], self.leads[number] = text, len(text)
+            self.tokens += len(text)
+            self._evict()
+        return number
+
+    def extend(self, number: int, tokens: Sequence[int]) -> None:
+        """Append tokens to a response (nothing once it was dropped, or past `capacity` tokens of text)."""
+        with self.lock:
+            text = self.texts.get(number)
+            if text is None:
+                return
+            tokens = tokens[:max(0, min(self.capacity, self.longest) - len(text))]
+            if not len(tokens):
+                return
+            first = max(len(text) - 1, self.leads[number] - 1, 0)  # the first position to get a response token next
+            text.extend(int(t) for t in tokens)
+            base = number << OFFSET_BITS
+            for q in range(base + first, base + len(text) - 1):
+                self.order.insert(bisect_right(self.order, self._key(q), key=self._key), q)
+            self.tokens += len(tokens)
+            self.texts.move_to_end(number)
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop the least recently used responses until the texts fit the capacity (the caller holds the lock)."""
+        gone = []
+        while self.tokens > self.capacity and self.texts:
+            number, text = self.texts.popitem(last=False)
+            del self.leads[number]
+            self.tokens -= len(text)
+            gone.append(number)
+        if gone:
+            order = np.frombuffer(self.order, dtype=np.int64)
+            self.order = array("q", order[~np.isin(order >> OFFSET_BITS, gone)].tobytes())
+
+    def draft(self, context: Sequence[int], limit: int, factor: float, min_prob: float, skip: int | None = None
+              ) -> Draft | None:
+        """The continuations of the longest match of the context's end in the responses but `skip`, or None."""
+        with self.lock:
+            order = self.order
+
+            def others(a: int, b: int) -> bool:  # a range with another response's position (mostly the first)
+                return skip is None or any(order[i] >> OFFSET_BITS != skip for i in range(a, b))
+
+            m, lo, hi = narrow(order, self.token_at, context, 0, len(order), self.depth, keep=others)
+            if m == 0:
+                return None
+            width = min(limit, int(factor * m + 1e-6))
+            if width < 1:
+                return Draft(m, hi - lo, [], [], [])
+            step = max(1, -(-(hi - lo) // SAMPLE))
+            sampled = order[lo:hi:step]
+            picks = [q for q in sampled if q >> OFFSET_BITS != skip]
+            rows = []
+            for q in picks:
+                text, off = self.texts[q >> OFFSET_BITS], q & _MASK
+                rows.append((text[off + 1:off + 1 + width].tolist() + [-1] * width)[:width])
+            if m >= USED_MATCH:
+                for number in {q >> OFFSET_BITS for q in picks}:
+                    self.texts.move_to_end(number)
+        occurrences = hi - lo - (len(sampled) - len(picks)) * step  # (the asking response's left out)
+        return Draft(m, max(occurrences, len(picks)), *best_first(sorted(rows), limit, min_prob))

@@ -10,14 +10,15 @@ candidates, gives the accept length of every tighter setting exactly on those st
 acceptance rule). Cost per step: verify(nodes) from the latency curve at each step's own tree size, the hybrid's
 EAGLE draft calls (one per level, at their measured mean time), and the rest of the step (lookup, python) as
 measured. The best predicted settings, and the bundle's own, then run side by side with plain decoding; the best
-measured wins.
+measured wins. Every run is a fresh engine's (no response store): the calibration prompts run once per candidate,
+and a store would draft each run's answer from the one before.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from specexport.runtime.methods.suffix import ANY_DEPTH, profile_budget, select
+from specexport.runtime.methods.suffix import ANY_DEPTH, fresh_requests, profile_budget, select
 from specexport.tune.measure import Measured, Recording, record_runs, replay
 
 TOTALS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
@@ -69,6 +70,10 @@ class SuffixTuner:
         return 2 * tokens + prompts * (rounds + 1)
 
     def tune(self, engine, measured: Measured, recording: Recording, t) -> None:
+        with fresh_requests(engine):
+            self._tune(engine, measured, t)
+
+    def _tune(self, engine, measured: Measured, t) -> None:
         before = t.curve()
         s = engine.settings
         most = min(t.max_tokens, profile_budget(engine) or t.max_tokens)  # a run refuses more than the profile's

@@ -35,9 +35,10 @@ class Settings:
     match_factor: float = _suffix_setting("match_factor")
     min_prob: float = _suffix_setting("min_prob")
     no_datastore: bool = _suffix_setting("no_datastore")
+    store_tokens: int = _suffix_setting("store_tokens")
 
     def __post_init__(self):
-        suffix.Settings(total_tokens=self.total_tokens, match_factor=self.match_factor, min_prob=self.min_prob)
+        self.suffix_settings()
         if not 1 <= self.depth <= eagle.MAX_DEPTH or self.top_k < 1:
             raise UserError(f"--depth must be in 1..{eagle.MAX_DEPTH} and --draft-top-k >= 1, got {self.depth} and "
                             f"{self.top_k}")
@@ -49,7 +50,7 @@ class Settings:
 
     def suffix_settings(self) -> suffix.Settings:
         return suffix.Settings(total_tokens=self.total_tokens, match_factor=self.match_factor, min_prob=self.min_prob,
-                               no_datastore=self.no_datastore)
+                               no_datastore=self.no_datastore, store_tokens=self.store_tokens)
 
 
 class HybridProposer(DraftingProposer):
@@ -73,11 +74,15 @@ class HybridProposer(DraftingProposer):
     def observe(self, outputs: dict, rows) -> None:
         self.draft.observe(outputs, rows)
 
+    def accepted(self, path: list[int]) -> None:
+        self.lookup.accepted(path)  # (the accepted drafts into the engine's response store)
+
     def drafting(self, history: list[int]):
         """`propose` as a generator of its draft calls (runtime/drafting.py)."""
         grown = yield from self.draft.drafting(history)
         c = suffix.Candidates(self.lookup.drafts(history), grown.candidates)
-        return suffix.select(history[-1], c, self.total, self.lookup.factor, self.lookup.min_prob)
+        self.lookup.tree = suffix.select(history[-1], c, self.total, self.lookup.factor, self.lookup.min_prob)
+        return self.lookup.tree
 
 
 class Hybrid:
@@ -94,8 +99,7 @@ class Hybrid:
     def proposer(self, engine, settings: Settings, sampler) -> HybridProposer:
         suffix.check_profile_budget(engine, settings.total_tokens)
         draft = eagle.Eagle(engine.graph("draft"), settings.eagle_settings(), None)
-        lookup = suffix.SuffixLookup(settings.suffix_settings(), suffix.bundle_datastore(engine))
-        return HybridProposer(draft, lookup, settings)
+        return HybridProposer(draft, suffix.lookup(engine, settings.suffix_settings(), sampler), settings)
 
     def describe(self, settings: Settings) -> str:
         return (f"EAGLE depth {settings.depth}, top-k {settings.top_k} + suffix factor {settings.match_factor:g}, "
