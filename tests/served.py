@@ -14,9 +14,65 @@ from pathlib import Path
 
 SPECEXPORT = Path(sys.executable).parent / "specexport"
 
+# `specexport serve` with every request's text held at its first piece while a gate file exists (until the request
+# is cancelled): the scheduler's thread waits there, so what a request does next waits for the test (a disconnect, a
+# signal, more clients), not for how fast this machine generates. At most 120 s, then it goes on.
+GATED = """
+import os, sys, time
+from specexport.cli import main
+from specexport.runtime import scheduler
+
+gate, submit = os.environ["SPECEXPORT_TEST_GATE"], scheduler.Scheduler.submit
+
+
+def gated_submit(self, *args, on_text=None, **kwargs):
+    box = []
+
+    def held(piece):  # (box: the request, once submit has returned it)
+        deadline = time.monotonic() + 120
+        while (not box or os.path.exists(gate) and not box[0].cancelled) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        (on_text or box[0]._text)(piece)
+
+    box.append(submit(self, *args, on_text=held, **kwargs))
+    return box[0]
+
+
+scheduler.Scheduler.submit = gated_submit
+sys.argv[0] = "specexport"
+sys.exit(main())
+"""
+
+
+class Gate:
+    """The file a server started with `Served(..., gate=Gate(path))` holds its generations on: `hold()` creates it
+    (requests submitted stop at their first piece of text, each until it is cancelled), `release()` removes it."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+
+    def hold(self) -> None:
+        self.path.touch()
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def wait_for(condition, what: str, timeout: float = 60.0, every: float = 0.01):
+    """Poll `condition()` until it returns something true (returned), or fail after `timeout` seconds: a bound on a
+    hang, never a guess at how long something takes."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still waiting after {timeout} s for {what}")
+        time.sleep(every)
+    return value
+
 
 class Served:
-    def __init__(self, bundle, *options, command=None, env=None, start_timeout=180.0, port=0):
+    def __init__(self, bundle, *options, command=None, env=None, start_timeout=180.0, port=0, gate: Gate | None = None):
+        if gate is not None:  # held by the gate's file (GATED)
+            command, env = [sys.executable, "-c", GATED], {**(env or {}), "SPECEXPORT_TEST_GATE": str(gate.path)}
         argv = command or [str(SPECEXPORT)]
         self.process = subprocess.Popen([*argv, "serve", str(bundle), "--port", str(port), *map(str, options)],
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -161,9 +161,26 @@ def test_the_bridge_streams_what_generate_returns(bundles, method):
 
 def test_concurrent_bridge_generations_share_the_engines_steps(bundles):
     """Four threads generating on one embedded engine are batched: they share its target calls (fewer calls than their
-    steps together), and each gets its batch-1 tokens (fp32). With max_batch -1 each runs alone."""
+    steps together), and each gets its batch-1 tokens (fp32). With max_batch -1 each runs alone. The scheduler's
+    first step waits until all four are submitted: on a fast machine (or a busy one, where a thread starts late) the
+    first request could otherwise end before the last one is submitted, and nothing would be shared."""
     embedded = bridge.open_engine(str(bundles / "ngram"), threads=1, max_batch=4)
     engine, results = embedded.engine, {}
+    scheduler, submitted, all_in = embedded.scheduler, [], threading.Event()
+    submit, step = scheduler.submit, scheduler.step
+
+    def counted_submit(*args, **kwargs):
+        request = submit(*args, **kwargs)
+        submitted.append(request)
+        if len(submitted) == 4:
+            all_in.set()
+        return request
+
+    def held_step():  # the scheduler's thread, at each step: the first waits for all four (at most 60 s)
+        all_in.wait(60)
+        return step()
+
+    scheduler.submit, scheduler.step = counted_submit, held_step  # instance attributes: the bridge and loop read them
 
     def one(i):
         results[i] = bridge.generate(embedded, PROMPTS[i % len(PROMPTS)], None, False, 40, 0.0, 0, 1.0, -1, [], [],
@@ -176,6 +193,7 @@ def test_concurrent_bridge_generations_share_the_engines_steps(bundles):
         t.join(timeout=300)
     want = [engine.generate(PROMPTS[i % len(PROMPTS)], max_new_tokens=40) for i in range(4)]
     assert [results[i][1] for i in range(4)] == [len(w.tokens) for w in want]
+    assert len(submitted) == 4 and all_in.is_set()
     assert embedded.scheduler.steps < sum(results[i][2] for i in range(4))  # calls shared
     assert max(n for n, _ in embedded.scheduler.widths) > 1
     embedded.close()
@@ -337,7 +355,9 @@ def test_the_interpreter_comes_from_the_environment(prefix, bundles):
 
 def test_concurrent_generations_on_one_engine_equal_serial_ones(checks, bundles):
     """Four threads share one engine: each gets what a serial run gets, and they run at once (not one after the
-    other: every generation starts before any ends)."""
+    other: every generation streams its first tokens before any ends). abi_check holds each at its first tokens
+    until all four have streamed theirs (at most 60 s), so that a fast machine, or a thread started late on a busy
+    one, cannot end one before another starts; one generation at a time would keep the others from streaming."""
     prompts = PROMPTS * 2
     for method in ("medusa", "eagle3"):
         result = run([checks / "abi_check", "concurrent", bundles / method, "4", "24", *prompts])
@@ -348,7 +368,7 @@ def test_concurrent_generations_on_one_engine_equal_serial_ones(checks, bundles)
         assert all(r["status"] == "SPECEXPORT_OK" for r in rows)
         assert [r["tokens"] for r in together] == [r["tokens"] for r in serial], method
         for group in (together[:4], together[4:]):
-            assert max(r["start"] for r in group) < min(r["end"] for r in group), group
+            assert max(r["first"] for r in group) < min(r["end"] for r in group), group
 
 
 def test_cancel_from_another_thread_stops_within_one_step(checks, bundles):
@@ -412,7 +432,7 @@ def test_real_smollm2_cpp_tokens_equal_python_on_every_method(prefix, tmp_path):
     """SmolLM2-135M int8, every method: the C++ service's greedy tokens on the 40 ShareGPT prompts equal the Python
     engine's (what `specexport run --json` prints), 24 new tokens each. The two run side by side, one core each. The
     service runs each generation alone (--max-batch -1): batched, an int8 step's activation scale spans the call's
-    rows, so a near-tie may go the other way (README, "Many requests at once"); test_the_service_gives_pythons_tokens
+    rows, so a near-tie may go the other way (docs/design/batched-engine.md); test_the_service_gives_pythons_tokens
     checks batched generations (fp32)."""
     from specexport.exporter.sources import ALIASES
 

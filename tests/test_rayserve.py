@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from served import SPECEXPORT, Served
+from served import SPECEXPORT, Served, wait_for
 
 from specexport.runtime.generate import Engine
 from specexport.serve.listen import free_port
@@ -371,9 +371,11 @@ def test_a_new_bundle_rolls_out_without_dropping_requests(bundle, tmp_path, monk
         threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
         for t in threads:
             t.start()
-        time.sleep(2)
+        # requests before, during and after the rollout: counted, not timed (a slow machine answers fewer a second)
+        wait_for(lambda: len(results) >= 4, "requests answered before the rollout", timeout=120)
         second = deploy(v2)
-        time.sleep(3)
+        during = len(results)
+        wait_for(lambda: len(results) >= during + 8, "requests answered after the rollout", timeout=120)
         stop.set()
         for t in threads:
             t.join(timeout=300)

@@ -10,12 +10,11 @@ import signal
 import socket
 import subprocess
 import threading
-import time
 from urllib.parse import urlsplit
 
 import onnxruntime as ort
 import pytest
-from served import SPECEXPORT, Served
+from served import SPECEXPORT, Gate, Served, wait_for
 
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import SamplingParams
@@ -78,6 +77,29 @@ def metric(samples: dict, name: str, **labels) -> float:
                all(f'{key}="{value}"' in k for key, value in labels.items()))
 
 
+def active(served) -> float:
+    """Requests the server holds: running (or prefilling) and queued."""
+    samples = metrics(served)
+    return metric(samples, "specexport:num_requests_running") + metric(samples, "specexport:num_requests_waiting")
+
+
+def metrics_when(served, test, what: str) -> dict:
+    """The /metrics samples once `test(samples)` holds (polled: wait_for's bound on a hang)."""
+    def ready():
+        samples = metrics(served)
+        return samples if test(samples) else None
+    return wait_for(ready, what)
+
+
+def aborted(samples) -> float:
+    return metric(samples, "specexport:request_success_total", finished_reason="abort")
+
+
+def completions_logged(served) -> list[dict]:
+    """The access log's lines for /v1/completions (a line is written when the response has ended)."""
+    return [line for line in served.access_log() if line["path"] == "/v1/completions"]
+
+
 # ---- the requests, checked on their own --------------------------------------------------------------------------
 
 
@@ -92,10 +114,14 @@ def test_neutral_values_pass_and_asking_values_are_refused_by_name():
     for name, value in {"n": 2, "logprobs": True, "top_logprobs": 2, "frequency_penalty": 0.5, "presence_penalty": -1,
                         "logit_bias": {"5": 10}, "tools": [{"type": "function"}], "tool_choice": "required",
                         "response_format": {"type": "json_object"}, "reasoning_effort": "high",
-                        "min_tokens": 3, "n ": 1}.items():
+                        "min_tokens": 3}.items():
         with pytest.raises(protocol.ApiError) as e:
             protocol.chat_request({**base, name: value})
         assert e.value.status == 400 and e.value.param == name, (name, e.value.message)
+    assert protocol.chat_request({**base, "n ": 1}).ignored == ("n ",)  # unknown: ignored, and named
+    with pytest.raises(protocol.ApiError) as e:
+        protocol.chat_request({**base, "n ": 1}, strict=True)  # serve --strict
+    assert e.value.param == "n "
     assert protocol.completion_request({"prompt": "x", "best_of": 1, "echo": False, "suffix": None}).prompts == ["x"]
     with pytest.raises(protocol.ApiError, match="echo"):
         protocol.completion_request({"prompt": "x", "echo": True})
@@ -212,8 +238,8 @@ def test_bad_input_gets_its_status_and_openais_error_shape(server):
         assert set(answer) == {"error"} and set(answer["error"]) == {"message", "type", "param", "code"}, (what, answer)
         assert answer["error"]["param"] == param and answer["error"]["message"], (what, answer)
         assert "Traceback" not in answer["error"]["message"]
-    time.sleep(0.2)
-    lines = server.access_log()[before:]
+    lines = wait_for(lambda: len(server.access_log()) >= before + len(BAD) and server.access_log()[before:],
+                     "an access-log line for each request")  # through the server's stderr and a reader thread
     assert [line["status"] for line in lines] == [b[5] for b in BAD]  # one line each, with its error
     assert all(line["error"] for line in lines)
     assert not any("Traceback" in line for line in server.lines)
@@ -247,7 +273,7 @@ def stream_some(served, prompt, max_tokens, stop_after=None):
         text = response.read().decode()
         connection.close()
         return {"status": response.status, "retry_after": response.getheader("Retry-After"), "body": text}
-    text, finish, usage, events, done = [], None, None, 0, False
+    text, finish, usage, events, done, error = [], None, None, 0, False, None
     for line in response:
         line = line.decode().strip()
         if not line.startswith("data: "):
@@ -256,6 +282,7 @@ def stream_some(served, prompt, max_tokens, stop_after=None):
             done = True
             break
         event = json.loads(line[6:])
+        error = event.get("error", error)
         if event.get("usage"):
             usage = event["usage"]
         for choice in event.get("choices", []):
@@ -267,17 +294,21 @@ def stream_some(served, prompt, max_tokens, stop_after=None):
             connection.close()
             return {"status": 200, "disconnected": True}
     connection.close()
-    return {"status": 200, "text": "".join(text), "finish": finish, "usage": usage, "done": done}
+    return {"status": 200, "text": "".join(text), "finish": finish, "usage": usage, "done": done, "error": error}
 
 
-def test_load_queue_limit_disconnects_and_metrics(bundle):
+def test_load_queue_limit_disconnects_and_metrics(bundle, tmp_path):
     """More concurrent clients than --max-batch + --max-queue, streamed and not, some leaving mid-stream: each
     either completes with all its tokens or gets a 429 with Retry-After; the server's RSS after the run is within a
-    few percent of before (after a warm-up at full batch); /metrics adds up to what the clients saw."""
+    few percent of before (after a warm-up at full batch); /metrics adds up to what the clients saw. Each wave is
+    held at its first tokens (a gate) until every client has its place or its 429: the first four, in order (a
+    disconnecting one among them), fill both slots and the queue, the rest are refused, on a fast machine or a slow
+    one."""
     N = 120
     engine = Engine.load(bundle, threads=1)
     want = {p: engine.generate(p, max_new_tokens=N, chat=False) for p in PROMPTS}
-    with Served(bundle, "--max-batch", "2", "--max-queue", "2", "--threads", "1") as served:
+    gate = Gate(tmp_path / "gate")
+    with Served(bundle, "--max-batch", "2", "--max-queue", "2", "--threads", "1", gate=gate) as served:
         proc = psutil.Process(served.pid)
         api = client(served)
 
@@ -295,34 +326,46 @@ def test_load_queue_limit_disconnects_and_metrics(bundle):
                 return prompt, {"status": 429, "retry_after": e.response.headers.get("retry-after")}
 
         def wave(n):
+            wait_for(lambda: active(served) == 0, "an idle server")  # a client that left may still be running
+            gate.hold()
             results = [None] * n
             threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, one(i))) for i in range(n)]
             for i, t in enumerate(threads):
                 t.start()
-                if i < 4:
-                    time.sleep(0.01)  # in index order: the first ones (a disconnecting one among them) are admitted
+                if i < 4:  # in index order: the first ones (a disconnecting one among them) are admitted
+                    wait_for(lambda: active(served) == i + 1, f"client {i} admitted")
+            for t in threads[4:]:
+                t.join(timeout=300)  # the slots and the queue are full (held): a 429 at once
+            gate.release()
             for t in threads:
                 t.join(timeout=300)
             assert not any(t.is_alive() for t in threads)
             return results
 
         wave(4)  # warm-up: both slots, the queue, streamed and not
-        time.sleep(0.5)
+        wait_for(lambda: active(served) == 0, "the warm-up's end")
         rss_before, base = proc.memory_info().rss, metrics(served)
         results = []
         for _ in range(3):
             results += wave(12)
-        deadline = time.monotonic() + 30
-        while metric(metrics(served), "specexport:num_requests_running") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)
-        rss_after, after = proc.memory_info().rss, metrics(served)
 
         completed = [(p, r) for p, r in results if r["status"] == 200 and not r.get("disconnected")]
         refused = [r for _, r in results if r["status"] == 429]
         left = [r for _, r in results if r.get("disconnected")]
         assert len(completed) + len(refused) + len(left) == len(results)
-        assert refused and completed and left, [r["status"] for _, r in results]
+        assert (len(completed), len(refused), len(left)) == (9, 24, 3), [r["status"] for _, r in results]
+
+        def ended(samples):  # requests ended since `base`, by the server's count
+            return sum(metric(samples, "specexport:request_success_total", finished_reason=reason) -
+                       metric(base, "specexport:request_success_total", finished_reason=reason)
+                       for reason in ("length", "stop", "abort", "error"))
+
+        def settled(samples):  # every request counted (one that left is, once the server has seen it go), none held
+            held = metric(samples, "specexport:num_requests_running") + metric(samples, "specexport:num_requests_waiting")
+            return held == 0 and ended(samples) >= len(completed) + len(left)
+
+        after = metrics_when(served, settled, "the server to count every request")
+        rss_after = proc.memory_info().rss
         assert all(r["retry_after"] and int(r["retry_after"]) >= 1 for r in refused)
         for prompt, r in completed:
             assert r["done"] and r["text"] == want[prompt].text, (prompt, r)  # no duplicates, no gaps
@@ -352,50 +395,51 @@ def test_load_queue_limit_disconnects_and_metrics(bundle):
         assert served.stop() == 0
 
 
-def test_a_disconnected_client_cancels_its_request(bundle):
-    with Served(bundle, "--max-batch", "2", "--threads", "1") as served:
+def test_a_disconnected_client_cancels_its_request(bundle, tmp_path):
+    """The request is held at its first tokens (a gate) until it is cancelled: it cannot finish before its client
+    leaves, however fast this machine generates (unheld, the 240 tokens took 60 ms on a busy 2-core machine)."""
+    gate = Gate(tmp_path / "gate")
+    with Served(bundle, "--max-batch", "2", "--threads", "1", gate=gate) as served:
+        gate.hold()
         parts = urlsplit(served.url)
         connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
         connection.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "max_tokens": 240,
                                                                         "temperature": 0}),
                            headers={"Content-Type": "application/json"})
-        deadline = time.monotonic() + 30
-        while not metric(metrics(served), "specexport:num_requests_running") and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_for(lambda: metric(metrics(served), "specexport:num_requests_running"), "the request to run")
         connection.sock.close()  # gone before its answer
-        left = time.monotonic()
-        while metric(metrics(served), "specexport:num_requests_running") and time.monotonic() < left + 10:
-            time.sleep(0.02)
-        samples = metrics(served)
+        samples = metrics_when(served, aborted, "the request to end")
+        gate.release()
         assert metric(samples, "specexport:num_requests_running") == 0
         assert metric(samples, "specexport:request_success_total", finished_reason="abort") == 1
         assert metric(samples, "specexport:generation_tokens_total") < 240
         assert served.stop() == 0
 
 
-def test_a_stream_left_before_its_first_event_is_cancelled(bundle):
+def test_a_stream_left_before_its_first_event_is_cancelled(bundle, tmp_path):
     """One slot: a long stream runs; a second stream waits in the queue and its client leaves before any event.
-    The waiting request is dropped (never generates), the first one completes."""
+    The waiting request is dropped (never generates), the first one completes. The first is held at its first
+    tokens (a gate) until the second's response has ended: it cannot finish first, however fast this machine is."""
     engine = Engine.load(bundle, threads=1)
     want = engine.generate(PROMPTS[1], max_new_tokens=200, chat=False)
-    with Served(bundle, "--max-batch", "1", "--threads", "1") as served:
+    gate = Gate(tmp_path / "gate")
+    with Served(bundle, "--max-batch", "1", "--threads", "1", gate=gate) as served:
+        gate.hold()
         first = {}
         reader = threading.Thread(target=lambda: first.update(stream_some(served, PROMPTS[1], 200)))
         reader.start()
-        deadline = time.monotonic() + 30
-        while not metric(metrics(served), "specexport:num_requests_running") and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_for(lambda: metric(metrics(served), "specexport:num_requests_running"), "the first stream to run")
         parts = urlsplit(served.url)
         connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
         connection.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "max_tokens": 200,
                                                                         "stream": True}),
                            headers={"Content-Type": "application/json"})
-        while not metric(metrics(served), "specexport:num_requests_waiting") and time.monotonic() < deadline:
-            time.sleep(0.005)
+        wait_for(lambda: metric(metrics(served), "specexport:num_requests_waiting"), "the second stream queued")
         connection.sock.close()  # gone while queued: no event was sent
+        wait_for(lambda: completions_logged(served), "the second stream's response to end")  # (the first is held)
+        gate.release()
         reader.join(timeout=120)
-        time.sleep(0.3)
-        samples = metrics(served)
+        samples = metrics_when(served, aborted, "the queued one dropped")
         assert first["done"] and first["text"] == want.text
         assert metric(samples, "specexport:request_success_total", finished_reason="abort") == 1
         assert metric(samples, "specexport:generation_tokens_total") == len(want.tokens)
@@ -403,35 +447,36 @@ def test_a_stream_left_before_its_first_event_is_cancelled(bundle):
         assert served.stop() == 0
 
 
-def test_sigterm_drains_then_exits_0(bundle):
+def test_sigterm_drains_then_exits_0(bundle, tmp_path):
     """SIGTERM with six streams on one slot (one running, five queued): they all finish with all their tokens, a new
     request and /ready get a 503, the process exits 0. SIGINT with --drain-timeout 0: what has not finished is
-    stopped (an error event ends its stream), still exit 0."""
+    stopped (an error event, then [DONE], ends its stream), still exit 0."""
     engine = Engine.load(bundle, threads=1)
     want = engine.generate(PROMPTS[1], max_new_tokens=200, chat=False)
     for timeout, finishes in ((60, True), (0, False)):
-        with Served(bundle, "--threads", "1", "--max-batch", "1", "--drain-timeout", timeout) as served:
+        gate = Gate(tmp_path / f"gate-{timeout}")  # the streams held at their first tokens until the signal is in
+        with Served(bundle, "--threads", "1", "--max-batch", "1", "--drain-timeout", timeout, gate=gate) as served:
+            gate.hold()
             results = [{} for _ in range(6)]
             readers = [threading.Thread(target=lambda r=r: r.update(stream_some(served, PROMPTS[1], 200)))
                        for r in results]
             for reader in readers:
                 reader.start()
-            deadline = time.monotonic() + 30
-            while not metric(metrics(served), "specexport:generation_tokens_total") and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_for(lambda: active(served) == 6, "one stream running, five queued")
             served.process.send_signal(signal.SIGTERM if finishes else signal.SIGINT)  # Ctrl-C drains alike
-            time.sleep(0.05)
             if finishes:
+                wait_for(lambda: post(served, "/ready", None, method="GET")[0] == 503, "/ready to answer 503")
                 status, _, body = post(served, "/v1/completions", {"prompt": "x", "max_tokens": 2})
                 assert status == 503 and body["error"]["type"] == "service_unavailable"
-                assert post(served, "/ready", None, method="GET")[0] == 503
+                gate.release()  # the drain: all six finish
             for reader in readers:
                 reader.join(timeout=120)
             assert served.process.wait(timeout=60) == 0
             if finishes:
-                assert all(r["done"] and r["text"] == want.text for r in results)
-            else:
-                assert not all(r.get("done") for r in results)
+                assert all(r["done"] and r["text"] == want.text and r["error"] is None for r in results)
+            else:  # every stream ends with [DONE]; those stopped say why first
+                assert all(r["done"] and (r["error"] or r["text"] == want.text) for r in results)
+                assert any(r["error"] and r["error"]["type"] == "service_unavailable" for r in results)
             assert not any("Traceback" in line for line in served.lines)
 
 

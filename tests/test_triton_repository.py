@@ -147,7 +147,11 @@ def test_serial_runs_requests_one_at_a_time_as_batch_one(tiny_ngram_bundle):
             assert ended.acquire(timeout=10)
         with pytest.raises(UserError, match="max_new_tokens"):
             serial.submit("x", max_new_tokens=0)
-        slow = serial.submit(prompts[0], max_new_tokens=200, chat=False, on_tokens=lambda ids: slow.cancel())
+        # the callback runs on Serial's thread, which can reach it before `slow` is assigned here: it waits for that
+        assigned = threading.Event()
+        slow = serial.submit(prompts[0], max_new_tokens=200, chat=False,
+                             on_tokens=lambda ids: assigned.wait(60) and slow.cancel())
+        assigned.set()
         assert slow.result(timeout=120).stop_reason == "cancelled"
     finally:
         serial.close()

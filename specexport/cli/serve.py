@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import re
 from pathlib import Path
 
 import click
@@ -13,7 +14,10 @@ from specexport.cli import needs_extra
 from specexport.errors import UserError
 from specexport.runtime import prefix
 from specexport.runtime.backends import DEVICES
+from specexport.serve.server import chat_template_file
 from specexport.serve.server import serve as run_server
+
+ORIGIN = re.compile(r"[a-z][a-z0-9+.\-]*://[^/\s,]+")  # a browser's Origin: scheme://host[:port], no path
 
 
 @click.command()
@@ -26,14 +30,20 @@ from specexport.serve.server import serve as run_server
 @click.option("--max-queue", type=click.IntRange(0), default=64, show_default=True,
               help="Requests waiting beyond the batch; past that a request gets a 429 with Retry-After.")
 @click.option("--api-key", envvar="SPECEXPORT_API_KEY", default=None,
-              help="Require 'Authorization: Bearer KEY' on /v1 (also from $SPECEXPORT_API_KEY).")
+              help="Require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (also from "
+                   "$SPECEXPORT_API_KEY).")
 @click.option("--served-model-name", default=None, help="The model name clients send (default: the bundle's folder "
                                                         "name).")
 @click.option("--drain-timeout", type=click.FloatRange(0), default=30.0, show_default=True,
               help="Seconds SIGTERM/SIGINT waits for running requests before cancelling them.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="ORT intra-op threads (default: all cores).")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=None,
-              help="Prompt tokens fed per step (a long prompt holds the running streams back one chunk per step).")
+              help="The most tokens of one prompt fed per step (a long prompt holds the running streams back one "
+                   "chunk per step). [default: 512]")
+@click.option("--prefill-tokens", type=click.IntRange(1), default=None,
+              help="Feed several waiting prompts' chunks in one call, up to this many prompt tokens a step (fewer "
+                   "steps for a burst of arrivals; each prompt in the call waits for the whole call). [default: one "
+                   "prompt a step, measured best on a 2-core CPU]")
 @click.option("--max-context", type=click.IntRange(2), default=None,
               help="Prompt plus new tokens per request (default: the bundle's context). The KV cache holds "
                    "--max-batch x this many tokens.")
@@ -42,6 +52,16 @@ from specexport.serve.server import serve as run_server
                    "turns), in MiB; 0: none kept.")
 @click.option("--max-body-bytes", type=click.IntRange(1024), default=4 << 20, show_default=True,
               help="Larger request bodies get a 413.")
+@click.option("--strict", is_flag=True,
+              help="Refuse request fields this server does not know with a 400. Without it they are accepted, "
+                   "ignored, and named in the response's X-Specexport-Ignored-Fields header and the log (as vLLM "
+                   "accepts them); fields it knows but cannot honour are refused either way.")
+@click.option("--allowed-origins", multiple=True, metavar="ORIGINS",
+              help="Browser origins allowed to call the API (CORS), e.g. https://app.example.com; comma-separated or "
+                   "repeated; '*': any. Default: none (no CORS headers: a page from another origin cannot call it).")
+@click.option("--chat-template", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
+              help="A Jinja chat template used instead of the bundle's (requests' chat_template_kwargs are its "
+                   "variables).")
 @click.option("--device", type=click.Choice([d for d in DEVICES if d != "auto"]), default="cpu", show_default=True,
               help="cuda: the engine and its KV pool on the GPU (ONNX Runtime's I/O binding; onnxruntime-gpu). "
                    "cpu-iobinding: that device path run on the CPU.")
@@ -60,11 +80,11 @@ from specexport.serve.server import serve as run_server
 @click.option("--start-timeout", type=click.FloatRange(1), default=300.0, show_default=True,
               help="--ray: seconds for every replica to start before the deployment is given up.")
 def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, drain_timeout, threads,
-          prefill_chunk, max_context, prefix_cache, max_body_bytes, device, on_ray, replicas, autoscale, address,
-          num_cpus, detach, start_timeout):
+          prefill_chunk, prefill_tokens, max_context, prefix_cache, max_body_bytes, strict, allowed_origins,
+          chat_template, device, on_ray, replicas, autoscale, address, num_cpus, detach, start_timeout):
     """Serve a bundle behind an OpenAI-compatible API (chat and text completions, streaming, /v1/models), with
-    /health, /ready and Prometheus /metrics. Requests are batched on one engine (continuous batching); SIGTERM or
-    Ctrl-C drains them and exits 0.
+    /health, /ready and Prometheus /metrics, and vLLM's /tokenize, /detokenize and /version. Requests are batched on
+    one engine (continuous batching); SIGTERM or Ctrl-C drains them and exits 0.
 
     \b
     Example:
@@ -75,6 +95,8 @@ def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, 
     load_bundle(bundle)  # one line for a path that is not a bundle, before anything starts
     if api_key is not None and not api_key.strip():
         raise UserError("--api-key must not be empty")
+    origins = _origins(allowed_origins)
+    template = chat_template_file(bundle, chat_template) if chat_template is not None else None
     if not _loopback(host) and api_key is None:
         click.echo(f"warning: listening on {host} without --api-key: anyone who reaches it can use it", err=True)
 
@@ -83,8 +105,10 @@ def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, 
                    f"Ctrl-C or SIGTERM drains and stops)", err=True)
 
     options = dict(max_batch=max_batch, max_queue=max_queue, api_key=api_key, model_name=served_model_name,
-                   threads=threads, prefill_chunk=prefill_chunk, max_context=max_context, prefix_cache=prefix_cache,
-                   max_body_bytes=max_body_bytes, device=device)
+                   threads=threads, prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens, max_context=max_context,
+                   prefix_cache=prefix_cache,
+                   max_body_bytes=max_body_bytes, device=device, strict=strict, allowed_origins=origins,
+                   chat_template=template)
     ray_only = {"--replicas": replicas, "--autoscale": autoscale, "--address": address, "--num-cpus": num_cpus,
                 "--detach": detach or None}
     if not on_ray:
@@ -113,6 +137,16 @@ def _range(text: str) -> tuple[int, int]:
     if not (low.isdigit() and high.isdigit()) or not 1 <= int(low) <= int(high):
         raise UserError(f"--autoscale takes MIN:MAX replicas, 1 <= MIN <= MAX, got {text!r}")
     return int(low), int(high)
+
+
+def _origins(given: tuple[str, ...]) -> tuple[str, ...]:
+    """--allowed-origins: each scheme://host[:port] (no path), or '*'; comma-separated or repeated."""
+    origins = tuple(o.strip() for text in given for o in text.split(",") if o.strip())
+    for origin in origins:
+        if origin != "*" and not ORIGIN.fullmatch(origin):
+            raise UserError(f"--allowed-origins: {origin!r} is not an origin (scheme://host[:port], e.g. "
+                            f"https://app.example.com, or *)")
+    return origins
 
 
 def _loopback(host: str) -> bool:

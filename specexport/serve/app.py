@@ -1,9 +1,13 @@
-"""The FastAPI application: the OpenAI routes over one Scheduler, health and readiness, metrics, access logs.
+"""The FastAPI application: the OpenAI routes over one Scheduler, vLLM's /tokenize, /detokenize and /version, health
+and readiness, metrics, access logs, and CORS for the browser origins the server is given (none by default).
 
-Every request gets an id (the `X-Request-Id` header of its response, and its access-log line). Generation requests
-are checked (serve/protocol.py), encoded and submitted to the scheduler; the scheduler's thread hands their text to
-the event loop through an asyncio queue. A client that disconnects cancels its requests (the scheduler drops them at
-its next step). No traceback reaches a client: a fault is a 500 with OpenAI's error object, logged with its id.
+Every request gets an id: the client's own `X-Request-Id` when it sends one, else a new one (the `X-Request-Id`
+header of its response, its access-log line, and its completion's id). Generation requests are checked
+(serve/protocol.py; fields it does not know are named in the response's X-Specexport-Ignored-Fields header and the
+access log, or refused with `strict`), encoded and submitted to the scheduler; the scheduler's thread hands their
+text to the event loop through an asyncio queue. A client that disconnects cancels its requests (the scheduler drops
+them at its next step). No traceback reaches a client: a fault is a 500 with OpenAI's error object, logged with its
+id; a stream that fails after its first event ends with an error event, then [DONE].
 """
 
 from __future__ import annotations
@@ -14,24 +18,30 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import time
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from specexport import __version__
 from specexport.errors import UserError, first_line
 from specexport.runtime.generate import Engine
 from specexport.runtime.request import Request as Submitted
 from specexport.runtime.scheduler import Scheduler
-from specexport.serve import protocol
+from specexport.serve import fields, protocol
 from specexport.serve.metrics import CONTENT_TYPE, Metrics
 from specexport.serve.protocol import FINISH, ApiError, Job
 
 log = logging.getLogger("specexport.serve")
+CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # an X-Request-Id kept: visible ASCII, at most 128 characters
+EXPOSED_HEADERS = ["X-Request-Id", "X-Served-By", fields.IGNORED_HEADER, "Retry-After"]  # what a page's script reads
+NAMES_WARNED = 1000  # unknown field names warned about once each, at most (then only the access log names them)
 
 
 @dataclass
@@ -42,6 +52,8 @@ class ServeConfig:
     max_body_bytes: int = 4 << 20
     retry_after_s: int = 1
     served_by: str = field(default_factory=lambda: f"{socket.gethostname()}/{os.getpid()}")  # X-Served-By
+    strict: bool = False  # request fields this server does not know get a 400 (else: ignored, and named)
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins let in ('*': any); none: no CORS headers at all
 
 
 @dataclass
@@ -55,6 +67,7 @@ class ServerState:
     draining: bool = False  # SIGTERM/SIGINT seen: new requests get a 503
     stopped: bool = False  # the drain timed out: what still ran was cancelled
     inflight: set = field(default_factory=set)  # submitted requests not yet ended
+    warned: set = field(default_factory=set)  # unknown request fields the log has warned about
 
     def stop_all(self) -> None:
         """Cancel every request still running or queued (the end of a drain that timed out)."""
@@ -73,6 +86,9 @@ def build_app(engine: Engine, scheduler: Scheduler, config: ServeConfig) -> Fast
         scheduler.close()  # the server (uvicorn, a Ray replica) is shutting down
 
     app = FastAPI(title="specexport", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    if config.allowed_origins:  # inside the access log: a preflight gets its id and its line too
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["*"], expose_headers=EXPOSED_HEADERS, max_age=600)
     app.add_middleware(AccessLog, served_by=config.served_by)
     app.state.serve = state
     created = int(time.time())
@@ -142,11 +158,34 @@ def build_app(engine: Engine, scheduler: Scheduler, config: ServeConfig) -> Fast
     async def completions(request: Request):
         return await _generate(request, state, protocol.completion_request)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        def work(raw, content_type):
+            asked = protocol.tokenize_request(protocol.parse_body(raw, content_type), config.strict)
+            _check_model(state, asked.model)
+            return protocol.tokenize(state.engine, asked), asked.ignored
+
+        return await _tokenization(request, state, work)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        def work(raw, content_type):
+            model, tokens, ignored = protocol.detokenize_request(protocol.parse_body(raw, content_type), config.strict)
+            _check_model(state, model)
+            return protocol.detokenize(state.engine, tokens), ignored
+
+        return await _tokenization(request, state, work)
+
     return app
 
 
 class AccessLog:
-    """Pure ASGI middleware: a request id for every HTTP request (`X-Request-Id` on the response, with
+    """Pure ASGI middleware: a request id for every HTTP request, the client's own `X-Request-Id` when it sends one
+    (1 to 128 visible ASCII characters; another is a 400), else a new one (`X-Request-Id` on the response, with
     `X-Served-By`: the host and process that answered, one of several replicas behind Ray) and one JSON line in the
     log when it ends (status, time, and what the route noted: tokens, finish reasons, error)."""
 
@@ -156,9 +195,11 @@ class AccessLog:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        rid = "req-" + secrets.token_hex(8)
+        given = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
+        kept = given is not None and CLIENT_REQUEST_ID.fullmatch(given) is not None
+        rid = given if kept else "req-" + secrets.token_hex(8)
         scope.setdefault("state", {})
-        scope["state"]["request_id"], scope["state"]["log"] = rid, {}
+        scope["state"]["request_id"], scope["state"]["log"], scope["state"]["own_id"] = rid, {}, kept
         status, start = [0], time.perf_counter()
 
         async def send_with_id(message):
@@ -169,7 +210,13 @@ class AccessLog:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            if given is not None and not kept:
+                message = "X-Request-Id must be 1 to 128 visible ASCII characters (no spaces)"
+                scope["state"]["log"]["error"] = message
+                await JSONResponse(protocol.error_body(400, message, "X-Request-Id"), status_code=400)(
+                    scope, receive, send_with_id)
+            else:
+                await self.app(scope, receive, send_with_id)
         finally:
             line = {"request_id": rid, "method": scope["method"], "path": scope["path"], "status": status[0],
                     "ms": round(1e3 * (time.perf_counter() - start), 1), **scope["state"]["log"]}
@@ -222,12 +269,13 @@ async def _generate(request: Request, state: ServerState, parse) -> Response:
                             f"retry later", code="rate_limit_exceeded",
                        headers={"Retry-After": str(config.retry_after_s)})
     rid = request.scope["state"]["request_id"]
-    rid = ("chatcmpl-" if job.chat else "cmpl-") + rid.removeprefix("req-")
+    rid = ("chatcmpl-" if job.chat else "cmpl-") + (rid if request.scope["state"]["own_id"] else rid[4:])
     queue: asyncio.Queue = asyncio.Queue()
     submitted = _submit(state, job, prompts, queue, asyncio.get_running_loop())
     _note(request, prompt_tokens=sum(len(p) for p in prompts), stream=job.stream)
+    headers = _ignored(request, state, job.ignored)
     if job.stream:
-        return _EventStream(_stream(request, state, job, rid, submitted, queue), submitted)
+        return _EventStream(_stream(request, state, job, rid, submitted, queue), submitted, headers)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, submitted))
     try:
         ended = 0
@@ -239,15 +287,45 @@ async def _generate(request: Request, state: ServerState, parse) -> Response:
         for r in submitted:
             r.cancel()  # a no-op for ended requests; stops the rest when this handler is cancelled
     results = _results(request, state, submitted)
-    return JSONResponse(protocol.completion(job, rid, int(time.time()), state.config.model_name, results))
+    return JSONResponse(protocol.completion(job, rid, int(time.time()), state.config.model_name, results),
+                        headers=headers)
 
 
 def _prepare(state: ServerState, parse, raw: bytes, content_type: str | None) -> tuple[Job, list[list[int]]]:
     """The request checked and its prompts encoded (in a worker thread: a long prompt never stalls the streams)."""
-    job: Job = parse(protocol.parse_body(raw, content_type))
-    if job.model is not None and job.model != state.config.model_name:
-        raise _unknown_model(job.model)
+    job: Job = parse(protocol.parse_body(raw, content_type), state.config.strict)
+    _check_model(state, job.model)
+    protocol.stop_ids(state.engine, job)  # its ids checked against the vocabulary before the request queues
     return job, [protocol.prompt_ids(state.engine, job, p) for p in job.prompts]
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.config.model_name:
+        raise _unknown_model(model)
+
+
+def _ignored(request: Request, state: ServerState, names: tuple[str, ...]) -> dict:
+    """The response's headers for the request fields this server did not know and ignored: named in
+    X-Specexport-Ignored-Fields and the access-log line, and the first time a name is seen, in a warning."""
+    if not names:
+        return {}
+    shown = fields.named(list(names))
+    _note(request, ignored_fields=shown)
+    new = [name for name in names if name not in state.warned]
+    if new and len(state.warned) < NAMES_WARNED:
+        state.warned.update(new)
+        log.warning(json.dumps({"event": "request fields ignored", "fields": fields.named(new),
+                                "why": "not known to this server (serve --strict refuses them); each response names "
+                                       f"its own in {fields.IGNORED_HEADER}"}))
+    return {fields.IGNORED_HEADER: shown}
+
+
+async def _tokenization(request: Request, state: ServerState, work) -> Response:
+    """/tokenize or /detokenize: `work(raw body, content type)` -> (answer, ignored fields), in a worker thread."""
+    _authorize(request, state.config)
+    raw = await _read_body(request, state.config.max_body_bytes)
+    answer, ignored = await asyncio.to_thread(work, raw, request.headers.get("content-type"))
+    return JSONResponse(answer, headers=_ignored(request, state, ignored))
 
 
 def _submit(state: ServerState, job: Job, prompts: list[list[int]], queue: asyncio.Queue, loop) -> list[Submitted]:
@@ -265,11 +343,11 @@ def _submit(state: ServerState, job: Job, prompts: list[list[int]], queue: async
             post((index, None))
         return on_end
 
-    submitted = []
+    submitted, stop_ids = [], protocol.stop_ids(state.engine, job)
     for index, ids in enumerate(prompts):
         try:
             request = state.scheduler.submit(ids, max_new_tokens=job.max_tokens or state.engine.max_context,
-                                             sampling=job.sampling, stop=job.stop, chat=False,
+                                             sampling=job.sampling, stop=job.stop, stop_ids=stop_ids, chat=False,
                                              on_text=lambda piece, index=index: post((index, piece)),
                                              on_end=ended(index))
         except UserError as e:
@@ -310,8 +388,9 @@ class _EventStream(StreamingResponse):
     """The server-sent events of `submitted`, which are cancelled however the response ends: a client gone before
     the first event (the generator never started, so its own cleanup never runs), a fault, or the end."""
 
-    def __init__(self, events, submitted: list[Submitted]):
-        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    def __init__(self, events, submitted: list[Submitted], headers: dict | None = None):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", **(headers or {})})
         self.submitted = submitted
 
     async def __call__(self, scope, receive, send):
@@ -330,32 +409,36 @@ def _sse(data: dict | str) -> bytes:
 async def _stream(request: Request, state: ServerState, job: Job, rid: str, submitted: list[Submitted],
                   queue: asyncio.Queue):
     """Server-sent events as the OpenAI client reads them: the role first (chat), text pieces, a last chunk per
-    choice with its finish reason, the usage chunk when asked, then [DONE]. A failure mid-stream is an error
-    event. Starlette cancels this generator when the client disconnects (_EventStream then cancels the requests)."""
+    choice with its finish reason, the usage chunk when asked, then [DONE]. A failure mid-stream (a request that
+    failed or was stopped, a fault here) is an error event (OpenAI's error object), then [DONE]. Starlette cancels
+    this generator when the client disconnects (_EventStream then cancels the requests)."""
     created, model, complete = int(time.time()), state.config.model_name, False
     try:
-        if job.chat:
-            for index in range(len(submitted)):
-                yield _sse(protocol.chunk(job, rid, created, model, index, role=True))
-        ended = 0
-        while ended < len(submitted):
-            index, piece = await queue.get()
-            if piece is not None:
-                yield _sse(protocol.chunk(job, rid, created, model, index, text=piece))
-                continue
-            ended += 1
-            result = submitted[index].generation
-            if result is not None and result.stop_reason != "cancelled":
-                yield _sse(protocol.chunk(job, rid, created, model, index, finish=FINISH[result.stop_reason]))
         try:
+            if job.chat:
+                for index in range(len(submitted)):
+                    yield _sse(protocol.chunk(job, rid, created, model, index, role=True))
+            ended = 0
+            while ended < len(submitted):
+                index, piece = await queue.get()
+                if piece is not None:
+                    yield _sse(protocol.chunk(job, rid, created, model, index, text=piece))
+                    continue
+                ended += 1
+                result = submitted[index].generation
+                if result is not None and result.stop_reason != "cancelled":
+                    yield _sse(protocol.chunk(job, rid, created, model, index, finish=FINISH[result.stop_reason]))
             results = _results(request, state, submitted)
+            if job.include_usage:
+                yield _sse(protocol.usage_chunk(job, rid, created, model, results))
         except ApiError as e:
             _note(request, error=e.message)
             yield _sse(e.body())
-            complete = True
-            return
-        if job.include_usage:
-            yield _sse(protocol.usage_chunk(job, rid, created, model, results))
+        except Exception as e:  # noqa: BLE001 - a fault here, after the response began: said as a failed request is
+            request_id = request.scope["state"]["request_id"]
+            log.exception("request %s failed mid-stream", request_id)
+            _note(request, error=f"internal error: {first_line(e)}")
+            yield _sse(protocol.error_body(500, f"internal server error (request {request_id})"))
         yield _sse("[DONE]")
         complete = True
     finally:

@@ -2,20 +2,26 @@
 built as the official client parses them, errors as OpenAI's error object. No web framework here.
 
 A request field is either supported (model, messages/prompt, max_tokens, max_completion_tokens, temperature, top_p,
-seed, stop, stream, stream_options, user, and our `top_k`), accepted only at its neutral value (n 1, no logprobs,
-zero penalties, no tools, text responses, ...: clients such as LangChain send them), or refused with a 400 naming it.
-A field asking for something this server does not do is never silently ignored.
+seed, stop, stream, stream_options, user; vLLM's `top_k`, `stop_token_ids`, `chat_template_kwargs` and
+`add_generation_prompt`), or known and checked by serve/fields.py: accepted only at its neutral value (n 1, no
+logprobs, zero penalties, no tools, text responses, ...: clients such as LangChain send them), a hint accepted with
+any value, or an unknown field, accepted and named (`Job.ignored`: the X-Specexport-Ignored-Fields header), or with
+serve --strict refused. A known field asking for something this server does not do is never ignored; an unknown one
+is ignored only where the response says so.
+
+/tokenize and /detokenize take vLLM's requests and give its answers.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specexport.errors import UserError, first_line
 from specexport.runtime.generate import Engine, Generation
 from specexport.runtime.sampling import SamplingParams
+from specexport.serve import fields
 
 MAX_STOPS = 16  # stop strings per request (OpenAI takes 4; each costs a search of the text held back)
 MAX_STOP_CHARS = 256  # characters per stop string (the stream holds back the longest one's length)
@@ -70,65 +76,23 @@ def parse_body(raw: bytes, content_type: str | None) -> dict:
     return body
 
 
-# -- neutral values of the fields we do not support --------------------------------------------------
-def _none(v) -> bool:
-    return v is None
-
-
-def _false(v) -> bool:
-    return v is None or v is False
-
-
-def _one(v) -> bool:
-    return v is None or (type(v) is int and v == 1)
-
-
-def _zero(v) -> bool:
-    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
-
-
-def _empty(v) -> bool:
-    return v is None or v == [] or v == {}
-
-
-def _anything(v) -> bool:  # tags that ask for no behaviour (metadata, cache keys)
-    return True
-
-
-NO_TOOL_CALLS = {None, "none", "auto"}  # tool_choice values that ask for no call (auto, with no tools given)
-NEUTRAL_COMMON = {
-    "n": (_one, "1"), "frequency_penalty": (_zero, "0"), "presence_penalty": (_zero, "0"),
-    "logit_bias": (_empty, "empty"), "metadata": (_anything, ""), "store": (_false, "false"),
-    "service_tier": (lambda v: v in (None, "auto", "default"), "auto"),
-    "prompt_cache_key": (_anything, ""), "safety_identifier": (_anything, ""),
-}
-NEUTRAL_CHAT = {
-    **NEUTRAL_COMMON,
-    "logprobs": (_false, "false"), "top_logprobs": (lambda v: v is None or (type(v) is int and v == 0), "0"),
-    "tools": (_empty, "empty"), "functions": (_empty, "empty"),
-    "tool_choice": (lambda v: v in NO_TOOL_CALLS, "none"),
-    "function_call": (lambda v: v in NO_TOOL_CALLS, "none"),
-    "parallel_tool_calls": (lambda v: v is None or isinstance(v, bool), "a boolean"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, '{"type": "text"}'),
-    "modalities": (lambda v: v is None or v == ["text"], '["text"]'),
-    "reasoning_effort": (_none, "null"), "prediction": (_none, "null"), "audio": (_none, "null"),
-    "web_search_options": (_none, "null"), "verbosity": (_none, "null"),
-}
-NEUTRAL_COMPLETION = {
-    **NEUTRAL_COMMON,
-    "best_of": (_one, "1"), "logprobs": (_none, "null"), "echo": (_false, "false"),
-    "suffix": (lambda v: v is None or v == "", "empty"),
-}
-SUPPORTED_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+SUPPORTED_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
                     "stream_options", "user"}
-SUPPORTED_CHAT = SUPPORTED_COMMON | {"messages", "max_completion_tokens"}
+SUPPORTED_CHAT = SUPPORTED_COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs",
+                                     "add_generation_prompt"}
 SUPPORTED_COMPLETION = SUPPORTED_COMMON | {"prompt"}
+SUPPORTED_TOKENIZE = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                      "chat_template_kwargs", "return_token_strs"}
+STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
+RESERVED_TEMPLATE_NAMES = ("messages", "add_generation_prompt")  # what the server itself passes the template
+MAX_STOP_IDS = 64
 
 
 @dataclass
 class Job:
     """A checked request: its prompts (chat messages, text or token ids; several for a completions list), how
-    many tokens, how to sample, and how to answer."""
+    many tokens, how to sample, and how to answer. `ignored`: the fields it sent that this server does not know
+    (serve/fields.py)."""
 
     chat: bool
     prompts: list
@@ -138,39 +102,65 @@ class Job:
     stream: bool
     include_usage: bool
     model: str | None
+    stop_token_ids: tuple[int, ...] = ()
+    template: dict = field(default_factory=dict)  # chat_template_kwargs: the chat template's variables
+    add_generation_prompt: bool = True
+    ignored: tuple[str, ...] = ()
 
 
-def chat_request(body: dict) -> Job:
-    _check_fields(body, SUPPORTED_CHAT, NEUTRAL_CHAT)
+def chat_request(body: dict, strict: bool = False) -> Job:
+    ignored = _check_fields(body, SUPPORTED_CHAT, fields.CHAT, strict)
     if "messages" not in body:
         raise bad("messages is required", "messages")
     given = [body.get("max_tokens"), body.get("max_completion_tokens")]
     if None not in given and given[0] != given[1]:
         raise bad("max_tokens and max_completion_tokens disagree; send one", "max_completion_tokens")
-    field = "max_completion_tokens" if given[1] is not None else "max_tokens"
-    return _job(body, True, [_messages(body["messages"])], field)
+    field_name = "max_completion_tokens" if given[1] is not None else "max_tokens"
+    job = _job(body, True, [_messages(body["messages"])], field_name, ignored, strict)
+    job.template, job.add_generation_prompt = _template_variables(body), _flag(body, "add_generation_prompt", True)
+    return job
 
 
-def completion_request(body: dict) -> Job:
-    _check_fields(body, SUPPORTED_COMPLETION, NEUTRAL_COMPLETION)
+def completion_request(body: dict, strict: bool = False) -> Job:
+    ignored = _check_fields(body, SUPPORTED_COMPLETION, fields.COMPLETION, strict)
     if "prompt" not in body:
         raise bad("prompt is required", "prompt")
-    return _job(body, False, _prompts(body["prompt"]), "max_tokens")
+    return _job(body, False, _prompts(body["prompt"]), "max_tokens", ignored, strict)
 
 
-def _check_fields(body: dict, supported: set, neutral: dict) -> None:
-    for name, value in body.items():
-        if name in supported:
-            continue
-        if name not in neutral:
-            raise bad(f"unrecognized request argument: {name}", name)
-        ok, what = neutral[name]
-        if not ok(value):
-            raise bad(f"{name} is not supported by this server (only {what})" if what else
-                      f"{name} is not supported by this server", name)
+def _check_fields(body: dict, supported: set, known: dict, strict: bool) -> list[str]:
+    """The fields of `body` that this server does not know (ignored); a 400 for a known one it cannot honour, or for
+    an unknown one when `strict` (serve/fields.py)."""
+    try:
+        return fields.check(body, supported, known, strict)
+    except fields.FieldError as e:
+        raise bad(str(e), e.param) from None
 
 
-def _job(body: dict, chat: bool, prompts: list, max_field: str) -> Job:
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"{name} must be a boolean, got {json.dumps(value)}", name)
+    return value
+
+
+def _template_variables(body: dict) -> dict:
+    """chat_template_kwargs: an object whose entries become the chat template's variables (Qwen3's enable_thinking)."""
+    variables = body.get("chat_template_kwargs")
+    if variables is None:
+        return {}
+    if not isinstance(variables, dict):
+        raise bad("chat_template_kwargs must be an object (the chat template's variables)", "chat_template_kwargs")
+    taken = [name for name in RESERVED_TEMPLATE_NAMES if name in variables]
+    if taken:
+        raise bad(f"chat_template_kwargs must not set {taken[0]} (the server passes it; add_generation_prompt is a "
+                  f"field of its own)", "chat_template_kwargs")
+    return dict(variables)
+
+
+def _job(body: dict, chat: bool, prompts: list, max_field: str, ignored: list[str], strict: bool) -> Job:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model must be a string", "model")
@@ -181,17 +171,36 @@ def _job(body: dict, chat: bool, prompts: list, max_field: str) -> Job:
         raise bad("stream must be a boolean", "stream")
     options = body.get("stream_options")
     if options is not None:
-        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
-            raise bad("stream_options takes include_usage only", "stream_options")
+        if not isinstance(options, dict):
+            raise bad("stream_options must be an object", "stream_options")
+        for name in options:
+            if name not in STREAM_OPTIONS:
+                if strict:
+                    raise bad(f"unrecognized request argument: stream_options.{name}", "stream_options")
+                ignored.append(f"stream_options.{name}")
+        for name in ("include_usage", "continuous_usage_stats", "include_obfuscation"):
+            if options.get(name) is not None and not isinstance(options[name], bool):
+                raise bad(f"stream_options.{name} must be a boolean", "stream_options")
         if options.get("continuous_usage_stats"):
-            raise bad("stream_options.continuous_usage_stats is not supported by this server", "stream_options")
-        if not isinstance(options.get("include_usage", False), bool):
-            raise bad("stream_options.include_usage must be a boolean", "stream_options")
+            raise bad("stream_options.continuous_usage_stats is not supported by this server (only false; "
+                      "include_usage gives the usage in the last chunk)", "stream_options")
     max_tokens = body.get(max_field)
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
         raise bad(f"{max_field} must be an integer >= 1, got {json.dumps(max_tokens)}", max_field)
     return Job(chat, prompts, max_tokens, _sampling(body), _stops(body.get("stop")), bool(stream),
-               bool((options or {}).get("include_usage")), model)
+               bool((options or {}).get("include_usage")), model, _stop_ids(body.get("stop_token_ids")),
+               ignored=tuple(ignored))
+
+
+def _stop_ids(ids) -> tuple[int, ...]:
+    """stop_token_ids (vLLM's): token ids that end the generation as the end-of-sequence token does."""
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(type(t) is int and t >= 0 for t in ids):
+        raise bad("stop_token_ids must be a list of token ids (integers >= 0)", "stop_token_ids")
+    if len(ids) > MAX_STOP_IDS:
+        raise bad(f"stop_token_ids takes at most {MAX_STOP_IDS} ids, got {len(ids)}", "stop_token_ids")
+    return tuple(sorted(set(ids)))
 
 
 def _number(body: dict, name: str, default: float) -> float:
@@ -247,7 +256,7 @@ def _messages(messages) -> list[dict]:
         if role not in ROLES:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(role)}", f"{where}.role")
         for key, value in message.items():
-            if key not in ("role", "content", "name") and not _empty(value):
+            if key not in ("role", "content", "name") and value not in (None, [], {}):
                 raise bad(f"{where}.{key} is not supported by this server", f"{where}.{key}")
         name = message.get("name")
         if name is not None and not isinstance(name, str):
@@ -285,22 +294,110 @@ def _prompts(prompt) -> list:
 
 
 # -- prompts to token ids ----------------------------------------------------------------------------
+def render_chat(engine: Engine, messages: list[dict], add_generation_prompt: bool = True,
+                variables: dict | None = None) -> str:
+    """The chat template's text for `messages` (the bundle's template, or serve --chat-template's), with
+    `variables` (chat_template_kwargs); a 400 when there is no template or it fails on these messages."""
+    tokenizer = engine.tokenizer
+    if not tokenizer.has_chat_template:
+        raise bad("this model has no chat template; use /v1/completions", "messages")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt, **(variables or {}))
+    except UserError as e:
+        raise bad(first_line(e), "messages") from None
+    except Exception as e:  # noqa: BLE001 - a template's own fault (a TypeError on a variable's value, ...)
+        raise bad(f"chat template: {type(e).__name__}: {first_line(e)}", "messages") from None
+
+
 def prompt_ids(engine: Engine, job: Job, prompt) -> list[int]:
     """The prompt's token ids, checked against the context: 400 when it, plus max_tokens, does not fit."""
     param = "messages" if job.chat else "prompt"
+    if job.chat:
+        text = render_chat(engine, prompt, job.add_generation_prompt, job.template)
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS
     try:
-        if job.chat:
-            if not engine.tokenizer.has_chat_template:
-                raise UserError("this model has no chat template; use /v1/completions")
-            ids = engine.encode(engine.tokenizer.encode_chat(prompt), chat=False)
-        else:
-            ids = engine.encode(prompt, chat=False)
+        ids = engine.encode(prompt, chat=False)
     except UserError as e:
         raise bad(first_line(e), param) from None
     if job.max_tokens is not None and len(ids) + job.max_tokens > engine.max_context:
         raise bad(f"this model's maximum context length is {engine.max_context} tokens; the prompt has {len(ids)} "
                   f"and max_tokens asks for {job.max_tokens} more", "max_tokens")
     return ids
+
+
+def stop_ids(engine: Engine, job: Job) -> tuple[int, ...] | None:
+    """The token ids that end the job's generations: the model's end-of-sequence ids and its stop_token_ids (None:
+    the model's alone)."""
+    if not job.stop_token_ids:
+        return None
+    vocab = engine.bundle.manifest["model"]["vocab"]
+    if job.stop_token_ids[-1] >= vocab:
+        raise bad(f"stop_token_ids must be in 0..{vocab - 1}, got {job.stop_token_ids[-1]}", "stop_token_ids")
+    return tuple(sorted(engine.tokenizer.eos_token_ids | set(job.stop_token_ids)))
+
+
+# -- /tokenize and /detokenize (vLLM's shapes) ---------------------------------------------------------
+@dataclass
+class Tokenize:
+    """A checked /tokenize request: a text `prompt`, or chat `messages` rendered by the chat template."""
+
+    model: str | None
+    prompt: str | None
+    messages: list | None
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    template: dict
+    token_strs: bool
+    ignored: tuple[str, ...]
+
+
+def tokenize_request(body: dict, strict: bool = False) -> Tokenize:
+    ignored = _check_fields(body, SUPPORTED_TOKENIZE, fields.TOKENIZE, strict)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad("model must be a string", "model")
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise bad("send prompt (a text) or messages (a chat), one of them", "prompt")
+    if prompt is not None and not isinstance(prompt, str):
+        raise bad("prompt must be a string", "prompt")
+    chat = messages is not None
+    return Tokenize(model, prompt, _messages(messages) if chat else None,
+                    _flag(body, "add_special_tokens", not chat), _flag(body, "add_generation_prompt", True),
+                    _template_variables(body), _flag(body, "return_token_strs", False), tuple(ignored))
+
+
+def tokenize(engine: Engine, request: Tokenize) -> dict:
+    """{"count", "max_model_len", "tokens"[, "token_strs"]}: the ids /v1/completions (a prompt) or
+    /v1/chat/completions (messages, add_special_tokens false) computes for it, whatever their length."""
+    tokenizer = engine.tokenizer
+    text = request.prompt if request.messages is None else \
+        render_chat(engine, request.messages, request.add_generation_prompt, request.template)
+    ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
+    out = {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
+    if request.token_strs:
+        out["token_strs"] = [tokenizer.backend.id_to_token(i) for i in ids]
+    return out
+
+
+def detokenize_request(body: dict, strict: bool = False) -> tuple[str | None, list[int], tuple[str, ...]]:
+    """(model, tokens, ignored fields) of a /detokenize request."""
+    ignored = _check_fields(body, {"model", "tokens"}, {}, strict)
+    model, tokens = body.get("model"), body.get("tokens")
+    if model is not None and not isinstance(model, str):
+        raise bad("model must be a string", "model")
+    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+        raise bad("tokens must be a list of token ids (integers)", "tokens")
+    return model, tokens, tuple(ignored)
+
+
+def detokenize(engine: Engine, tokens: list[int]) -> dict:
+    """{"prompt": the text of `tokens`}, special tokens included (what /tokenize's ids were)."""
+    vocab = engine.bundle.manifest["model"]["vocab"]
+    wrong = next((t for t in tokens if not 0 <= t < vocab), None)
+    if wrong is not None:
+        raise bad(f"tokens must be in 0..{vocab - 1}, got {wrong}", "tokens")
+    return {"prompt": engine.tokenizer.decode(tokens, skip_special_tokens=False)}
 
 
 # -- responses ---------------------------------------------------------------------------------------
@@ -312,13 +409,15 @@ def outcome(result: Generation | None) -> str:
 
 
 def usage(results: list[Generation]) -> dict:
-    """OpenAI's usage, with the speculation's figures under EXTRAS_KEY: target steps, tokens per step (tau),
-    draft tokens verified and accepted."""
+    """OpenAI's usage (prompt_tokens_details.cached_tokens: the prompt tokens copied from the prefix cache, not
+    computed: runtime/prefix.py), with the speculation's figures under EXTRAS_KEY: target steps, tokens per step
+    (tau), draft tokens verified and accepted."""
     prompt = sum(r.stats.prompt_tokens for r in results)
     completion = sum(r.stats.new_tokens for r in results)
     steps = sum(r.stats.steps for r in results)
     accept_lengths = [n for r in results for n in r.stats.accept_lengths]
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.stats.cached_tokens for r in results)},
             EXTRAS_KEY: {"steps": steps, "tau": round(sum(accept_lengths) / len(accept_lengths), 3)
                          if accept_lengths else 0.0,
                          "draft_tokens": sum(r.stats.drafted for r in results),

@@ -62,7 +62,8 @@ class RayMetrics:
 def build_app(bundle, replicas: int = 1, autoscale: tuple[int, int] | None = None, num_cpus: float | None = None,
               max_batch: int = 8, max_queue: int = 64, api_key: str | None = None, model_name: str | None = None,
               threads: int | None = None, max_context: int | None = None, prefill_chunk: int | None = None,
-              max_body_bytes: int = 4 << 20, device: str = "cpu", prefix_cache: int | None = None):
+              prefill_tokens: int | None = None, max_body_bytes: int = 4 << 20, device: str = "cpu", prefix_cache: int | None = None,
+              strict: bool = False, allowed_origins: tuple[str, ...] = (), chat_template: str | None = None):
     """The Serve application (a `ray.serve.Application`): `replicas` copies (or `autoscale` = (min, max) on ongoing
     requests), each loading `bundle` with these server settings (specexport serve's) and `num_cpus` cores (default:
     `replica_resources`)."""
@@ -71,8 +72,10 @@ def build_app(bundle, replicas: int = 1, autoscale: tuple[int, int] | None = Non
     path = str(Path(bundle).resolve())
     settings = dict(max_batch=max_batch, max_queue=max_queue, api_key=api_key,
                     model_name=model_name or Path(path).name, threads=threads, max_context=max_context,
-                    prefill_chunk=prefill_chunk, max_body_bytes=max_body_bytes, device=device,
-                    prefix_cache=prefix_cache)
+                    prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens, max_body_bytes=max_body_bytes,
+                    device=device,
+                    prefix_cache=prefix_cache, strict=strict, allowed_origins=tuple(allowed_origins),
+                    chat_template=chat_template)
 
     def replica_app():
         import ray

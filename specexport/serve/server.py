@@ -12,11 +12,15 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
 import uvicorn
 
+from specexport.errors import UserError, first_line
 from specexport.runtime.generate import Engine
+from specexport.runtime.prefix import PrefixStore
 from specexport.runtime.scheduler import Scheduler
+from specexport.runtime.tokenizer import Tokenizer
 from specexport.serve.app import ServeConfig, ServerState, build_app
 from specexport.serve.listen import bound_socket
 
@@ -74,30 +78,61 @@ def warm_up(scheduler: Scheduler) -> None:
         request.result(timeout=600)
 
 
+def chat_template_file(bundle, path) -> str:
+    """The text of a chat template file for `bundle` (serve --chat-template), checked before anything loads: one
+    line (UserError) for a file that cannot be read, is empty, does not parse, or fails on a one-message chat."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"--chat-template {path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--chat-template {path}: cannot read it: {first_line(e)}") from None
+    if not text.strip():
+        raise UserError(f"--chat-template {path}: the file is empty")
+    tokenizer = Tokenizer.from_dir(Path(bundle))
+    try:
+        tokenizer.set_chat_template(text)
+        PrefixStore.of(tokenizer)  # renders one-message chats (a template that raises on them says so: no cuts)
+    except UserError as e:
+        raise UserError(f"--chat-template {path}: {first_line(e)}") from None
+    except Exception as e:  # noqa: BLE001 - the template's own fault on a plain chat (a TypeError, ...)
+        raise UserError(f"--chat-template {path}: fails on a one-message chat: {type(e).__name__}: "
+                        f"{first_line(e)}") from None
+    return text
+
+
 def open_app(bundle, max_batch: int = 8, max_queue: int = 64, api_key: str | None = None,
              model_name: str | None = None, threads: int | None = None, prefill_chunk: int | None = None,
-             max_body_bytes: int = 4 << 20, max_context: int | None = None, served_by: str | None = None,
-             device: str = "cpu", prefix_cache: int | None = None):
+             prefill_tokens: int | None = None, max_body_bytes: int = 4 << 20, max_context: int | None = None, served_by: str | None = None,
+             device: str = "cpu", prefix_cache: int | None = None, strict: bool = False,
+             allowed_origins: tuple[str, ...] = (), chat_template: str | None = None):
     """The app over `bundle`, ready: the engine loaded, its scheduler started and warmed up. `max_context`: prompt
     plus new tokens per request (the bundle's by default; the KV pool holds max_batch x max_context rows);
     `served_by`: what X-Served-By names (default host/pid); `device`: the engine's (runtime/backends: cpu, or the
     device path's cuda / cpu-iobinding, where the KV pool lives on the device); `prefix_cache`: MiB of prompts'
-    beginnings kept (runtime/prefix.py; default its BUDGET)."""
+    beginnings kept (runtime/prefix.py; default its BUDGET); `strict`: unknown request fields get a 400 (else they
+    are ignored and named); `allowed_origins`: the browser origins CORS lets in ('*': any; none: no CORS);
+    `chat_template`: a Jinja chat template's text, used instead of the bundle's."""
     log.setLevel(logging.INFO)  # the access log, wherever the app runs (uvicorn here, a Ray replica)
     engine = Engine.load(bundle, threads=threads, device=device)
     for warning in engine.warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if max_context is not None:
         engine.limit_context(max_context)
+    if chat_template is not None:  # prompts are then cut where this template ends a message (runtime/prefix.py)
+        engine.tokenizer.set_chat_template(chat_template)
+        engine.prefixes = PrefixStore.of(engine.tokenizer, engine.prefixes.budget)
     if prefix_cache is not None:
         engine.prefixes.budget = prefix_cache << 20
-    scheduler = Scheduler(engine, max_batch=max_batch, prefill_chunk=prefill_chunk)
+    scheduler = Scheduler(engine, max_batch=max_batch, prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens)
     pool_gb = scheduler.pool.nbytes / 2**30
     print(f"KV cache: {max_batch} sequences x {engine.max_context} tokens ({pool_gb:.2f} GiB, held as it fills; "
           f"--max-batch and --max-context bound it)", file=sys.stderr)
     warm_up(scheduler)
     config = ServeConfig(model_name=model_name or engine.bundle.path.name, max_queue=max_queue, api_key=api_key,
-                         max_body_bytes=max_body_bytes, **({"served_by": served_by} if served_by else {}))
+                         max_body_bytes=max_body_bytes, strict=strict, allowed_origins=tuple(allowed_origins),
+                         **({"served_by": served_by} if served_by else {}))
     return build_app(engine, scheduler, config)
 
 

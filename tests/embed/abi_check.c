@@ -192,27 +192,50 @@ static int errors(const char* bundle) {
 
 /* ---- concurrency ----------------------------------------------------------------------------------------- */
 
+struct together { /* the generations started at once: how many, and how many have streamed */
+    int count;
+    atomic_int streamed;
+};
+
 struct job {
     specexport_engine* engine;
     const char* prompt;
     uint32_t n;
     struct collected out;
     specexport_status status;
-    double start, end;
+    double start, first, end; /* first: when its first ids streamed */
+    struct together* together; /* NULL: alone */
 };
+
+/* The job's first ids: with others started at once, wait (at most 60 s) until every one of them has streamed too,
+ * so that none can end before all run, however fast this machine or late a thread. The callback runs without the
+ * interpreter lock: the engine goes on meanwhile. With one generation at a time the others never stream, the wait
+ * times out, and their first ids come after this one's end. */
+static int collect_job(void* user, const int32_t* ids, size_t n, const char* text, size_t len) {
+    struct job* j = user;
+    if (j->first == 0.0) {
+        j->first = now();
+        if (j->together != NULL) {
+            atomic_fetch_add(&j->together->streamed, 1);
+            for (int waited = 0; atomic_load(&j->together->streamed) < j->together->count && waited < 60000; waited++)
+                usleep(1000);
+        }
+    }
+    return collect(&j->out, ids, n, text, len);
+}
 
 static void* run_job(void* arg) {
     struct job* j = arg;
     specexport_generate_options g = greedy(j->prompt, j->n);
     j->start = now();
-    j->status = specexport_generate(j->engine, &g, collect, &j->out, NULL);
+    j->status = specexport_generate(j->engine, &g, collect_job, j, NULL);
     j->end = now();
     return NULL;
 }
 
 static void print_job(const char* mode, struct job* j) {
-    printf("{\"mode\": \"%s\", \"status\": \"%s\", \"start\": %.6f, \"end\": %.6f, \"prompt\": ", mode,
-           specexport_status_name(j->status), j->start, j->end);
+    printf("{\"mode\": \"%s\", \"status\": \"%s\", \"start\": %.6f, \"first\": %.6f, \"end\": %.6f, "
+           "\"prompt\": ", mode, specexport_status_name(j->status), j->start, j->first, j->end);
     print_string(j->prompt);
     printf(", \"tokens\": ");
     print_ids(j->out.ids, j->out.n);
@@ -230,8 +253,10 @@ static int concurrent(const char* bundle, int threads, uint32_t n, int count, ch
     for (int first = 0; first < count; first += threads) { /* `threads` at a time, one engine */
         pthread_t t[64];
         int k = count - first < threads ? count - first : threads;
+        struct together group = {.count = k};
+        atomic_init(&group.streamed, 0);
         for (int i = 0; i < k; i++) {
-            jobs[first + i] = (struct job){.engine = e, .prompt = prompts[first + i], .n = n};
+            jobs[first + i] = (struct job){.engine = e, .prompt = prompts[first + i], .n = n, .together = &group};
             pthread_create(&t[i], NULL, run_job, &jobs[first + i]);
         }
         for (int i = 0; i < k; i++) pthread_join(t[i], NULL);
@@ -273,10 +298,13 @@ static void* cancel_later(void* arg) {
     while (atomic_load(&c->watched->ids) < c->after)
         if (atomic_load(&c->watched->done)) return NULL; /* over before it streamed enough: no cancel */
         else usleep(200);
-    c->calls_at_cancel = atomic_load(&c->watched->calls);
+    c->calls_at_cancel = atomic_load(&c->watched->calls); /* close: before the call (it returns at the end) */
     c->at = now();
     c->status = c->close ? specexport_close(c->engine) : specexport_cancel(c->engine, 7);
     c->returned = now();
+    /* cancel: counted once it is in, not before the call: a thread preempted between the two would have let
+     * more steps stream and seem late */
+    if (!c->close) c->calls_at_cancel = atomic_load(&c->watched->calls);
     return NULL;
 }
 

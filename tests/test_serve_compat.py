@@ -1,0 +1,455 @@
+"""`specexport serve` for clients written for vLLM, SGLang or llama-server: request fields it does not know accepted
+and named (X-Specexport-Ignored-Fields, the log) or, with --strict, refused; fields it knows but cannot honour refused
+by name; CORS for the origins given; --chat-template and chat_template_kwargs; /tokenize, /detokenize, /version;
+[DONE] after an error event; prompt_tokens_details.cached_tokens; the client's own X-Request-Id. A real server in a
+subprocess on loopback (tests/served.py) over the tiny n-gram bundle, the official `openai` client where it fits,
+raw HTTP for the rest."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import subprocess
+import sys
+from urllib.parse import urlsplit
+
+import pytest
+from served import SPECEXPORT, Served, wait_for
+
+import specexport
+from specexport.runtime.generate import Engine
+from specexport.runtime.prefix import PrefixStore
+from specexport.runtime.tokenizer import Tokenizer
+from specexport.serve import fields, protocol
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny-ngram"
+ORIGIN = "https://app.example.com"
+IGNORED = fields.IGNORED_HEADER.lower()  # as `call` and `events` give the headers
+# A chat template with a variable (Qwen3's enable_thinking, as chat_template_kwargs sets it), one that fails when
+# asked (`fail`), and one a wrong value breaks (`count`). Each message ends with <|im_end|>, a special token: prompts
+# are cut after it (runtime/prefix.py), so a long system prompt is kept for the next request that begins with it.
+TEMPLATE = ("{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}"
+            "{% if fail is defined %}{{ raise_exception('the template was asked to fail') }}{% endif %}"
+            "{% if count is defined %}{{ count + 1 }}{% endif %}"
+            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+# `specexport serve` whose generations fail at their second step's tokens while a fault file exists: a stream that
+# fails after its first events, whatever this machine's speed.
+FAULTY = """
+import os, sys
+from specexport.cli import main
+from specexport.runtime import generate
+
+fault, emit = os.environ["SPECEXPORT_TEST_FAULT"], generate.Output.emit
+
+
+def faulty_emit(self, tokens):
+    if self.tokens and os.path.exists(fault):
+        raise RuntimeError("injected fault")
+    return emit(self, tokens)
+
+
+generate.Output.emit = faulty_emit
+sys.argv[0] = "specexport"
+sys.exit(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def bundle(tiny_ngram_bundle):
+    return tiny_ngram_bundle
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("templates") / "chat.jinja"
+    path.write_text(TEMPLATE, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(bundle, template_file):
+    """Lenient (the default), with CORS for ORIGIN and the chat template above."""
+    with Served(bundle, "--max-batch", "2", "--threads", "1", "--chat-template", template_file,
+                "--allowed-origins", f"{ORIGIN}, http://localhost:5173") as served:
+        yield served
+        assert served.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def strict(bundle):
+    """--strict, no CORS, the bundle's own template."""
+    with Served(bundle, "--max-batch", "1", "--threads", "1", "--strict") as served:
+        yield served
+        assert served.stop() == 0
+
+
+def client(served):
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def call(served, path, body=None, headers=None, method="POST"):
+    """(status, headers with lower-case names, parsed JSON or text) of one request over a fresh connection."""
+    parts = urlsplit(served.url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    sent = {"Content-Type": "application/json"} if data is not None else {}
+    connection.request(method, path, body=data, headers={**sent, **(headers or {})})
+    response = connection.getresponse()
+    text = response.read().decode()
+    connection.close()
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError:
+        parsed = text
+    return response.status, {k.lower(): v for k, v in response.getheaders()}, parsed
+
+
+def events(served, path, body, headers=None):
+    """(status, headers, the data lines of a streamed response, in order)."""
+    parts = urlsplit(served.url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=120)
+    connection.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json",
+                                                                      **(headers or {})})
+    response = connection.getresponse()
+    lines = [line.decode().strip() for line in response]
+    connection.close()
+    return response.status, {k.lower(): v for k, v in response.getheaders()}, \
+        [line[6:] for line in lines if line.startswith("data: ")]
+
+
+def logged(served, rid: str) -> dict:
+    """The access-log line of request `rid` (written when its response has ended, read by a thread: waited for)."""
+    return wait_for(lambda: next((x for x in served.access_log() if x["request_id"] == rid), None),
+                    f"the access-log line of {rid}")
+
+
+def chat(content, **extra):
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0,
+            **extra}
+
+
+def is_error(answer, status_type: str, param) -> bool:
+    return (set(answer) == {"error"} and set(answer["error"]) == {"message", "type", "param", "code"}
+            and answer["error"]["type"] == status_type and answer["error"]["param"] == param
+            and bool(answer["error"]["message"]))
+
+
+# ---- the fields, checked on their own ------------------------------------------------------------------------------
+
+
+def test_each_field_is_supported_neutral_a_hint_or_unknown():
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    # hints: any value of their type; neutral values; unknown fields: accepted and named, in order
+    job = protocol.chat_request({**base, "cache_prompt": False, "spaces_between_special_tokens": False, "user": "u",
+                                 "metadata": {"k": "v"}, "store": True, "parallel_tool_calls": True, "priority": 3,
+                                 "repetition_penalty": 1, "min_p": 0, "skip_special_tokens": True, "n_probs": 0,
+                                 "mirostat": 0, "mirostat_tau": 4.0, "stream_options": {"include_obfuscation": True},
+                                 "my_flag": 1, "n ": 1, "guided_json": None, "stream_options_x": {}})
+    assert job.ignored == ("my_flag", "n ", "stream_options_x")
+    # min_p cuts nothing greedy decoding needs: any value at temperature 0
+    assert protocol.chat_request({**base, "temperature": 0, "min_p": 0.3}).ignored == ()
+    refused = {"min_p": 0.1, "repetition_penalty": 1.2, "repeat_penalty": 1.1, "min_tokens": 3, "ignore_eos": True,
+               "skip_special_tokens": False, "include_stop_str_in_output": True, "guided_json": {"type": "object"},
+               "response_format": {"type": "json_object"}, "logit_bias": {"5": 1}, "n": 2, "echo": True,
+               "continue_final_message": True, "chat_template": "{{ messages }}", "grammar": "root ::= x",
+               "typical_p": 0.9, "dry_multiplier": 0.8, "mirostat": 2, "reasoning_format": "deepseek",
+               "use_beam_search": True, "prompt_logprobs": 1, "n_predict": 64}
+    for name, value in refused.items():
+        with pytest.raises(protocol.ApiError) as e:
+            protocol.chat_request({**base, name: value})
+        assert e.value.status == 400 and e.value.param == name, (name, e.value.message)
+    for name, value in {"min_p": "high", "cache_prompt": "yes", "priority": 1.5, "mirostat_tau": [1]}.items():
+        with pytest.raises(protocol.ApiError, match=f"{name} must be") as e:
+            protocol.chat_request({**base, "temperature": 0, name: value})
+        assert e.value.param == name
+    with pytest.raises(protocol.ApiError) as e:  # strict: today's 400 for the first unknown field
+        protocol.chat_request({**base, "cache_prompt": True, "my_flag": 1}, strict=True)
+    assert e.value.param == "my_flag" and "unrecognized request argument: my_flag" in e.value.message
+    with pytest.raises(protocol.ApiError) as e:
+        protocol.completion_request({"prompt": "x", "stream_options": {"include_usage": True, "extra": 1}},
+                                    strict=True)
+    assert e.value.param == "stream_options"
+    assert protocol.completion_request({"prompt": "x", "stream_options": {"extra": 1}}).ignored == \
+        ("stream_options.extra",)
+    assert protocol.completion_request({"prompt": "x", "add_special_tokens": True}).prompts == ["x"]
+
+
+def test_new_fields_bad_values_name_the_parameter():
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+    for extra, param in [({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+                         ({"add_generation_prompt": "no"}, "add_generation_prompt"),
+                         ({"stop_token_ids": [1, -2]}, "stop_token_ids"), ({"stop_token_ids": 5}, "stop_token_ids"),
+                         ({"stop_token_ids": list(range(100))}, "stop_token_ids"),
+                         ({"stream_options": {"include_obfuscation": "no"}}, "stream_options"),
+                         ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+                         ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice")]:
+        with pytest.raises(protocol.ApiError) as e:
+            protocol.chat_request({**base, **extra})
+        assert e.value.status == 400 and e.value.param == param, (extra, e.value.message)
+    for body, param in [({"prompt": "x", "messages": []}, "prompt"), ({}, "prompt"), ({"prompt": 5}, "prompt"),
+                        ({"prompt": "x", "return_token_strs": 1}, "return_token_strs"),
+                        ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 3},
+                         "chat_template_kwargs"),
+                        ({"prompt": "x", "continue_final_message": True}, "continue_final_message")]:
+        with pytest.raises(protocol.ApiError) as e:
+            protocol.tokenize_request(body)
+        assert e.value.param == param, (body, e.value.message)
+    with pytest.raises(protocol.ApiError) as e:
+        protocol.detokenize_request({"tokens": [1, "2"]})
+    assert e.value.param == "tokens"
+
+
+def test_ignored_names_make_a_safe_header():
+    assert fields.named(["min_p", "a.b"]) == "min_p, a.b"
+    assert fields.named(["bad\r\nSet-Cookie: x"]) == '"bad\\r\\nSet-Cookie: x"'
+    assert fields.named([f"f{i}" for i in range(20)]).endswith("f15, and 4 more")
+
+
+# ---- a real server: the official client, raw HTTP ------------------------------------------------------------------
+
+
+def test_unknown_fields_are_named_and_strict_refuses_them(server, strict):
+    extra = {"min_p": 0.1, "cache_prompt": True, "my_app_field": {"x": 1}, "spaces_between_special_tokens": True}
+    raw = client(server).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello there"}], max_tokens=4, temperature=0,
+        extra_body=extra)
+    assert raw.headers[IGNORED] == "my_app_field"  # min_p at temperature 0 and the hints: no
+    answer = raw.parse()
+    assert answer.usage.completion_tokens >= 1 and raw.headers["x-request-id"].startswith("req-")
+    line = logged(server, raw.headers["x-request-id"])  # (written after the warning: the lines come in order)
+    assert line["status"] == 200 and line["ignored_fields"] == "my_app_field"
+    assert sum("request fields ignored" in x and "my_app_field" in x for x in server.lines) == 1
+    again = client(server).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, extra_body={"my_app_field": 2})
+    assert logged(server, again.headers["x-request-id"])["ignored_fields"] == "my_app_field"
+    assert sum("request fields ignored" in x and "my_app_field" in x for x in server.lines) == 1  # warned once
+    status, headers, lines = events(server, "/v1/completions", {"prompt": "abc", "max_tokens": 3, "stream": True,
+                                                                "my_app_field": 1, "n_keep": 4})
+    assert status == 200 and headers[IGNORED] == "my_app_field" and lines[-1] == "[DONE]"
+    status, headers, _ = call(server, "/v1/completions", {"prompt": "abc", "max_tokens": 2})
+    assert status == 200 and IGNORED not in headers
+
+    with pytest.raises(openai.BadRequestError) as e:  # --strict: today's 400, by name
+        client(strict).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello there"}],
+                                               max_tokens=4, temperature=0, extra_body=extra)
+    assert e.value.param == "my_app_field" and "unrecognized request argument" in e.value.body["message"]
+    texts = [client(strict).chat.completions.create(  # the fields it knows are taken alike: no-ops here
+        model=MODEL, messages=[{"role": "user", "content": "hello there"}], max_tokens=4, temperature=0,
+        extra_body=known).choices[0].message.content for known in ({"min_p": 0.1, "cache_prompt": True}, {})]
+    assert texts[0] == texts[1]
+    for served in (server, strict):  # a field it knows but cannot honour: refused by name, strict or not
+        with pytest.raises(openai.BadRequestError) as e:
+            client(served).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                   max_tokens=4, temperature=0.7, extra_body={"min_p": 0.1})
+        assert e.value.param == "min_p" and "not supported" in e.value.body["message"]
+
+
+BAD = [  # (what, path, body, headers, param): each a 400 in OpenAI's error shape naming the parameter
+    ("chat_template_kwargs not an object", "/v1/chat/completions", chat("x", chat_template_kwargs="yes"), {},
+     "chat_template_kwargs"),
+    ("chat_template_kwargs setting messages", "/v1/chat/completions", chat("x", chat_template_kwargs={"messages": 1}),
+     {}, "chat_template_kwargs"),
+    ("a template error", "/v1/chat/completions", chat("x", chat_template_kwargs={"fail": True}), {}, "messages"),
+    ("a template's TypeError", "/v1/chat/completions", chat("x", chat_template_kwargs={"count": "two"}), {},
+     "messages"),
+    ("chat_template in the request", "/v1/chat/completions", chat("x", chat_template="{{ messages }}"), {},
+     "chat_template"),
+    ("add_generation_prompt not a boolean", "/v1/chat/completions", chat("x", add_generation_prompt=1), {},
+     "add_generation_prompt"),
+    ("stop_token_ids past the vocabulary", "/v1/completions", {"prompt": "x", "stop_token_ids": [100000]}, {},
+     "stop_token_ids"),
+    ("stop_token_ids not ids", "/v1/completions", {"prompt": "x", "stop_token_ids": ["a"]}, {}, "stop_token_ids"),
+    ("min_p sampled", "/v1/completions", {"prompt": "x", "min_p": 0.05}, {}, "min_p"),
+    ("min_p not a number", "/v1/completions", {"prompt": "x", "temperature": 0, "min_p": "x"}, {}, "min_p"),
+    ("skip_special_tokens false", "/v1/completions", {"prompt": "x", "skip_special_tokens": False}, {},
+     "skip_special_tokens"),
+    ("cache_prompt not a boolean", "/v1/completions", {"prompt": "x", "cache_prompt": "yes"}, {}, "cache_prompt"),
+    ("continuous usage", "/v1/completions", {"prompt": "x", "stream": True,
+                                            "stream_options": {"continuous_usage_stats": True}}, {}, "stream_options"),
+    ("tokenize: neither", "/tokenize", {"model": MODEL}, {}, "prompt"),
+    ("tokenize: add_special_tokens", "/tokenize", {"prompt": "x", "add_special_tokens": "no"}, {},
+     "add_special_tokens"),
+    ("tokenize: a template error", "/tokenize", {"messages": [{"role": "user", "content": "x"}],
+                                                 "chat_template_kwargs": {"fail": 1}}, {}, "messages"),
+    ("detokenize: not ids", "/detokenize", {"tokens": "abc"}, {}, "tokens"),
+    ("detokenize: past the vocabulary", "/detokenize", {"tokens": [1, 99999]}, {}, "tokens"),
+    ("X-Request-Id with a space", "/v1/completions", {"prompt": "x", "max_tokens": 1}, {"X-Request-Id": "a b"},
+     "X-Request-Id"),
+    ("X-Request-Id too long", "/version", None, {"X-Request-Id": "x" * 129}, "X-Request-Id"),
+]
+
+
+def test_new_fields_bad_values_are_400s_by_name(server):
+    for what, path, body, headers, param in BAD:
+        status, _, answer = call(server, path, body, headers, method="GET" if body is None else "POST")
+        assert status == 400 and is_error(answer, "invalid_request_error", param), (what, status, answer)
+    for path, body in [("/tokenize", {"model": "gpt-9", "prompt": "x"}), ("/detokenize", {"model": "gpt-9",
+                                                                                         "tokens": [5]})]:
+        status, _, answer = call(server, path, body)
+        assert status == 404 and is_error(answer, "not_found_error", "model")
+    assert not any("Traceback" in line for line in server.lines)
+
+
+def test_cors_preflight_and_responses(server, strict):
+    preflight = {"Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    status, headers, _ = call(server, "/v1/chat/completions", None, preflight, method="OPTIONS")
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    assert "POST" in headers["access-control-allow-methods"]
+    assert {"authorization", "content-type"} <= {h.strip().lower() for h in
+                                                  headers["access-control-allow-headers"].split(",")}
+    status, headers, _ = call(server, "/v1/chat/completions", None, {**preflight, "Origin": "http://localhost:5173"},
+                              method="OPTIONS")
+    assert status == 200 and headers["access-control-allow-origin"] == "http://localhost:5173"
+    status, headers, _ = call(server, "/v1/chat/completions", None, {**preflight, "Origin": "https://evil.example"},
+                              method="OPTIONS")
+    assert status == 400 and "access-control-allow-origin" not in headers  # the browser stops there
+    status, headers, answer = call(server, "/v1/chat/completions", chat("hi"), {"Origin": ORIGIN})
+    assert status == 200 and headers["access-control-allow-origin"] == ORIGIN
+    assert "x-request-id" in headers["access-control-expose-headers"].lower()
+    # the default: no CORS at all (a preflight is a method this path does not take)
+    status, headers, answer = call(strict, "/v1/chat/completions", None, preflight, method="OPTIONS")
+    assert status == 405 and "access-control-allow-origin" not in headers
+    status, headers, _ = call(strict, "/v1/models", None, {"Origin": ORIGIN}, method="GET")
+    assert status == 200 and "access-control-allow-origin" not in headers
+
+
+def test_chat_template_and_its_kwargs(server, bundle):
+    api = client(server)
+
+    def prompt_tokens(**extra):
+        return api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           temperature=0, **extra).usage.prompt_tokens
+
+    plain, thinking = prompt_tokens(), prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": True}})
+    off = prompt_tokens(extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert plain == thinking and off == plain + len("/no_think ")  # byte-level tokens: one per character
+    ended = prompt_tokens(extra_body={"add_generation_prompt": False})
+    assert ended == plain - len("assistant:")
+    status, _, answer = call(server, "/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                   "chat_template_kwargs": {"enable_thinking": False}})
+    tokenizer = Tokenizer.from_dir(bundle)
+    assert status == 200 and answer["count"] == off
+    assert tokenizer.decode(answer["tokens"], skip_special_tokens=False) == \
+        "/no_think user: hi<|im_end|>assistant:"
+
+
+def test_bad_chat_template_files_are_one_line_before_the_load(bundle, tmp_path):
+    broken, empty, failing = tmp_path / "broken.jinja", tmp_path / "empty.jinja", tmp_path / "failing.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }", encoding="utf-8")
+    empty.write_text("  \n", encoding="utf-8")
+    failing.write_text("{{ messages + 1 }}", encoding="utf-8")
+    for args, line in [(["--chat-template", broken], f"--chat-template {broken}: chat template does not parse"),
+                       (["--chat-template", tmp_path / "missing.jinja"], "no such file"),
+                       (["--chat-template", empty], "the file is empty"),
+                       (["--chat-template", failing], "fails on a one-message chat: TypeError"),
+                       (["--allowed-origins", "app.example.com"], "--allowed-origins: 'app.example.com' is not an "
+                                                                  "origin")]:
+        result = subprocess.run([SPECEXPORT, "serve", bundle, "--port", "0", *map(str, args)], capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 1 and "Traceback" not in result.stderr and "KV cache" not in result.stderr, \
+            result.stderr
+        last = result.stderr.strip().splitlines()
+        assert len(last) == 1 and last[0].startswith("Error: ") and line in last[0], result.stderr
+
+
+def test_tokenize_detokenize_and_version(server, bundle):
+    tokenizer = Tokenizer.from_dir(bundle)
+    status, headers, answer = call(server, "/tokenize", {"model": MODEL, "prompt": "the cat sat", "my_field": 1})
+    ids = tokenizer.encode("the cat sat")
+    assert status == 200 and answer == {"count": len(ids), "max_model_len": 256, "tokens": ids}
+    assert headers[IGNORED] == "my_field"
+    status, _, answer = call(server, "/tokenize", {"prompt": "the cat", "add_special_tokens": False,
+                                                   "return_token_strs": True})
+    assert answer["tokens"] == tokenizer.encode("the cat", add_special_tokens=False)
+    assert answer["token_strs"] == [tokenizer.backend.id_to_token(i) for i in answer["tokens"]]
+    long = "word " * 400  # past the context: counted, not refused (its count is what a client asks)
+    assert call(server, "/tokenize", {"prompt": long})[2]["count"] == len(tokenizer.encode(long))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    status, _, answer = call(server, "/tokenize", {"messages": messages})
+    usage = client(server).chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                                   temperature=0).usage
+    assert status == 200 and answer["count"] == usage.prompt_tokens  # what the chat request computes
+    status, _, back = call(server, "/detokenize", {"model": MODEL, "tokens": answer["tokens"]})
+    assert status == 200 and back == {"prompt": "system: be brief<|im_end|>user: hello<|im_end|>assistant:"}
+    assert call(server, "/detokenize", {"tokens": []})[2] == {"prompt": ""}
+    status, _, answer = call(server, "/version", None, method="GET")
+    assert status == 200 and answer == {"version": specexport.__version__}
+
+
+def test_tokenization_needs_the_api_key(bundle):
+    with Served(bundle, "--threads", "1", "--max-batch", "1", "--api-key", "k3y") as served:
+        for path, body in [("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})]:
+            assert call(served, path, body)[0] == 401
+            assert call(served, path, body, {"Authorization": "Bearer k3y"})[0] == 200
+        assert call(served, "/version", None, method="GET")[0] == 200  # as /health: open
+        assert served.stop() == 0
+
+
+def test_stop_token_ids(server, bundle):
+    engine = Engine.load(bundle, threads=1)
+    prompt = "the cat sat on the mat, the cat sat on"
+    tokens = engine.generate(prompt, max_new_tokens=12, chat=False).tokens
+    k = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i] and tokens[i] not in
+             engine.tokenizer.eos_token_ids)
+    answer = client(server).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                               extra_body={"stop_token_ids": [tokens[k]]})
+    assert answer.choices[0].finish_reason == "stop" and answer.usage.completion_tokens == k + 1
+    assert answer.choices[0].text == engine.generate(prompt, max_new_tokens=k, chat=False).text
+
+
+def test_cached_tokens_count_the_kept_system_prompt(server, bundle, template_file):
+    """Two chats with one long system prompt: the first computes it (0 cached), the second copies its rows (the
+    system prompt's part of the prompt, cut where its message ends: runtime/prefix.py)."""
+    system = {"role": "system", "content": "You are a careful assistant who answers every question in one line."}
+    api, got = client(server), []
+    for question in ("what is a cat?", "what is a dog?"):
+        messages = [system, {"role": "user", "content": question}]
+        answer = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
+        got.append(answer.usage.prompt_tokens_details.cached_tokens)
+    tokenizer = Tokenizer.from_dir(bundle)
+    tokenizer.set_chat_template(template_file.read_text(encoding="utf-8"))
+    ids = call(server, "/tokenize", {"messages": messages})[2]["tokens"]
+    cuts = PrefixStore.of(tokenizer).split(ids)
+    assert len(cuts) == 1 and got == [0, cuts[0]]  # the system prompt and its end, copied
+    streamed = [json.loads(e) for e in events(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": messages, "max_tokens": 2, "stream": True,
+        "stream_options": {"include_usage": True}})[2][:-1]]
+    assert streamed[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": cuts[0]}
+
+
+def test_the_clients_request_id_is_kept(server):
+    status, headers, answer = call(server, "/v1/chat/completions", chat("hi"), {"X-Request-Id": "trace-42:a.b_c"})
+    assert status == 200 and headers["x-request-id"] == "trace-42:a.b_c" and answer["id"] == "chatcmpl-trace-42:a.b_c"
+    line = logged(server, "trace-42:a.b_c")
+    assert line["path"] == "/v1/chat/completions" and line["status"] == 200
+    status, headers, answer = call(server, "/v1/completions", {"prompt": "x", "max_tokens": 1})
+    generated = headers["x-request-id"]
+    assert generated.startswith("req-") and answer["id"] == "cmpl-" + generated[4:]
+    assert call(server, "/health", None, {"X-Request-Id": "probe-1"}, method="GET")[1]["x-request-id"] == "probe-1"
+
+
+def test_a_stream_that_fails_ends_with_an_error_event_then_done(bundle, tmp_path):
+    fault = tmp_path / "fault"
+    with Served(bundle, "--threads", "1", "--max-batch", "1", command=[sys.executable, "-c", FAULTY],
+                env={"SPECEXPORT_TEST_FAULT": str(fault)}) as served:
+        body = chat("the cat sat on the mat", max_tokens=12, stream=True, stream_options={"include_usage": True})
+        status, _, lines = events(served, "/v1/chat/completions", body)
+        assert status == 200 and lines[-1] == "[DONE]"
+        assert json.loads(lines[-2])["usage"]["completion_tokens"] >= 2  # unfaulted: two emitting steps or more
+        fault.touch()  # from now on a generation fails at its second step
+        status, _, lines = events(served, "/v1/chat/completions", body)
+        assert status == 200 and lines[-1] == "[DONE]"
+        *chunks, error = [json.loads(x) for x in lines[:-1]]
+        assert chunks and chunks[0]["choices"][0]["delta"]["role"] == "assistant"  # it began
+        assert is_error(error, "server_error", None) and "injected fault" in error["error"]["message"]
+        with pytest.raises(openai.APIError, match="injected fault"):  # the official client raises on it
+            for _ in client(served).chat.completions.create(**body):
+                pass
+        fault.unlink()
+        assert served.stop() == 0
