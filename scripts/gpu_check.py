@@ -20,7 +20,7 @@ from specexport.runtime.generate import Engine
 
 
 def take_prompts(bench: Path, out: Path, per_file: int) -> int:
-    """The first `per_file` prompts of each bench/*.jsonl, ids prefixed by the file's name."""
+    """The first `per_file` prompts of each benchmarks/prompts/*.jsonl, ids prefixed by the file's name."""
     rows = []
     for path in sorted(bench.glob("*.jsonl")):
         for row in read_prompts(path)[:per_file]:
@@ -68,7 +68,8 @@ def report(args) -> None:
     lines = [f"# GPU check: {args.gpu}", "",
              f"Hardware: {args.gpu}, driver {args.driver}. Software: {versions()}.", "",
              f"Reference: `{ref['bundle']}` (ONNX Runtime on the CPU, fp32), plain greedy decoding of "
-             f"{len(want)} prompts (the first ones of each bench/*.jsonl), up to {ref['new_tokens']} new tokens each.",
+             f"{len(want)} prompts (the first ones of each benchmarks/prompts/*.jsonl), up to {ref['new_tokens']} new "
+             "tokens each.",
              "", "| bundle | method | identical to CPU fp32: method / plain | tokens/s | plain tokens/s | speedup "
              "| tau |", "|---|---|---|---|---|---|---|"]
     parted = []

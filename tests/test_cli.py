@@ -486,6 +486,27 @@ def test_usage_errors_are_one_line(bundle):
     fails("no-such-command", code=2, match="No such command")
 
 
+def test_top_k_means_sampling_only():
+    """--top-k is sampling's top-k (run); build refuses it in one line naming --draft-top-k, before any work, and its
+    help shows --draft-top-k alone."""
+    fails("build", "--model", "smollm2-135m", "--method", "eagle3", "--top-k", "2", code=2,
+          match="--top-k is sampling's top-k (specexport run --top-k); the draft tree's top-k is --draft-top-k")
+    shown = cli("build", "--help").stdout
+    assert "--draft-top-k INTEGER" in shown and "--top-k" not in shown.split("Options:", 1)[1]
+    assert "--top-k INTEGER" in cli("run", "--help").stdout
+
+
+def test_merged_options_show_each_methods_default():
+    """An option several methods share names each method's own default after that method's help."""
+    shown = " ".join(cli("build", "--help").stdout.split())
+    total = shown.split("--total-tokens INTEGER", 1)[1].split("--match-factor", 1)[0]
+    assert "else 4]" in total and "[default: suffix 8]" in total and "[default: 6]" in total, total
+    depth = shown.split("--depth INTEGER", 1)[1].split("--draft-top-k", 1)[0]
+    assert "else 2]" in depth and "EAGLE draft levels per step. [default: 3]" in depth, depth
+    draft_length = shown.split("--draft-length INTEGER", 1)[1].split("--max-ngram", 1)[0]
+    assert "depth). [default: 8]" in draft_length and "tree). [default: 4]" in draft_length, draft_length
+
+
 def test_bench_json_path_is_checked_before_running(bundle, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')

@@ -14,7 +14,7 @@ from specexport.runtime.methods import METHODS
 
 ROOT = Path(__file__).parent.parent / "specexport"
 # each top-level part of the package and its layer: a module may import only from lower layers (or its own part)
-LAYERS = {"errors": 0, "prompts": 0, "options": 1, "fsutil": 1, "bundle": 2, "runtime": 3, "chisquare": 4,
+LAYERS = {"errors": 0, "prompts": 0, "options": 1, "fsutil": 1, "bundle": 2, "runtime": 3,
           "exporter": 4, "profiles": 4, "embed": 4, "train": 5, "tune": 5, "serve": 5,
           "cli": 6}
 HEAVY = {"torch", "transformers", "onnx", "gguf", "accelerate", "safetensors", "tqdm", "matplotlib",

@@ -4,6 +4,7 @@ and the loop end to end on a tiny model: lossless greedy, exact sampling, one-li
 import json
 import pickle
 
+import chisquare
 import numpy as np
 import pytest
 import torch
@@ -12,7 +13,6 @@ from conftest import TINY, TOKENIZER_VOCAB, method_export, tiny_model
 from helpers import check_prefix_copied
 from safetensors.numpy import save_file
 
-from specexport import chisquare
 from specexport.cli import main
 from specexport.errors import UserError
 from specexport.exporter import validate

@@ -2,10 +2,10 @@
 statistical test per sampling rule that the first two emitted tokens follow the target exactly,
 with a deliberately broken rule to show that the same test would fail."""
 
+import chisquare
 import numpy as np
 import pytest
 
-from specexport import chisquare
 from specexport.runtime import verify
 from specexport.runtime.tree import AcceptMode, chain, children
 from specexport.runtime.verify import Acceptance, accept_chain, accept_greedy, accept_tree, uniforms_shape

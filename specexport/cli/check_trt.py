@@ -22,7 +22,7 @@ def check_trt(path, trt_version):
     (warnings, such as fp32 compute, do not fail). Rules: opset 9..24 and the default domain only, ops in
     TensorRT's table, Attention without past/nonpad inputs, TensorScatter linear on axis -2, KV caches with a
     static length aliased by their present.* outputs, int4 as signed blocks of 64/128, TopK K < 3840, constant
-    axes, If/Loop bodies included. A clean lint is not a built engine: see the README's TensorRT section.
+    axes, If/Loop bodies included. A clean lint is not a built engine: see docs/gpu.md.
 
     \b
     Examples:

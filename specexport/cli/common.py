@@ -26,6 +26,10 @@ class IntList(click.ParamType):
 
 
 PARAM = "setting_"  # the prefix of a setting's keyword argument: no clash with a command's own (run's top_k)
+# flags that mean one thing everywhere, never a setting's second name: `--top-k` is sampling's top-k (run, serve,
+# Triton), so EAGLE's draft-tree top-k answers only to --draft-top-k; a command where the flag means nothing else
+# refuses it in one line with this hint
+RESERVED = {"--top-k": "--top-k is sampling's top-k (specexport run --top-k); the draft tree's top-k is --draft-top-k"}
 
 
 class SettingOptions:
@@ -38,6 +42,7 @@ class SettingOptions:
         self.owners: dict[str, list[str]] = {}
         self.field: dict[str, Field] = {}
         self.helps: dict[str, list[str]] = {}
+        self.pieces: dict[str, dict[str, list[str]]] = {}  # field -> help text -> the owners that give it
         self.defaults: dict[str, dict[str, object]] = {}
         for owner, cls in classes.items():
             for f in fields(cls):
@@ -45,20 +50,35 @@ class SettingOptions:
                     continue
                 self.owners.setdefault(f.name, []).append(owner)
                 self.field.setdefault(f.name, f)
-                if f.help and f.help not in self.helps.setdefault(f.name, []):
-                    self.helps[f.name].append(f.help)
+                self.helps.setdefault(f.name, [])
+                if f.help:
+                    self.pieces.setdefault(f.name, {}).setdefault(f.help, []).append(owner)
+                    if f.help not in self.helps[f.name]:
+                        self.helps[f.name].append(f.help)
                 self.defaults.setdefault(f.name, {})[owner] = f.default
         self.taken = set(taken)
 
     def __call__(self, command):
         for name in reversed(list(self.field)):
             command = self._option(name)(command)
+        for flag in self._refused():
+            command = click.option(flag, PARAM + "refused_" + flag.lstrip("-").replace("-", "_"), default=None,
+                                   hidden=True, expose_value=False, callback=_refuse(RESERVED[flag]))(command)
         return command
+
+    def _flags(self, f: Field) -> list[str]:
+        """`f`'s command-line names here: not those the command takes for itself, nor a reserved second name."""
+        return [flag for k, flag in enumerate(f.flags) if flag not in self.taken and not (k and flag in RESERVED)]
+
+    def _refused(self) -> list[str]:
+        """Reserved second names these settings would have had, where the command does not take them itself."""
+        return sorted({flag for f in self.field.values() for flag in f.flags[1:]
+                       if flag in RESERVED and flag not in self.taken})
 
     def _option(self, name: str):
         f = self.field[name]
-        flags = [flag for flag in f.flags if flag not in self.taken]
-        kwargs = {"default": None, "help": " ".join(self.helps[name]) + self._default_note(name)}
+        flags = self._flags(f)
+        kwargs = {"default": None, "help": self._help(name)}
         if f.kind is bool:
             kwargs["is_flag"] = True  # --x, or the pair --x/--no-x (None: neither given)
         else:
@@ -66,12 +86,29 @@ class SettingOptions:
                               Path: click.Path(path_type=Path)}[f.kind]
         return click.option(*flags, PARAM + name, **kwargs)
 
-    def _default_note(self, name: str) -> str:
-        shown = {o: d for o, d in self.defaults[name].items() if d is not None and d is not False and d != ()}
-        if not shown or any("[default" in h for h in self.helps[name]):
+    def _help(self, name: str) -> str:
+        """The owners' helps, each followed by its own owners' default where several owners' helps are merged or
+        their defaults differ (e.g. --total-tokens: eagle 4, suffix 8, hybrid 6), else one default at the end."""
+        shown = self._shown(name, self.owners[name])
+        differ = len(set(map(repr, shown.values()))) > 1 or 0 < len(shown) < len(self.defaults[name])
+        if differ or len(self.pieces.get(name, {})) > 1:
+            return " ".join(text + ("" if "[default" in text else self._default_note(name, owners, text))
+                            for text, owners in self.pieces.get(name, {}).items())
+        if any("[default" in h for h in self.helps[name]):
+            return " ".join(self.helps[name])
+        return " ".join(self.helps[name]) + self._default_note(name, self.owners[name])
+
+    def _shown(self, name: str, owners: list[str]) -> dict[str, object]:
+        return {o: d for o in owners if (d := self.defaults[name][o]) is not None and d is not False and d != ()}
+
+    def _default_note(self, name: str, owners: list[str], text: str = "") -> str:
+        """` [default: D]`, or ` [default: owner D, ...]` where the owners differ or the help names more methods
+        than give it ("suffix, hybrid: ..." given by suffix alone)."""
+        shown = self._shown(name, owners)
+        if not shown:
             return ""
-        values = set(map(repr, shown.values()))
-        if len(values) == 1 and len(shown) == len(self.defaults[name]):
+        named = {word.strip() for word in text.split(":", 1)[0].split(",")} if ":" in text else set()
+        if len(set(map(repr, shown.values()))) == 1 and len(shown) == len(owners) and named <= set(owners) | {""}:
             return f" [default: {_show(next(iter(shown.values())))}]"
         return " [default: " + ", ".join(f"{o} {_show(d)}" for o, d in shown.items()) + "]"
 
@@ -85,7 +122,16 @@ class SettingOptions:
         return given
 
     def flag(self, name: str) -> str:
-        return next(flag for flag in self.field[name].flags if flag not in self.taken).split("/")[0]
+        return self._flags(self.field[name])[0].split("/")[0]
+
+
+def _refuse(hint: str):
+    """A hidden option's callback: given at all, it is one line with `hint`."""
+    def refuse(ctx, param, value):
+        if value is not None:
+            raise click.UsageError(hint, ctx=ctx)
+
+    return refuse
 
 
 def _show(value) -> str:

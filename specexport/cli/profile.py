@@ -43,7 +43,7 @@ def profile(bundle, prompts_file, output, base, new_tokens, max_tokens, contexts
     \b
     Examples:
       specexport profile smollm2-135m-medusa-onnxruntime-int8 --output profiles-local/this-cpu.toml
-      specexport profile BUNDLE --prompts bench/sharegpt40.jsonl --rounds 2
+      specexport profile BUNDLE --prompts benchmarks/prompts/sharegpt40.jsonl --rounds 2
     """
     prompts = [p["prompt"] for p in read_prompts(prompts_file)] if prompts_file else None
     output = output or Path(f"profile-{bundle.name}.toml")

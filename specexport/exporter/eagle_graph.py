@@ -24,7 +24,7 @@ from specexport.exporter.arch import rope_tables
 from specexport.exporter.eagle import EagleDraft
 from specexport.exporter.graph import make_model
 
-EAGLE_TOP_K = 10  # candidates per draft row in the graph: any --top-k up to this runs on the bundle
+EAGLE_TOP_K = 10  # candidates per draft row in the graph: any --draft-top-k up to this runs on the bundle
 
 
 @dataclass(frozen=True)

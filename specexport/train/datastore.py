@@ -5,9 +5,10 @@ bundle produces).
 Kept apart from evaluation: prompts come only from the training part of ShareGPT (the file's last HELDOUT
 conversations, where the bench prompts of scripts/make_prompts.py come from, are never read), and a conversation is
 skipped when its first human turn equals or contains a benchmark prompt, or any of its turns contains the text a
-benchmark prompt is built around (`--exclude` files, by default bench/*.jsonl of this checkout: the prompt itself,
-and what follows its first blank line, code fences removed: a rewrite prompt's passage, a HumanEval function);
-texts are compared lowercased with whitespace collapsed, and only texts of 40 characters or more count as contained.
+benchmark prompt is built around (`--exclude` files, by default benchmarks/prompts/*.jsonl of this checkout: the
+prompt itself, and what follows its first blank line, code fences removed: a rewrite prompt's passage, a HumanEval
+function); texts are compared lowercased with whitespace collapsed, and only texts of 40 characters or more count as
+contained.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from specexport.runtime.bench import read_prompts
 from specexport.runtime.generate import Engine
 from specexport.train.data import sharegpt_split
 
-BENCH = Path(__file__).resolve().parent.parent.parent / "bench"  # a checkout's benchmark prompts
+BENCH = Path(__file__).resolve().parent.parent.parent / "benchmarks" / "prompts"  # a checkout's benchmark prompts
 MIN_CONTAINED = 40  # characters: shorter texts are compared for equality only
 MAX_PROMPT_CHARS = 4000
 
