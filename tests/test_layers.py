@@ -196,6 +196,13 @@ def test_a_missing_extra_is_one_line(args, extra):
     assert line.split("(")[-1].split()[0] in EXTRAS[extra], line  # the module found missing
 
 
+def test_build_needs_the_export_extra_only():
+    """`build` (whose --method best may probe this CPU) loads without the profile extra's matplotlib: the README's
+    first command installs the export extra alone."""
+    result = blocked("build", "--help", block="matplotlib")
+    assert result.returncode == 0 and "--no-probe" in result.stdout, result.stderr
+
+
 def test_help_needs_no_extra():
     result = blocked("--help")
     assert result.returncode == 0 and "build" in result.stdout and "profile" in result.stdout, result.stderr

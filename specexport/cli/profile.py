@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from specexport.cli import needs_extra
 from specexport.cli.common import IntList, path_option
 from specexport.runtime.bench import read_prompts
 from specexport.tune import profile_bundle, summary
@@ -48,7 +49,10 @@ def profile(bundle, prompts_file, output, base, new_tokens, max_tokens, contexts
     prompts = [p["prompt"] for p in read_prompts(prompts_file)] if prompts_file else None
     output = output or Path(f"profile-{bundle.name}.toml")
     report = output.with_name(output.stem + "-report")
-    result = profile_bundle(bundle, prompts, output, report, base, new_tokens, max_tokens, contexts, reps, rounds,
-                            threads, max_batch=max_batch)
+    try:
+        result = profile_bundle(bundle, prompts, output, report, base, new_tokens, max_tokens, contexts, reps, rounds,
+                                threads, max_batch=max_batch)
+    except ModuleNotFoundError as e:  # the report's plots: the profile extra
+        needs_extra("profile", "profile", e)
     click.echo(f"profile written to {output} (based on {base})")
     click.echo("\n".join(summary(result)))

@@ -34,7 +34,6 @@ from specexport.prompts import AGREEMENT_PROMPTS
 from specexport.runtime.budget import grid
 from specexport.runtime.generate import Engine
 from specexport.tune import chain, eagle, measure, medusa, suffix
-from specexport.tune.report import markdown, plots
 
 
 class PlainTuner:
@@ -81,6 +80,8 @@ def profile_bundle(bundle: Path, prompts: list[str] | None, output: Path, report
         raise UserError("--max-tokens must be 1..64; --new-tokens, --reps, --rounds and --contexts must be >= 1")
     if not 0 <= max_batch <= 256:
         raise UserError(f"--max-batch must be 0..256 (0: no batched measurement), got {max_batch}")
+    from specexport.tune.report import markdown, plots  # the profile extra (matplotlib): before anything is measured
+
     if output.exists() or report.exists():
         raise UserError(f"{output if output.exists() else report} already exists")
     check_writable(output)
