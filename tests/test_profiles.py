@@ -79,7 +79,12 @@ def test_missing_parts_and_unknown_names():
     (Found("gpu", "NVIDIA A100-SXM4-80GB", 79.2, 8), "a100-80gb"),
     (Found("gpu", "NVIDIA L4", 22.5, 8), "l4"),
     (Found("gpu", "NVIDIA L40S", 44.5, 8), "l40s"),
-    (Found("cpu", "AMD EPYC", 0, 2), "cpu-2core"),
+    (Found("cpu", "AMD EPYC", 0, 2, ("avx2",)), "cpu-2core"),
+    (Found("cpu", "AMD EPYC", 0, 2, ("avx2", "avx512f", "avx512_vnni")), "cpu-2core-vnni"),
+    (Found("cpu", "Intel(R) Xeon(R) Platinum 8480+", 0, 2, ("avx2", "avx512f", "avx512_vnni", "amx_int8")),
+     "cpu-2core-vnni"),  # measured on neither: the VNNI one, whose features this CPU all has, is nearer
+    (Found("cpu", "Intel(R) Xeon(R) Silver 4110", 0, 2, ("avx2", "avx512f")), "cpu-2core"),  # no VNNI here
+    (Found("cpu", "unknown", 0, 2), "cpu-2core"),  # no features found: the profile that assumes the fewest
     (Found("cpu", "Intel(R) Core(TM) i7", 0, 8), "cpu-8core"),
     (Found("cpu", "AMD EPYC 9654", 0, 192), "cpu-server"),
 ])  # fmt: skip

@@ -628,11 +628,11 @@ def test_a_budget_that_drafts_verifies_the_roots_alone_now_and_then(engines, mon
     monkeypatch.setattr(module, "share", lambda curves, *_, **__: np.array([len(c) for c in curves]))  # whole trees
     engine = engines["self1-tree"]
     want = batch_one(engine, PROMPTS[:2], [90, 90])
-    scheduler = Scheduler(engine, max_batch=2, background=False)
+    scheduler = Scheduler(engine, max_batch=2, background=False, prefill_tokens=4096)  # both prompts in one step
     requests = [scheduler.submit(p, max_new_tokens=90, stop_ids=()) for p in PROMPTS[:2]]
     scheduler.run_until_idle()
     assert [r.result().tokens for r in requests] == [w.tokens for w in want]
-    both = [w for n, w in scheduler.widths if n == 2]  # (the prompts are fed in one step: they run together)
+    both = [w for n, w in scheduler.widths if n == 2]  # (they run together from the first step)
     period = PLAIN_PROBE_STEPS + 1  # the first step proposes (no cost known yet), then each kind in turn
     assert len(both) > period and [k for k, w in enumerate(both) if w == 1] == list(range(period - 1, len(both), period))
     assert scheduler.governor.cost[False] is not None and scheduler.governor.cost[True] is not None

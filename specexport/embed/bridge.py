@@ -16,6 +16,7 @@ import queue
 from specexport.errors import UserError, first_line
 from specexport.options import fields
 from specexport.runtime.backends import host as backend
+from specexport.runtime.backends.protocol import pools
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import SamplingParams
 from specexport.runtime.scheduler import Scheduler
@@ -51,7 +52,7 @@ class Embedded:
 
     def __init__(self, engine: Engine, max_batch: int):
         self.engine = engine
-        batches = max_batch != -1 and hasattr(engine.target, "new_pool") and not engine.target.info.get("kv_capacity")
+        batches = max_batch != -1 and pools(engine.target)
         self.scheduler = Scheduler(engine, max_batch=max_batch or DEFAULT_MAX_BATCH) if batches else None
 
     def close(self) -> None:

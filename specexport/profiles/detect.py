@@ -49,7 +49,7 @@ class Fit:
     """How a profile fits the hardware found: `score` 0 = not at all (more = a better fit), whether its measurements
     were made on hardware like this (`measured_here`), and why, in words."""
 
-    score: tuple[int, int]
+    score: tuple[int, ...]
     measured_here: bool
     why: str
 
@@ -88,21 +88,24 @@ def fits(profile: Profile, found: Found) -> Fit:
     name = found.name.lower()
     named = max((len(m) for m in hw.match if m.lower() in name or m == "*"), default=0)
     if hw.kind != found.kind or not named:
-        return Fit((0, 0), False, f"for a {hw.kind}" if hw.kind != found.kind else "another model")
+        return Fit((0,), False, f"for a {hw.kind}" if hw.kind != found.kind else "another model")
     if found.kind == "gpu":
         if found.memory_gb < hw.min_memory_gb or (hw.max_memory_gb and found.memory_gb > hw.max_memory_gb):
-            return Fit((0, 0), False, f"for {hw.min_memory_gb}-{hw.max_memory_gb or 'any'} GB")
-        return Fit((3, named), profile.measured, f"{found.name} matches {'/'.join(hw.match)}")
+            return Fit((0,), False, f"for {hw.min_memory_gb}-{hw.max_memory_gb or 'any'} GB")
+        return Fit((3, 0, 0, named), profile.measured, f"{found.name} matches {'/'.join(hw.match)}")
     if found.cores < hw.min_cores or (hw.max_cores and found.cores > hw.max_cores):
-        return Fit((0, 0), False, f"for {hw.min_cores}-{hw.max_cores or 'any'} cores")
+        return Fit((0,), False, f"for {hw.min_cores}-{hw.max_cores or 'any'} cores")
     cores = f"{found.cores} cores in {hw.min_cores}-{hw.max_cores or 'any'}"
     if not hw.features:
-        return Fit((2, named), False, f"{cores}; measured on no CPU (a guess for any)")
+        return Fit((2, 0, 0, named), False, f"{cores}; measured on no CPU (a guess for any)")
     measured_on = " ".join(hw.features)
     if set(hw.features) == set(found.features):
-        return Fit((3, named), profile.measured, f"{cores}; measured on {measured_on}, as this CPU")
-    return Fit((1, named), False, f"{cores}; measured on {measured_on}, this CPU has "
-                                  f"{' '.join(found.features) or 'none of those'}: its speeds are another CPU's")
+        return Fit((3, 0, 0, named), profile.measured, f"{cores}; measured on {measured_on}, as this CPU")
+    # the nearest CPU measured: none of its features missing here (an AMX Xeon is nearer a VNNI EPYC than an AVX2
+    # one), then the most in common
+    missing, shared = len(set(hw.features) - set(found.features)), len(set(hw.features) & set(found.features))
+    return Fit((1, -missing, shared, named), False, f"{cores}; measured on {measured_on}, this CPU has "
+               f"{' '.join(found.features) or 'none of those'}: its speeds are another CPU's")
 
 
 def auto_profile(found: Found | None = None) -> tuple[Profile, Found, Fit]:

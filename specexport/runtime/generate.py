@@ -18,7 +18,7 @@ from specexport.bundle import Bundle, load_bundle
 from specexport.errors import UserError
 from specexport.runtime import cpu, methods, tree
 from specexport.runtime.backends import open_graph
-from specexport.runtime.backends.protocol import Backend, Cache
+from specexport.runtime.backends.protocol import Backend, Cache, pools
 from specexport.runtime.budget import BatchLatency, grid
 from specexport.runtime.governor import WHOLE, Governor, profiled_latency
 from specexport.runtime.prefix import PrefixStore
@@ -178,7 +178,7 @@ class Engine:
         (one sequence, widths up to the method's tree, about half a second). None for trees of one row, and where
         the backend has no pool to measure its calls on (TensorRT: every tree whole)."""
         rows = self.method.tokens_per_step(self.settings)
-        if self._governor is None and rows > 1 and hasattr(self.target, "new_pool"):
+        if self._governor is None and rows > 1 and pools(self.target):
             widths = grid(rows)
             context = min(LATENCY_CONTEXT, self.max_context - rows)
             latency = profiled_latency(self) or BatchLatency.measure(

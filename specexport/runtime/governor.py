@@ -123,8 +123,8 @@ class Governor:
         elif plain_probe:
             propose = False  # a plain probe (alone, rarer: its step forgoes a draft's tokens, and its cost is steady)
         else:
-            if sequences == 1:  # alone: decided when its cut was chosen (`_cut_alone`)
-                propose = self._alone_pays is not False
+            if sequences == 1 and self._alone_pays is not None:  # alone: decided when its cut was chosen (`_cut_alone`)
+                propose = self._alone_pays
             else:
                 plain = (self.cost[False] or 0.0) * sequences  # before a plain step: a proposing step's cost counts
                 drafting = max(self.cost[True] * sequences - plain, 0.0)

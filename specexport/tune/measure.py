@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specexport.runtime import tree
+from specexport.runtime.backends.protocol import pools
 from specexport.runtime.budget import BatchLatency
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import Sampler, SamplingParams
@@ -150,7 +151,7 @@ def batch_latency(engine: Engine, measured: Measured, sequences: list[int], widt
     """The batched engine's call (runtime/scheduler.py: n sequences' chains of W tokens, each after `context` rows of
     its own, and where the graph takes ragged rows with one real row a sequence), best of `reps` per point, kept in
     `measured` (nothing where the backend has no batched pool)."""
-    if not hasattr(engine.target, "new_pool") or not sequences:
+    if not pools(engine.target) or not sequences:
         return
     pool = engine.target.new_pool(max(sequences), context + max(widths))
     table, single = [], []

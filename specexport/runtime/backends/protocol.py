@@ -78,3 +78,10 @@ class Backend(Protocol):
                 live: np.ndarray | None = None) -> dict[str, np.ndarray]: ...
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
+def pools(backend) -> bool:
+    """Whether `backend` can hold a batch of sequences in one pool (`new_pool`: the batched engine, the drafting
+    governor's measurements): ONNX Runtime graphs whose cache length is free; not TensorRT (batch 1), nor the trt
+    flavour's fixed cache length."""
+    return hasattr(backend, "new_pool") and not backend.info.get("kv_capacity")

@@ -28,6 +28,7 @@ import numpy as np
 
 from specexport.bundle import load_bundle
 from specexport.errors import UserError, first_line
+from specexport.runtime.backends.protocol import pools
 from specexport.runtime.generate import Engine, Generation
 from specexport.runtime.sampling import SamplingParams
 from specexport.runtime.scheduler import Scheduler
@@ -133,7 +134,7 @@ class TritonPythonModel:
             print(f"warning: {warning}", file=sys.stderr)
         if setting("max_context"):
             self.engine.limit_context(setting("max_context"))
-        if params.get("batching", "true") == "true" and hasattr(self.engine.target, "new_pool"):
+        if params.get("batching", "true") == "true" and pools(self.engine.target):
             self.scheduler = Scheduler(self.engine, max_batch=setting("max_batch") or 8,
                                        prefill_chunk=setting("prefill_chunk"))
         else:  # TensorRT engines (batch 1), or a repository written with --no-batching
