@@ -15,6 +15,8 @@ from conftest import save_folder, tiny_model
 
 from specexport.cli import main
 from specexport.exporter.sources import ALIASES
+from specexport.runtime.generate import Engine
+from specexport.runtime.sampling import SamplingParams
 from specexport.runtime.tokenizer import Tokenizer
 
 COMMANDS = ["export", "build", "info", "run", "bench", "train"]
@@ -452,6 +454,29 @@ def test_max_new_tokens(bundle, tmp_path, value):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     fails("bench", bundle, "--prompts", prompts, "--max-new-tokens", value, match="--max-new-tokens must be >= 1")
+
+
+@pytest.mark.parametrize("args, match", [
+    (("--min-p", "1.5"), "min_p must be in [0, 1], got 1.5"),
+    (("--logit-bias", "5"), "--logit-bias takes ID=BIAS (e.g. 28=-100), got '5'"),
+    (("--logit-bias", "x=1"), "--logit-bias takes ID=BIAS"),
+    (("--logit-bias", "5=101"), "biases in [-100, 100], got 5: 101.0"),
+    (("--logit-bias", "5=1", "--logit-bias", "5=2"), "logit_bias names a token twice"),
+    (("--logit-bias", "100000=1"), "--logit-bias: token ids must be in 0.."),
+])
+def test_bad_sampling_knobs(bundle, args, match):
+    fails("run", bundle, "--prompt", "hi", *args, match=match)
+
+
+def test_a_logit_bias_bans_a_token(bundle):
+    """--logit-bias ID=-100 on the first token greedy decoding emits: another first token, as the engine gives it."""
+    first = json.loads(cli("run", bundle, "--prompt", "hi", "--json", "--max-new-tokens", "4", "--threads", "1")
+                       .stdout)["tokens"]
+    biased = json.loads(cli("run", bundle, "--prompt", "hi", "--json", "--max-new-tokens", "4", "--threads", "1",
+                            "--logit-bias", f"{first[0]}=-100").stdout)["tokens"]
+    want = Engine.load(bundle, threads=1).generate("hi", max_new_tokens=4,
+                                                   sampling=SamplingParams(logit_bias=((first[0], -100.0),)))
+    assert biased == want.tokens and biased[0] != first[0]
 
 
 @pytest.mark.parametrize("value", ["-0.5", "nan", "inf", "1e308"])

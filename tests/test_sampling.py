@@ -55,6 +55,28 @@ def test_top_k_then_top_p():
     np.testing.assert_allclose(probabilities(LOG_P, P(top_k=3, top_p=0.6)), [0, 4 / 7, 0, 3 / 7])
 
 
+def test_min_p_keeps_tokens_near_the_most_likely():
+    # 0.5 x 0.4 = 0.2: keeps 0.4, 0.3 and 0.2 (ties with the threshold kept); 0.8 x 0.4 = 0.32 keeps 0.4 alone
+    np.testing.assert_allclose(probabilities(LOG_P, P(min_p=0.5)), [0, 4 / 9, 2 / 9, 3 / 9])
+    np.testing.assert_allclose(probabilities(LOG_P, P(min_p=0.8)), [0, 1, 0, 0])
+    # after top_p=0.75 ([0, 4, 2, 3] / 9): min_p 0.6 keeps those >= 0.6 x 4/9, i.e. 4/9 and 3/9
+    np.testing.assert_allclose(probabilities(LOG_P, P(top_p=0.75, min_p=0.6)), [0, 4 / 7, 0, 3 / 7])
+    np.testing.assert_array_equal(probabilities(LOG_P, SamplingParams(min_p=0.9)), [0, 1, 0, 0])  # greedy: nothing
+    assert P(min_p=0.1).host_only and not SamplingParams(min_p=0.1).host_only
+
+
+def test_logit_bias_comes_first_greedy_or_sampled():
+    # +ln 4 on token 0: [0.4, 0.4, 0.2, 0.3] / 1.3; greedy takes the first maximum
+    biased = SamplingParams(logit_bias=((0, math.log(4)),))
+    np.testing.assert_array_equal(probabilities(LOG_P, biased), [1, 0, 0, 0])
+    assert Sampler(biased)(LOG_P) == 0 and Sampler(SamplingParams())(LOG_P) == 1
+    np.testing.assert_allclose(probabilities(LOG_P, P(logit_bias=((0, math.log(4)),))), np.array([4, 4, 2, 3]) / 13)
+    np.testing.assert_allclose(probabilities(LOG_P, P(logit_bias=((1, -100.0),)))[1], 0, atol=1e-40)
+    assert biased.host_only
+    with pytest.raises(UserError, match="token id 4 is past the vocabulary"):
+        probabilities(LOG_P, SamplingParams(logit_bias=((4, 1.0),)))
+
+
 def test_top_p_matches_full_sort_on_a_large_vocabulary():
     # rounded logits give many ties; flat to peaked rows put the nucleus inside each probability floor's candidates
     # (sampling.NUCLEUS_FLOORS) and past them all
@@ -95,6 +117,11 @@ def test_large_logits_are_stable():
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_p": math.nan}, "top_p"),
+        ({"min_p": -0.1}, "min_p"),
+        ({"min_p": math.nan}, "min_p"),
+        ({"logit_bias": ((3, 100.5),)}, "logit_bias"),
+        ({"logit_bias": ((-1, 1.0),)}, "logit_bias"),
+        ({"logit_bias": ((2, 1.0), (2, -1.0))}, "logit_bias"),
     ],
 )
 def test_validation(kw, word):

@@ -74,6 +74,25 @@ def test_batched_greedy_equals_batch_one(engines, name, in_graph):
         assert scheduler.draft_pool is not None and draft_calls() - before - alone < alone
 
 
+@pytest.mark.parametrize("name", ["none", "ngram", "self1-tree"])
+def test_a_logit_bias_in_a_batch_keeps_each_requests_tokens(engines, name):
+    """Greedy requests with and without logit biases in one batch: the biased ones accept on the host from their own
+    rows (their bias applied), the others by the graph's batched acceptance; each emits its batch-1 tokens."""
+    engine = engines[name]
+    lengths = [20, 7, 33, 12]
+    free = batch_one(engine, PROMPTS[:4], lengths, budget=False)
+    params = [SamplingParams(logit_bias=((r.tokens[1], -100.0),)) if k % 2 else SamplingParams()
+              for k, r in enumerate(free)]
+    want = [engine.generate(p, max_new_tokens=n, stop_ids=(), sampling=s, budget=False)
+            for p, n, s in zip(PROMPTS, lengths, params)]
+    assert want[1].tokens != free[1].tokens and want[0].tokens == free[0].tokens
+    scheduler = Scheduler(engine, max_batch=4, background=False)
+    requests = [scheduler.submit(p, max_new_tokens=n, stop_ids=(), sampling=s)
+                for p, n, s in zip(PROMPTS, lengths, params)]
+    scheduler.run_until_idle()
+    assert [r.result(timeout=0).tokens for r in requests] == [w.tokens for w in want]
+
+
 @pytest.mark.parametrize("name, device", [("none", "cpu"), ("ngram", "cpu"), ("self1-tree", "cpu"),
                                           ("ngram", "cpu-iobinding")])
 def test_a_burst_prefills_several_prompts_in_one_call(engines, name, device):
@@ -638,7 +657,8 @@ def test_a_budget_that_drafts_verifies_the_roots_alone_now_and_then(engines, mon
     assert scheduler.governor.cost[False] is not None and scheduler.governor.cost[True] is not None
 
 
-@pytest.mark.parametrize("params", [{"temperature": 0.5, "top_p": 0.9}, {"temperature": 0.5}])
+@pytest.mark.parametrize("params", [{"temperature": 0.5, "top_p": 0.9}, {"temperature": 0.5},
+                                    {"temperature": 0.8, "min_p": 0.1, "logit_bias": ((5, 1.5),)}])
 def test_batched_sampling_follows_plain_sampling(engines, params, monkeypatch):
     """1500 unseeded sampled requests through the batched engine, their trees cut by a budget that finds rows dear:
     the same distribution as plain sampling (two-sample chi-square at a 1e-4 tail). The host's acceptance of sampled

@@ -19,6 +19,7 @@ from served import SPECEXPORT, Served, wait_for
 import specexport
 from specexport.runtime.generate import Engine
 from specexport.runtime.prefix import PrefixStore
+from specexport.runtime.sampling import SamplingParams
 from specexport.runtime.tokenizer import Tokenizer
 from specexport.serve import fields, protocol
 
@@ -149,11 +150,14 @@ def test_each_field_is_supported_neutral_a_hint_or_unknown():
                                  "mirostat": 0, "mirostat_tau": 4.0, "stream_options": {"include_obfuscation": True},
                                  "my_flag": 1, "n ": 1, "guided_json": None, "stream_options_x": {}})
     assert job.ignored == ("my_flag", "n ", "stream_options_x")
-    # min_p cuts nothing greedy decoding needs: any value at temperature 0
-    assert protocol.chat_request({**base, "temperature": 0, "min_p": 0.3}).ignored == ()
-    refused = {"min_p": 0.1, "repetition_penalty": 1.2, "repeat_penalty": 1.1, "min_tokens": 3, "ignore_eos": True,
+    # supported: min_p, logit_bias, ignore_eos, and min_tokens where nothing can end the generation before it
+    job = protocol.chat_request({**base, "temperature": 0.7, "min_p": 0.3, "logit_bias": {"7": -100, "3": 2.5},
+                                 "ignore_eos": True, "min_tokens": 8})
+    assert job.ignored == () and job.ignore_eos and job.sampling.min_p == 0.3
+    assert job.sampling.logit_bias == ((3, 2.5), (7, -100.0))
+    refused = {"repetition_penalty": 1.2, "repeat_penalty": 1.1, "min_tokens": 3,
                "skip_special_tokens": False, "include_stop_str_in_output": True, "guided_json": {"type": "object"},
-               "response_format": {"type": "json_object"}, "logit_bias": {"5": 1}, "n": 2, "echo": True,
+               "response_format": {"type": "json_object"}, "n": 2, "echo": True,
                "continue_final_message": True, "chat_template": "{{ messages }}", "grammar": "root ::= x",
                "typical_p": 0.9, "dry_multiplier": 0.8, "mirostat": 2, "reasoning_format": "deepseek",
                "use_beam_search": True, "prompt_logprobs": 1, "n_predict": 64}
@@ -245,8 +249,9 @@ def test_unknown_fields_are_named_and_strict_refuses_them(server, strict):
     for served in (server, strict):  # a field it knows but cannot honour: refused by name, strict or not
         with pytest.raises(openai.BadRequestError) as e:
             client(served).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                                   max_tokens=4, temperature=0.7, extra_body={"min_p": 0.1})
-        assert e.value.param == "min_p" and "not supported" in e.value.body["message"]
+                                                   max_tokens=4, temperature=0.7,
+                                                   extra_body={"repetition_penalty": 1.2})
+        assert e.value.param == "repetition_penalty" and "not supported" in e.value.body["message"]
 
 
 BAD = [  # (what, path, body, headers, param): each a 400 in OpenAI's error shape naming the parameter
@@ -264,7 +269,18 @@ BAD = [  # (what, path, body, headers, param): each a 400 in OpenAI's error shap
     ("stop_token_ids past the vocabulary", "/v1/completions", {"prompt": "x", "stop_token_ids": [100000]}, {},
      "stop_token_ids"),
     ("stop_token_ids not ids", "/v1/completions", {"prompt": "x", "stop_token_ids": ["a"]}, {}, "stop_token_ids"),
-    ("min_p sampled", "/v1/completions", {"prompt": "x", "min_p": 0.05}, {}, "min_p"),
+    ("min_p past 1", "/v1/completions", {"prompt": "x", "min_p": 1.5}, {}, "min_p"),
+    ("logit_bias not an object", "/v1/completions", {"prompt": "x", "logit_bias": [1, 2]}, {}, "logit_bias"),
+    ("logit_bias: a word for a key", "/v1/completions", {"prompt": "x", "logit_bias": {"the": 5}}, {}, "logit_bias"),
+    ("logit_bias: a negative id", "/v1/completions", {"prompt": "x", "logit_bias": {"-3": 5}}, {}, "logit_bias"),
+    ("logit_bias past 100", "/v1/completions", {"prompt": "x", "logit_bias": {"3": 101}}, {}, "logit_bias"),
+    ("logit_bias not a number", "/v1/completions", {"prompt": "x", "logit_bias": {"3": "up"}}, {}, "logit_bias"),
+    ("logit_bias past the vocabulary", "/v1/chat/completions", chat("x", logit_bias={"100000": 1}), {},
+     "logit_bias"),
+    ("ignore_eos not a boolean", "/v1/completions", {"prompt": "x", "ignore_eos": 1}, {}, "ignore_eos"),
+    ("min_tokens with eos", "/v1/completions", {"prompt": "x", "min_tokens": 4}, {}, "min_tokens"),
+    ("min_tokens negative", "/v1/completions", {"prompt": "x", "min_tokens": -1, "ignore_eos": True}, {},
+     "min_tokens"),
     ("min_p not a number", "/v1/completions", {"prompt": "x", "temperature": 0, "min_p": "x"}, {}, "min_p"),
     ("skip_special_tokens false", "/v1/completions", {"prompt": "x", "skip_special_tokens": False}, {},
      "skip_special_tokens"),
@@ -401,6 +417,34 @@ def test_stop_token_ids(server, bundle):
                                                extra_body={"stop_token_ids": [tokens[k]]})
     assert answer.choices[0].finish_reason == "stop" and answer.usage.completion_tokens == k + 1
     assert answer.choices[0].text == engine.generate(prompt, max_new_tokens=k, chat=False).text
+
+
+def test_logit_bias_ignore_eos_and_min_p_are_the_runtimes(server, bundle):
+    """Through the official client: a logit bias changes greedy tokens as Engine.generate's does; an end of sequence
+    forced by a bias ends the answer at its first token, unless ignore_eos (then max_tokens, finish "length", and
+    min_tokens is accepted); a seeded min-p request gives the engine's seeded tokens."""
+    engine = Engine.load(bundle, threads=1)
+    prompt, completions = "the cat sat on the mat, the cat sat on", client(server).completions
+    plain = engine.generate(prompt, max_new_tokens=8, chat=False)
+    banned = SamplingParams(logit_bias=((plain.tokens[0], -100.0),))
+    want = engine.generate(prompt, max_new_tokens=8, chat=False, sampling=banned)
+    answer = completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                                logit_bias={str(plain.tokens[0]): -100})
+    assert want.tokens[0] != plain.tokens[0] and answer.choices[0].text == want.text
+
+    eos = min(engine.tokenizer.eos_token_ids)
+    forced = {"logit_bias": {str(eos): 100}}
+    ended = completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body=forced)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
+    going = completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                               extra_body={**forced, "ignore_eos": True, "min_tokens": 6})
+    assert going.choices[0].finish_reason == "length" and going.usage.completion_tokens == 6
+
+    sampled = SamplingParams(temperature=1.0, min_p=0.2, seed=11)
+    want = engine.generate(prompt, max_new_tokens=8, chat=False, sampling=sampled)
+    answer = completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=11,
+                                extra_body={"min_p": 0.2})
+    assert answer.choices[0].text == want.text
 
 
 def test_cached_tokens_count_the_kept_system_prompt(server, bundle, template_file):

@@ -82,6 +82,38 @@ def test_sampling_follows_plain_sampling(engines, name, params):
     assert stat < chisquare.threshold(dof), (stat, dof)
 
 
+@pytest.mark.parametrize("name", ["ngram", "self1-tree", "same-tree"])
+def test_a_logit_bias_keeps_greedy_lossless(engines, name):
+    """A logit bias (greedy) is applied on the host to every row, the graphs' own acceptance set aside: speculative
+    tokens equal plain decoding's with the same bias, whole trees and governed, and the bias changes them."""
+    engine = engines[name]
+    for prompt in PROMPTS:
+        free = engine.generate(prompt, max_new_tokens=NEW, stop_ids=(), plain=True)
+        other = next(t for t in free.tokens if t != free.tokens[1])
+        bias = SamplingParams(logit_bias=((free.tokens[1], -100.0), (other, 3.0)))
+        plain = engine.generate(prompt, max_new_tokens=NEW, stop_ids=(), plain=True, sampling=bias)
+        spec = engine.generate(prompt, max_new_tokens=NEW, stop_ids=(), sampling=bias, budget=False)
+        governed = engine.generate(prompt, max_new_tokens=NEW, stop_ids=(), sampling=bias)
+        assert spec.tokens == plain.tokens == governed.tokens != free.tokens, prompt
+        assert free.tokens[1] not in plain.tokens
+
+
+@pytest.mark.parametrize("name, prompt, params", [
+    ("self1-tree", "the cat", {"temperature": 0.7, "min_p": 0.15}),
+    ("same-chain", "the cat", {"temperature": 1.0, "min_p": 0.05, "top_k": 30,
+                               "logit_bias": ((5, 2.0), (6, -100.0))}),  # the draft samples the biased q = p
+])
+def test_min_p_and_logit_bias_sampling_follows_plain_sampling(engines, name, prompt, params):
+    """min-p and a logit bias transform every row's distribution as plain sampling's: the same distribution (the
+    fused graph's acceptance is set aside for the host's, which applies them)."""
+    engine = engines[name]
+    spec, lengths = chisquare.sampled_counts(engine, prompt, False, 1500, 0, **params)
+    plain = chisquare.sampled_counts(engine, prompt, True, 1500, 100_000, **params)[0]
+    stat, dof = chisquare.two_sample(spec, plain)
+    assert dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)
+    assert max(lengths) > 1  # drafts were accepted
+
+
 def test_the_sampling_test_catches_a_broken_rule(engines, monkeypatch):
     """Keep a rejected candidate in the target's residual: the same test must now fail (the runtime's rule,
     on a bundle that accepts outside the graph)."""

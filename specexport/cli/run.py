@@ -44,6 +44,10 @@ def _engine(bundle: Path, threads: int | None, device: str, kwargs: dict) -> Eng
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--min-p", type=float, default=0.0, show_default=True,
+              help="Keep the tokens at least this times as likely as the most likely one (sampling). 0 = off.")
+@click.option("--logit-bias", multiple=True, metavar="ID=BIAS",
+              help="Add BIAS (-100..100) to token ID's logit, greedy or sampled (repeatable).")
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--stop-id", type=int, multiple=True, help="Stop token id, besides the model's end-of-sequence ids (repeatable).")
@@ -52,8 +56,8 @@ def _engine(bundle: Path, threads: int | None, device: str, kwargs: dict) -> Eng
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @DEVICE
 @OVERRIDES
-def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, seed, stop, stop_id, raw, threads,
-        as_json, device, **overrides):
+def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, min_p, logit_bias, seed, stop, stop_id,
+        raw, threads, as_json, device, **overrides):
     """Generate from a prompt with a bundle, streaming the text, then print stats.
 
     The method's settings (tree, draft length, ...) default to the bundle's; the options below override them.
@@ -64,6 +68,7 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
       specexport run smol-fp32 --prompt "Tell me a story" --temperature 0.7 --top-p 0.9 --seed 1
       specexport run smol-fp32 --prompt "List three colours" --json
       specexport run smol-fp32 --prompt-ids 1,504,3300 --max-new-tokens 16
+      specexport run smol-fp32 --prompt "Name a fruit" --temperature 1 --min-p 0.1 --logit-bias 28=-100
     """
     if (prompt is None) == (prompt_ids is None):
         raise UserError("give exactly one of --prompt and --prompt-ids")
@@ -74,9 +79,12 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, s
             raise UserError(f"--prompt-ids must be comma-separated integers, got '{prompt_ids}'") from None
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    params = SamplingParams(temperature=temperature or 0.0, top_k=top_k, top_p=top_p, seed=seed)
+    params = SamplingParams(temperature=temperature or 0.0, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+                            logit_bias=_logit_bias(logit_bias))
     engine = _engine(bundle, threads, device, overrides)
     vocab = engine.bundle.manifest["model"]["vocab"]
+    if any(t >= vocab for t, _ in params.logit_bias):
+        raise UserError(f"--logit-bias: token ids must be in 0..{vocab - 1}")
     if any(not 0 <= t < vocab for t in stop_id):
         raise UserError(f"--stop-id must be a token id in 0..{vocab - 1}")
     stop_ids = tuple(sorted(engine.tokenizer.eos_token_ids | set(stop_id)))
@@ -160,3 +168,15 @@ def info(bundle):
         click.echo(f"this CPU     {cpu.describe()}: " + (
             "its profile was measured on these features" if same else
             "its profile was not measured on these features (the tree budget measures this CPU when it starts)"))
+
+
+def _logit_bias(given: tuple[str, ...]) -> tuple[tuple[int, float], ...]:
+    """--logit-bias ID=BIAS options as SamplingParams takes them (it checks the ranges)."""
+    out = []
+    for item in given:
+        token, _, bias = item.partition("=")
+        try:
+            out.append((int(token), float(bias)))
+        except ValueError:
+            raise UserError(f"--logit-bias takes ID=BIAS (e.g. 28=-100), got '{item}'") from None
+    return tuple(out)

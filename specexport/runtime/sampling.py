@@ -13,16 +13,23 @@ import numpy as np
 from specexport.errors import UserError
 
 MAX_TEMPERATURE = 1000.0  # far past any useful setting; keeps the graph's float32 sampling parameters finite
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: -100 bans a token, 100 all but forces it
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next token; temperature 0 means greedy (argmax)."""
+    """How to pick the next token; temperature 0 means greedy (argmax).
+
+    `min_p` (sampling only) keeps the tokens at least min_p times as likely as the most likely one; `logit_bias`
+    ((token id, bias), ...) adds each bias to its token's logit before anything else, greedy or sampled. E.g.
+    SamplingParams(temperature=0.7, min_p=0.05, logit_bias=((13, -100.0),)) never emits token 13."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 keeps every token
     top_p: float = 1.0  # 1.0 keeps every token
     seed: int | None = None
+    min_p: float = 0.0  # 0 keeps every token
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature <= MAX_TEMPERATURE:  # also false for NaN
@@ -33,21 +40,49 @@ class SamplingParams:
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise UserError(f"seed must be an integer in [0, 2^63), got {self.seed}")
+        if not 0 <= self.min_p <= 1:  # also false for NaN
+            raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
+        if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
+            raise UserError("logit_bias names a token twice")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise UserError(f"logit_bias takes token ids >= 0 and biases in [-{MAX_LOGIT_BIAS:g}, "
+                                f"{MAX_LOGIT_BIAS:g}], got {token}: {bias}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def host_only(self) -> bool:
+        """Whether only the host applies these settings: the graphs' acceptance (exporter/fused.py) takes the
+        temperature, top-k and top-p, not min-p or a logit bias."""
+        return bool(self.logit_bias) or (self.min_p > 0 and not self.greedy)
+
+
+def biased(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """`logits` [..., V] with the params' logit bias added (the same array where there is none). A token id past
+    the vocabulary is one line."""
+    if not params.logit_bias:
+        return logits
+    ids = np.array([t for t, _ in params.logit_bias], np.int64)
+    if ids.max() >= logits.shape[-1]:
+        raise UserError(f"logit_bias: token id {int(ids.max())} is past the vocabulary (0..{logits.shape[-1] - 1})")
+    x = np.array(logits, dtype=np.float64)
+    x[..., ids] += np.array([b for _, b in params.logit_bias])
+    return x
+
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The sampling distribution over the last axis of `logits` [..., V], as float64.
 
-    Greedy gives a one-hot at the first maximum. Otherwise: divide by temperature, keep the
+    The logit bias first. Greedy gives a one-hot at the first maximum. Otherwise: divide by temperature, keep the
     top_k largest logits (ties with the k-th are kept, as in transformers), softmax, then keep
     the smallest set of most likely tokens whose mass reaches top_p (ties broken by lower
-    token id; the most likely token is always kept), and renormalise.
+    token id; the most likely token is always kept), then those at least min_p times the most likely one's
+    probability (transformers' order), and renormalise.
     """
-    x = np.asarray(logits, dtype=np.float64)
+    x = np.asarray(biased(logits, params), dtype=np.float64)
     if params.greedy:
         best = np.argmax(x, axis=-1)[..., None]
         probs = np.zeros_like(x)
@@ -62,6 +97,9 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     if params.top_p < 1:
         for row in probs.reshape(-1, probs.shape[-1]):  # a view: rows change in place
             _keep_nucleus(row, params.top_p)
+    if params.min_p > 0:
+        probs = np.where(probs >= params.min_p * probs.max(axis=-1, keepdims=True), probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
     return probs
 
 
@@ -114,5 +152,5 @@ class Sampler:
 
     def __call__(self, logits_row: np.ndarray) -> int:
         if self.params.greedy:
-            return int(np.argmax(logits_row))
+            return int(np.argmax(biased(logits_row, self.params)))
         return sample(probabilities(logits_row, self.params), self.rng.random())

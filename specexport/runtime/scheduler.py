@@ -479,13 +479,13 @@ class Scheduler:
         ones on the host from their rows' logits, each with its own settings and random stream."""
         top = None
         if any(self.accepting.route(s.sampler.params, batched=True) is Route.HOST and s.sampler.params.greedy
-               for s in seqs):
+               and not s.sampler.params.host_only for s in seqs):
             top = out["logits"].argmax(-1)  # one pass for the whole batch
         accepted, sampled_rows, began = [], 0, time.perf_counter()
         for seq, draft in zip(seqs, trees):
             entry, start = batch.entries[seq.request.id]
             try:
-                if not seq.sampler.params.greedy:
+                if not seq.sampler.params.greedy or seq.sampler.params.host_only:  # (a logit bias: greedy, its own)
                     logits = self._placed(seq, batch, out, ("logits",))["logits"]
                     sampled_rows += len(draft)
                     accepted.append(accept(draft, logits, seq.sampler.params, seq.sampler.rng))

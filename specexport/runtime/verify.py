@@ -36,7 +36,7 @@ from enum import Enum
 
 import numpy as np
 
-from specexport.runtime.sampling import SamplingParams, probabilities, sample
+from specexport.runtime.sampling import SamplingParams, biased, probabilities, sample
 from specexport.runtime.tree import AcceptMode, DraftTree, chain, children
 
 MODES = (AcceptMode.WITH_REPLACEMENT, AcceptMode.WITHOUT_REPLACEMENT, AcceptMode.TOPK)  # the exact rules
@@ -149,7 +149,7 @@ def accept(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.
     output follows the target's distribution, or Medusa's lossy typical acceptance when the tree asks for it."""
     tokens, parents = tree.tokens, tree.parents
     if params.greedy:
-        return accept_greedy(tokens, parents, logits.argmax(-1))
+        return accept_greedy(tokens, parents, biased(logits, params).argmax(-1))
     p = probabilities(logits, params)
     u = rng.random(uniforms_shape(parents))
     if tree.mode is AcceptMode.TYPICAL:
@@ -188,7 +188,9 @@ class Accepting:
 
     def route(self, params: SamplingParams, mode: AcceptMode = AcceptMode.TOPK, batched: bool = False) -> Route:
         """E.g. greedy alone: GRAPH where the graph has the acceptance; Medusa's typical acceptance (lossy, host
-        only): HOST; a sampled sequence of a batched call: HOST."""
+        only): HOST; a sampled sequence of a batched call: HOST; min-p or a logit bias (`host_only`): HOST."""
+        if params.host_only:
+            return Route.HOST
         if batched:
             return Route.GRAPH_BATCHED if params.greedy and self.batched else Route.HOST
         if self.graph and (params.greedy or (self.sampling and mode is not AcceptMode.TYPICAL)):

@@ -5,9 +5,8 @@ Clients written for OpenAI, vLLM, SGLang or llama-server send fields of their ow
 - supported: acted on (serve/protocol.py reads them: SUPPORTED_CHAT, SUPPORTED_COMPLETION).
 - neutral only: a feature this server does not have (n > 1, logprobs, penalties, tools, structured output, vLLM's
   and llama-server's other samplers, ...), accepted only at the value that asks for nothing, and a 400 naming it at
-  any other: an unsupported feature silently ignored would answer something else than what was asked. `min_p` (and
-  llama-server's `min_keep`) also at temperature 0: greedy decoding keeps the most likely token, which min-p never
-  removes.
+  any other: an unsupported feature silently ignored would answer something else than what was asked.
+  llama-server's `min_keep` also at temperature 0: greedy decoding keeps the most likely token.
 - a hint: any value of its type is accepted and nothing is done with it, because it cannot change the text (a tag,
   a cache or scheduling hint, a setting of a feature that is off: `cache_prompt`, `user`, `metadata`, `priority`,
   `mirostat_tau` while `mirostat` is 0, ...).
@@ -104,16 +103,12 @@ COMMON = {
     "n": neutral(INT, _is(1), "1"),
     "frequency_penalty": neutral(NUMBER, _is(0), "0"),
     "presence_penalty": neutral(NUMBER, _is(0), "0"),
-    "logit_bias": neutral(OBJECT, _empty, "empty"),
     "metadata": hint(ANY), "store": hint(BOOL), "prompt_cache_key": hint(ANY), "safety_identifier": hint(ANY),
     "service_tier": neutral(STRING, lambda v: v in ("auto", "default"), '"auto" or "default"'),
     # vLLM (and SGLang)
-    "min_p": neutral(NUMBER, _is(0), "0", greedy_noop=True),
     "repetition_penalty": neutral(NUMBER, _is(1), "1"),
     "length_penalty": hint(NUMBER),  # beam search's only, and use_beam_search is off
     "use_beam_search": neutral(BOOL, _is(False), "false"),
-    "min_tokens": neutral(INT, _is(0), "0"),
-    "ignore_eos": neutral(BOOL, _is(False), "false"),
     "include_stop_str_in_output": neutral(BOOL, _is(False), "false"),
     "skip_special_tokens": neutral(BOOL, _is(True), "true"),
     "spaces_between_special_tokens": hint(BOOL),  # special tokens are never in the text (skip_special_tokens)

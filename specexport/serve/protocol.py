@@ -2,8 +2,8 @@
 built as the official client parses them, errors as OpenAI's error object. No web framework here.
 
 A request field is either supported (model, messages/prompt, max_tokens, max_completion_tokens, temperature, top_p,
-seed, stop, stream, stream_options, user; vLLM's `top_k`, `stop_token_ids`, `chat_template_kwargs` and
-`add_generation_prompt`), or known and checked by serve/fields.py: accepted only at its neutral value (n 1, no
+seed, stop, stream, stream_options, user, logit_bias; vLLM's `top_k`, `min_p`, `stop_token_ids`, `ignore_eos`,
+`min_tokens` (where nothing can end a generation early), `chat_template_kwargs` and `add_generation_prompt`), or known and checked by serve/fields.py: accepted only at its neutral value (n 1, no
 logprobs, zero penalties, no tools, text responses, ...: clients such as LangChain send them), a hint accepted with
 any value, or an unknown field, accepted and named (`Job.ignored`: the X-Specexport-Ignored-Fields header), or with
 serve --strict refused. A known field asking for something this server does not do is never ignored; an unknown one
@@ -77,7 +77,7 @@ def parse_body(raw: bytes, content_type: str | None) -> dict:
 
 
 SUPPORTED_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
-                    "stream_options", "user"}
+                    "stream_options", "user", "min_p", "logit_bias", "ignore_eos", "min_tokens"}
 SUPPORTED_CHAT = SUPPORTED_COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs",
                                      "add_generation_prompt"}
 SUPPORTED_COMPLETION = SUPPORTED_COMMON | {"prompt"}
@@ -86,6 +86,7 @@ SUPPORTED_TOKENIZE = {"model", "prompt", "messages", "add_special_tokens", "add_
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
 RESERVED_TEMPLATE_NAMES = ("messages", "add_generation_prompt")  # what the server itself passes the template
 MAX_STOP_IDS = 64
+MAX_LOGIT_BIAS = 1024  # tokens a request may bias
 
 
 @dataclass
@@ -103,6 +104,7 @@ class Job:
     include_usage: bool
     model: str | None
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # the model's end-of-sequence ids do not end it (stop_token_ids still do)
     template: dict = field(default_factory=dict)  # chat_template_kwargs: the chat template's variables
     add_generation_prompt: bool = True
     ignored: tuple[str, ...] = ()
@@ -187,8 +189,16 @@ def _job(body: dict, chat: bool, prompts: list, max_field: str, ignored: list[st
     max_tokens = body.get(max_field)
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
         raise bad(f"{max_field} must be an integer >= 1, got {json.dumps(max_tokens)}", max_field)
+    ignore_eos, stop_token_ids = _flag(body, "ignore_eos", False), _stop_ids(body.get("stop_token_ids"))
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None:
+        if type(min_tokens) is not int or min_tokens < 0:
+            raise bad(f"min_tokens must be an integer >= 0, got {json.dumps(min_tokens)}", "min_tokens")
+        if min_tokens and not (ignore_eos and not stop_token_ids):  # there, no token can end it early: nothing to do
+            raise bad("min_tokens is not supported by this server (only 0, or any value with ignore_eos and no "
+                      "stop_token_ids)", "min_tokens")
     return Job(chat, prompts, max_tokens, _sampling(body), _stops(body.get("stop")), bool(stream),
-               bool((options or {}).get("include_usage")), model, _stop_ids(body.get("stop_token_ids")),
+               bool((options or {}).get("include_usage")), model, stop_token_ids, ignore_eos,
                ignored=tuple(ignored))
 
 
@@ -225,7 +235,31 @@ def _sampling(body: dict) -> SamplingParams:
     seed = body.get("seed")
     if seed is not None and (type(seed) is not int or not 0 <= seed < 2**63):
         raise bad(f"seed must be an integer in [0, 2^63), got {json.dumps(seed)}", "seed")
-    return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k or 0, 0), seed=seed)
+    min_p = _number(body, "min_p", 0.0)
+    if not 0 <= min_p <= 1:
+        raise bad(f"min_p must be in [0, 1], got {min_p:g}", "min_p")
+    return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k or 0, 0), seed=seed, min_p=min_p,
+                          logit_bias=_logit_bias(body.get("logit_bias")))
+
+
+def _logit_bias(biases) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: {"token id": bias in [-100, 100]}, added to those tokens' logits."""
+    if biases is None:
+        return ()
+    if not isinstance(biases, dict):
+        raise bad("logit_bias must be an object of token ids (as strings) to biases", "logit_bias")
+    if len(biases) > MAX_LOGIT_BIAS:
+        raise bad(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(biases)}", "logit_bias")
+    out = []
+    for key, bias in biases.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad(f"logit_bias keys must be token ids (integers >= 0, as strings), got {json.dumps(key[:40])}",
+                      "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise bad(f"logit_bias values must be numbers in [-100, 100], got {json.dumps(bias)} for token {key}",
+                      "logit_bias")
+        out.append((int(key), float(bias)))
+    return tuple(sorted(out))
 
 
 def _stops(stop) -> tuple[str, ...]:
@@ -326,13 +360,16 @@ def prompt_ids(engine: Engine, job: Job, prompt) -> list[int]:
 
 
 def stop_ids(engine: Engine, job: Job) -> tuple[int, ...] | None:
-    """The token ids that end the job's generations: the model's end-of-sequence ids and its stop_token_ids (None:
-    the model's alone)."""
+    """The token ids that end the job's generations: the model's end-of-sequence ids (unless ignore_eos) and its
+    stop_token_ids (None: the model's alone); the job's token ids checked against the vocabulary."""
+    vocab = engine.bundle.manifest["model"]["vocab"]
+    for name, ids in (("stop_token_ids", job.stop_token_ids), ("logit_bias", [t for t, _ in job.sampling.logit_bias])):
+        if ids and max(ids) >= vocab:
+            raise bad(f"{name}: token ids must be in 0..{vocab - 1}, got {max(ids)}", name)
+    if job.ignore_eos:
+        return job.stop_token_ids
     if not job.stop_token_ids:
         return None
-    vocab = engine.bundle.manifest["model"]["vocab"]
-    if job.stop_token_ids[-1] >= vocab:
-        raise bad(f"stop_token_ids must be in 0..{vocab - 1}, got {job.stop_token_ids[-1]}", "stop_token_ids")
     return tuple(sorted(engine.tokenizer.eos_token_ids | set(job.stop_token_ids)))
 
 
