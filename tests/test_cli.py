@@ -463,6 +463,8 @@ def test_max_new_tokens(bundle, tmp_path, value):
     (("--logit-bias", "5=101"), "biases in [-100, 100], got 5: 101.0"),
     (("--logit-bias", "5=1", "--logit-bias", "5=2"), "logit_bias names a token twice"),
     (("--logit-bias", "100000=1"), "--logit-bias: token ids must be in 0.."),
+    (("--repetition-penalty", "0"), "repetition_penalty must be in (0, 2], got 0.0"),
+    (("--presence-penalty", "-3"), "presence_penalty must be in [-2, 2], got -3.0"),
 ])
 def test_bad_sampling_knobs(bundle, args, match):
     fails("run", bundle, "--prompt", "hi", *args, match=match)

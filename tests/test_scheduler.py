@@ -76,13 +76,15 @@ def test_batched_greedy_equals_batch_one(engines, name, in_graph):
 
 @pytest.mark.parametrize("name", ["none", "ngram", "self1-tree"])
 def test_a_logit_bias_in_a_batch_keeps_each_requests_tokens(engines, name):
-    """Greedy requests with and without logit biases in one batch: the biased ones accept on the host from their own
-    rows (their bias applied), the others by the graph's batched acceptance; each emits its batch-1 tokens."""
+    """Greedy requests with and without logit biases or penalties in one batch: those accept on the host from their
+    own rows (their bias or penalties applied), the others by the graph's batched acceptance; each emits its batch-1
+    tokens."""
     engine = engines[name]
     lengths = [20, 7, 33, 12]
     free = batch_one(engine, PROMPTS[:4], lengths, budget=False)
     params = [SamplingParams(logit_bias=((r.tokens[1], -100.0),)) if k % 2 else SamplingParams()
               for k, r in enumerate(free)]
+    params[2] = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5)  # penalised by its own history
     want = [engine.generate(p, max_new_tokens=n, stop_ids=(), sampling=s, budget=False)
             for p, n, s in zip(PROMPTS, lengths, params)]
     assert want[1].tokens != free[1].tokens and want[0].tokens == free[0].tokens
@@ -658,7 +660,8 @@ def test_a_budget_that_drafts_verifies_the_roots_alone_now_and_then(engines, mon
 
 
 @pytest.mark.parametrize("params", [{"temperature": 0.5, "top_p": 0.9}, {"temperature": 0.5},
-                                    {"temperature": 0.8, "min_p": 0.1, "logit_bias": ((5, 1.5),)}])
+                                    {"temperature": 0.8, "min_p": 0.1, "logit_bias": ((5, 1.5),)},
+                                    {"temperature": 0.5, "repetition_penalty": 1.6, "presence_penalty": 0.8}])
 def test_batched_sampling_follows_plain_sampling(engines, params, monkeypatch):
     """1500 unseeded sampled requests through the batched engine, their trees cut by a budget that finds rows dear:
     the same distribution as plain sampling (two-sample chi-square at a 1e-4 tail). The host's acceptance of sampled

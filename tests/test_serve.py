@@ -111,7 +111,7 @@ def test_neutral_values_pass_and_asking_values_are_refused_by_name():
                "stream_options": {"include_usage": False}, "user": "u1", "seed": 3, "top_k": 5}
     job = protocol.chat_request({**base, **neutral})
     assert job.sampling == SamplingParams(temperature=1.0, top_k=5, seed=3)
-    for name, value in {"n": 2, "logprobs": True, "top_logprobs": 2, "frequency_penalty": 0.5, "presence_penalty": -1,
+    for name, value in {"n": 2, "logprobs": True, "top_logprobs": 2, "frequency_penalty": 2.5, "presence_penalty": -3,
                         "tools": [{"type": "function"}], "tool_choice": "required",
                         "response_format": {"type": "json_object"}, "reasoning_effort": "high",
                         "min_tokens": 3}.items():

@@ -152,10 +152,12 @@ def test_each_field_is_supported_neutral_a_hint_or_unknown():
     assert job.ignored == ("my_flag", "n ", "stream_options_x")
     # supported: min_p, logit_bias, ignore_eos, and min_tokens where nothing can end the generation before it
     job = protocol.chat_request({**base, "temperature": 0.7, "min_p": 0.3, "logit_bias": {"7": -100, "3": 2.5},
-                                 "ignore_eos": True, "min_tokens": 8})
-    assert job.ignored == () and job.ignore_eos and job.sampling.min_p == 0.3
-    assert job.sampling.logit_bias == ((3, 2.5), (7, -100.0))
-    refused = {"repetition_penalty": 1.2, "repeat_penalty": 1.1, "min_tokens": 3,
+                                 "ignore_eos": True, "min_tokens": 8, "repetition_penalty": 1.2,
+                                 "frequency_penalty": 0.5, "presence_penalty": -1})
+    assert job.ignored == () and job.ignore_eos and job.sampling == SamplingParams(
+        temperature=0.7, min_p=0.3, logit_bias=((3, 2.5), (7, -100.0)), repetition_penalty=1.2, frequency_penalty=0.5,
+        presence_penalty=-1.0)
+    refused = {"repeat_penalty": 1.1, "min_tokens": 3,
                "skip_special_tokens": False, "include_stop_str_in_output": True, "guided_json": {"type": "object"},
                "response_format": {"type": "json_object"}, "n": 2, "echo": True,
                "continue_final_message": True, "chat_template": "{{ messages }}", "grammar": "root ::= x",
@@ -250,8 +252,8 @@ def test_unknown_fields_are_named_and_strict_refuses_them(server, strict):
         with pytest.raises(openai.BadRequestError) as e:
             client(served).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                    max_tokens=4, temperature=0.7,
-                                                   extra_body={"repetition_penalty": 1.2})
-        assert e.value.param == "repetition_penalty" and "not supported" in e.value.body["message"]
+                                                   extra_body={"typical_p": 0.9})
+        assert e.value.param == "typical_p" and "not supported" in e.value.body["message"]
 
 
 BAD = [  # (what, path, body, headers, param): each a 400 in OpenAI's error shape naming the parameter
@@ -278,6 +280,10 @@ BAD = [  # (what, path, body, headers, param): each a 400 in OpenAI's error shap
     ("logit_bias past the vocabulary", "/v1/chat/completions", chat("x", logit_bias={"100000": 1}), {},
      "logit_bias"),
     ("ignore_eos not a boolean", "/v1/completions", {"prompt": "x", "ignore_eos": 1}, {}, "ignore_eos"),
+    ("frequency_penalty past 2", "/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, {}, "frequency_penalty"),
+    ("presence_penalty not a number", "/v1/chat/completions", chat("x", presence_penalty="no"), {},
+     "presence_penalty"),
+    ("repetition_penalty 0", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, {}, "repetition_penalty"),
     ("min_tokens with eos", "/v1/completions", {"prompt": "x", "min_tokens": 4}, {}, "min_tokens"),
     ("min_tokens negative", "/v1/completions", {"prompt": "x", "min_tokens": -1, "ignore_eos": True}, {},
      "min_tokens"),
@@ -419,10 +425,11 @@ def test_stop_token_ids(server, bundle):
     assert answer.choices[0].text == engine.generate(prompt, max_new_tokens=k, chat=False).text
 
 
-def test_logit_bias_ignore_eos_and_min_p_are_the_runtimes(server, bundle):
+def test_the_sampling_knobs_are_the_runtimes(server, bundle):
     """Through the official client: a logit bias changes greedy tokens as Engine.generate's does; an end of sequence
     forced by a bias ends the answer at its first token, unless ignore_eos (then max_tokens, finish "length", and
-    min_tokens is accepted); a seeded min-p request gives the engine's seeded tokens."""
+    min_tokens is accepted); a seeded min-p request gives the engine's seeded tokens; the penalties give the
+    engine's greedy tokens, which they change."""
     engine = Engine.load(bundle, threads=1)
     prompt, completions = "the cat sat on the mat, the cat sat on", client(server).completions
     plain = engine.generate(prompt, max_new_tokens=8, chat=False)
@@ -445,6 +452,13 @@ def test_logit_bias_ignore_eos_and_min_p_are_the_runtimes(server, bundle):
     answer = completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=1.0, seed=11,
                                 extra_body={"min_p": 0.2})
     assert answer.choices[0].text == want.text
+
+    plain = engine.generate(prompt, max_new_tokens=16, chat=False)
+    penalties = {"frequency_penalty": 1.5, "presence_penalty": 0.5, "repetition_penalty": 1.3}
+    want = engine.generate(prompt, max_new_tokens=16, chat=False, sampling=SamplingParams(**penalties))
+    answer = completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                frequency_penalty=1.5, presence_penalty=0.5, extra_body={"repetition_penalty": 1.3})
+    assert answer.choices[0].text == want.text and want.tokens != plain.tokens
 
 
 def test_cached_tokens_count_the_kept_system_prompt(server, bundle, template_file):

@@ -98,14 +98,33 @@ def test_a_logit_bias_keeps_greedy_lossless(engines, name):
         assert free.tokens[1] not in plain.tokens
 
 
+@pytest.mark.parametrize("name", ["ngram", "self1-tree", "same-tree"])
+def test_penalties_keep_greedy_lossless(engines, name):
+    """The penalties at each tree row follow that row's own path: greedy speculative tokens equal plain decoding's
+    under the same penalties (which change them), whole trees and governed."""
+    engine = engines[name]
+    penalties = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.4, presence_penalty=0.3)
+    changed = 0
+    for prompt in PROMPTS:
+        free = engine.generate(prompt, max_new_tokens=NEW, stop_ids=(), plain=True)
+        plain = engine.generate(prompt, max_new_tokens=NEW, stop_ids=(), plain=True, sampling=penalties)
+        spec = engine.generate(prompt, max_new_tokens=NEW, stop_ids=(), sampling=penalties, budget=False)
+        governed = engine.generate(prompt, max_new_tokens=NEW, stop_ids=(), sampling=penalties)
+        assert spec.tokens == plain.tokens == governed.tokens, prompt
+        changed += plain.tokens != free.tokens
+    assert changed >= 2
+
+
 @pytest.mark.parametrize("name, prompt, params", [
     ("self1-tree", "the cat", {"temperature": 0.7, "min_p": 0.15}),
     ("same-chain", "the cat", {"temperature": 1.0, "min_p": 0.05, "top_k": 30,
                                "logit_bias": ((5, 2.0), (6, -100.0))}),  # the draft samples the biased q = p
+    ("self1-tree", "the cat", {"temperature": 0.5, "repetition_penalty": 1.8, "frequency_penalty": 0.7}),
+    ("same-chain", "the cat", {"temperature": 0.5, "presence_penalty": 1.5}),  # rejections: q lacks the penalty
 ])
-def test_min_p_and_logit_bias_sampling_follows_plain_sampling(engines, name, prompt, params):
-    """min-p and a logit bias transform every row's distribution as plain sampling's: the same distribution (the
-    fused graph's acceptance is set aside for the host's, which applies them)."""
+def test_host_only_knobs_sampling_follows_plain_sampling(engines, name, prompt, params):
+    """min-p, a logit bias and the penalties transform every row's distribution as plain sampling's: the same
+    distribution (the fused graph's acceptance is set aside for the host's, which applies them)."""
     engine = engines[name]
     spec, lengths = chisquare.sampled_counts(engine, prompt, False, 1500, 0, **params)
     plain = chisquare.sampled_counts(engine, prompt, True, 1500, 100_000, **params)[0]

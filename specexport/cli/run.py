@@ -48,6 +48,12 @@ def _engine(bundle: Path, threads: int | None, device: str, kwargs: dict) -> Eng
               help="Keep the tokens at least this times as likely as the most likely one (sampling). 0 = off.")
 @click.option("--logit-bias", multiple=True, metavar="ID=BIAS",
               help="Add BIAS (-100..100) to token ID's logit, greedy or sampled (repeatable).")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True,
+              help="Divide the logits of tokens in the prompt or output so far by this (multiply negative ones). 1 = off.")
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True,
+              help="Subtract this times each token's count in the output so far from its logit.")
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True,
+              help="Subtract this from the logit of each token in the output so far.")
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--stop-id", type=int, multiple=True, help="Stop token id, besides the model's end-of-sequence ids (repeatable).")
@@ -56,8 +62,8 @@ def _engine(bundle: Path, threads: int | None, device: str, kwargs: dict) -> Eng
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @DEVICE
 @OVERRIDES
-def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, min_p, logit_bias, seed, stop, stop_id,
-        raw, threads, as_json, device, **overrides):
+def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, min_p, logit_bias, repetition_penalty,
+        frequency_penalty, presence_penalty, seed, stop, stop_id, raw, threads, as_json, device, **overrides):
     """Generate from a prompt with a bundle, streaming the text, then print stats.
 
     The method's settings (tree, draft length, ...) default to the bundle's; the options below override them.
@@ -80,7 +86,8 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, m
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     params = SamplingParams(temperature=temperature or 0.0, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
-                            logit_bias=_logit_bias(logit_bias))
+                            logit_bias=_logit_bias(logit_bias), repetition_penalty=repetition_penalty,
+                            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
     engine = _engine(bundle, threads, device, overrides)
     vocab = engine.bundle.manifest["model"]["vocab"]
     if any(t >= vocab for t, _ in params.logit_bias):

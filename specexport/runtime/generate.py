@@ -304,8 +304,9 @@ class Engine:
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self, cache: Cache, history: list[int], proposer: methods.Proposer, sampler: Sampler,
-             governor: Governor | None = None) -> StepRecord:
-        """One speculative step: propose, verify, accept, commit. history[-1] is the root. With a `governor`
+             governor: Governor | None = None, prompt_len: int = 0) -> StepRecord:
+        """One speculative step: propose, verify, accept, commit. history[-1] is the root; its first `prompt_len`
+        ids are the prompt (for the penalties: runtime/sampling.penalize). With a `governor`
         (runtime/governor.py) the step may skip proposing (the root verified alone) or verify part of the tree;
         a request sampled with a seed keeps its whole tree."""
         start, inside = time.perf_counter(), self.target.seconds
@@ -332,7 +333,7 @@ class Engine:
             acceptance = Acceptance(path, [draft.tokens[r] for r in path[1:]] + [int(out["bonus_token"][0])])
         else:
             out = self.verify(cache, draft, want=("logits",) + extra)
-            acceptance = accept(draft, out["logits"], sampler.params, sampler.rng)
+            acceptance = accept(draft, out["logits"], sampler.params, sampler.rng, history, prompt_len)
         verified = time.perf_counter()
         cache.commit(acceptance.path)
         if plan.propose:
@@ -376,13 +377,13 @@ class Engine:
 
         governor = self.governor() if budget and not plain else None
         start = time.perf_counter()
-        pending = [sampler(self.prefill(cache, ids, proposer))]
+        pending = [sampler(self.prefill(cache, ids, proposer), ids, len(ids))]
         stats.ttft_s = time.perf_counter() - start
         while not emit(pending):
             if cancelled():
                 output.reason = "cancelled"
                 break
-            record = self.step(cache, ids + output.tokens, proposer, sampler, governor)
+            record = self.step(cache, ids + output.tokens, proposer, sampler, governor, len(ids))
             stats.record(record)
             if on_step is not None:
                 on_step(record)

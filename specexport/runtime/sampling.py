@@ -14,6 +14,7 @@ from specexport.errors import UserError
 
 MAX_TEMPERATURE = 1000.0  # far past any useful setting; keeps the graph's float32 sampling parameters finite
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: -100 bans a token, 100 all but forces it
+MAX_PENALTY = 2.0  # OpenAI's range for the frequency and presence penalties (and a generous repetition penalty's)
 
 
 @dataclass(frozen=True)
@@ -21,8 +22,11 @@ class SamplingParams:
     """How to pick the next token; temperature 0 means greedy (argmax).
 
     `min_p` (sampling only) keeps the tokens at least min_p times as likely as the most likely one; `logit_bias`
-    ((token id, bias), ...) adds each bias to its token's logit before anything else, greedy or sampled. E.g.
-    SamplingParams(temperature=0.7, min_p=0.05, logit_bias=((13, -100.0),)) never emits token 13."""
+    ((token id, bias), ...) adds each bias to its token's logit, greedy or sampled. The penalties (`penalize`) come
+    first, on the model's logits: `repetition_penalty` (transformers' and vLLM's: a token of the prompt or the output
+    so far has its logit divided by it where positive, multiplied where negative), then OpenAI's
+    `frequency_penalty` (times the token's count in the output so far) and `presence_penalty` (once, if there)
+    subtracted. E.g. SamplingParams(temperature=0.7, min_p=0.05, logit_bias=((13, -100.0),)) never emits token 13."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 keeps every token
@@ -30,6 +34,9 @@ class SamplingParams:
     seed: int | None = None
     min_p: float = 0.0  # 0 keeps every token
     logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0  # 1 is off
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature <= MAX_TEMPERATURE:  # also false for NaN
@@ -42,6 +49,11 @@ class SamplingParams:
             raise UserError(f"seed must be an integer in [0, 2^63), got {self.seed}")
         if not 0 <= self.min_p <= 1:  # also false for NaN
             raise UserError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 < self.repetition_penalty <= MAX_PENALTY:
+            raise UserError(f"repetition_penalty must be in (0, {MAX_PENALTY:g}], got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise UserError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
         if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
             raise UserError("logit_bias names a token twice")
         for token, bias in self.logit_bias:
@@ -54,10 +66,43 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
     def host_only(self) -> bool:
         """Whether only the host applies these settings: the graphs' acceptance (exporter/fused.py) takes the
-        temperature, top-k and top-p, not min-p or a logit bias."""
-        return bool(self.logit_bias) or (self.min_p > 0 and not self.greedy)
+        temperature, top-k and top-p, not min-p, a logit bias or the penalties."""
+        return bool(self.logit_bias) or self.penalized or (self.min_p > 0 and not self.greedy)
+
+
+def penalize(logits: np.ndarray, params: SamplingParams, history, prompt_len: int,
+             paths: list[list[int]] | None = None) -> np.ndarray:
+    """`logits` [T, V] (or [V]) with the params' penalties applied (the same array where there are none). Row i
+    follows `history` (the prompt's `prompt_len` ids, then the output so far) and then `paths[i]`, the draft tokens
+    on its tree path (runtime/tree.path_tokens): each row is penalised for its own context, so that a tree's rows
+    get what plain decoding would give at their positions. E.g. history [5, 7, 7] with prompt_len 1 and
+    frequency_penalty 0.5: token 7's logit loses 1.0, token 5's nothing (only the prompt has it)."""
+    if not params.penalized:
+        return logits
+    x = np.array(logits, dtype=np.float64)
+    rows = x.reshape(-1, x.shape[-1])
+    vocab = rows.shape[-1]
+    history = np.asarray(history, np.int64)
+    counts = np.bincount(history[prompt_len:], minlength=vocab)[:vocab]
+    seen = np.zeros(vocab, bool)
+    seen[history[history < vocab]] = True
+    for i, row in enumerate(rows):
+        c, s = counts, seen
+        if paths is not None and paths[i]:
+            extra = np.asarray(paths[i], np.int64)
+            c, s = counts.copy(), seen.copy()
+            np.add.at(c, extra, 1)
+            s[extra] = True
+        if params.repetition_penalty != 1:
+            row[s] = np.where(row[s] > 0, row[s] / params.repetition_penalty, row[s] * params.repetition_penalty)
+        row -= params.frequency_penalty * c + params.presence_penalty * (c > 0)
+    return x
 
 
 def biased(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -144,13 +189,15 @@ def sample(probs: np.ndarray, u: float) -> int:
 
 
 class Sampler:
-    """Picks one token from one row of logits, with its own seeded random stream."""
+    """Picks one token from one row of logits, with its own seeded random stream; `history` and `prompt_len`: what
+    the row follows, for the penalties (`penalize`)."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits_row: np.ndarray) -> int:
+    def __call__(self, logits_row: np.ndarray, history=(), prompt_len: int = 0) -> int:
+        logits_row = penalize(logits_row, self.params, history, prompt_len)
         if self.params.greedy:
             return int(np.argmax(biased(logits_row, self.params)))
         return sample(probabilities(logits_row, self.params), self.rng.random())

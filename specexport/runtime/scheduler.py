@@ -320,7 +320,7 @@ class Scheduler:
                 engine.computed(self.pool.slot(seq.slot), seq.chunks, seq.fed, out, seq.proposer, fused=False)
                 seq.fed += 1
                 if seq.fed == len(seq.chunks):
-                    seq.pending = [seq.sampler(out["logits"][-1])]
+                    seq.pending = [seq.sampler(out["logits"][-1], seq.ids, len(seq.ids))]
             except Exception as e:  # noqa: BLE001
                 self._unprefill(seq, _message(e))
         while self.prefilling and self.prefilling[0].pending:  # finished, in order: slot len(running) already
@@ -436,7 +436,7 @@ class Scheduler:
         whole tree, accepted inside the graph where the graph can (same random numbers as the host's rule)."""
         try:
             record = self.engine.step(self.pool.slot(seq.slot), seq.history, seq.proposer, seq.sampler,
-                                      self.governor)
+                                      self.governor, len(seq.ids))
         except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
             return self._retire(seq, _message(e))
         width = len(record.tree)
@@ -488,7 +488,8 @@ class Scheduler:
                 if not seq.sampler.params.greedy or seq.sampler.params.host_only:  # (a logit bias: greedy, its own)
                     logits = self._placed(seq, batch, out, ("logits",))["logits"]
                     sampled_rows += len(draft)
-                    accepted.append(accept(draft, logits, seq.sampler.params, seq.sampler.rng))
+                    accepted.append(accept(draft, logits, seq.sampler.params, seq.sampler.rng, seq.history,
+                                           len(seq.ids)))
                 elif top is not None and len(draft) == 1:  # a root alone (plain steps): accept_greedy's result
                     accepted.append(Acceptance([0], [int(top[start])]))
                 elif top is not None:

@@ -113,6 +113,15 @@ def depths(parents) -> np.ndarray:
     return _shape(_key(parents))[0]
 
 
+def path_tokens(tokens, parents) -> list[list[int]]:
+    """Each node's tokens from the root's child down to itself (the root's: none), e.g. tokens [9, 4, 5, 6] with
+    parents [-1, 0, 0, 1] give [[], [4], [5], [4, 6]]. Parents come before their children."""
+    paths: list[list[int]] = []
+    for i, p in enumerate(check_parents(parents).tolist()):
+        paths.append([] if p < 0 else paths[p] + [int(tokens[i])])
+    return paths
+
+
 def children(parents) -> list[list[int]]:
     """Children of each node, in index order: children([-1, 0, 0, 1]) == [[1, 2], [3], [], []]."""
     parents = check_parents(parents)

@@ -36,8 +36,8 @@ from enum import Enum
 
 import numpy as np
 
-from specexport.runtime.sampling import SamplingParams, biased, probabilities, sample
-from specexport.runtime.tree import AcceptMode, DraftTree, chain, children
+from specexport.runtime.sampling import SamplingParams, biased, penalize, probabilities, sample
+from specexport.runtime.tree import AcceptMode, DraftTree, chain, children, path_tokens
 
 MODES = (AcceptMode.WITH_REPLACEMENT, AcceptMode.WITHOUT_REPLACEMENT, AcceptMode.TOPK)  # the exact rules
 TYPICAL_THRESHOLD, TYPICAL_ALPHA = 0.09, 0.3  # Medusa's published typical-acceptance defaults
@@ -143,11 +143,15 @@ def accept_typical(tokens, parents, p, uniforms, threshold: float = TYPICAL_THRE
         path.append(node)
 
 
-def accept(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> Acceptance:
+def accept(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history=(),
+           prompt_len: int = 0) -> Acceptance:
     """A step's acceptance outside the graph, from the target's logits [T, V] over the tree: greedy, the longest
     path of the target's argmax; sampling, the exact rule for how the drafts were chosen (`tree.mode`), so the
-    output follows the target's distribution, or Medusa's lossy typical acceptance when the tree asks for it."""
+    output follows the target's distribution, or Medusa's lossy typical acceptance when the tree asks for it.
+    `history` (ending with the tree's root) and `prompt_len`: each row's context, for the penalties."""
     tokens, parents = tree.tokens, tree.parents
+    if params.penalized:
+        logits = penalize(logits, params, history, prompt_len, path_tokens(tokens, parents))
     if params.greedy:
         return accept_greedy(tokens, parents, biased(logits, params).argmax(-1))
     p = probabilities(logits, params)

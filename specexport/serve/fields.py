@@ -3,7 +3,8 @@
 Clients written for OpenAI, vLLM, SGLang or llama-server send fields of their own. Each field is one of:
 
 - supported: acted on (serve/protocol.py reads them: SUPPORTED_CHAT, SUPPORTED_COMPLETION).
-- neutral only: a feature this server does not have (n > 1, logprobs, penalties, tools, structured output, vLLM's
+- neutral only: a feature this server does not have (n > 1, logprobs, llama-server's penalties, tools, structured
+  output, vLLM's
   and llama-server's other samplers, ...), accepted only at the value that asks for nothing, and a 400 naming it at
   any other: an unsupported feature silently ignored would answer something else than what was asked.
   llama-server's `min_keep` also at temperature 0: greedy decoding keeps the most likely token.
@@ -101,12 +102,9 @@ NO_TOOL_CALLS = ("none", "auto")  # tool_choice values that ask for no call (aut
 COMMON = {
     # OpenAI
     "n": neutral(INT, _is(1), "1"),
-    "frequency_penalty": neutral(NUMBER, _is(0), "0"),
-    "presence_penalty": neutral(NUMBER, _is(0), "0"),
     "metadata": hint(ANY), "store": hint(BOOL), "prompt_cache_key": hint(ANY), "safety_identifier": hint(ANY),
     "service_tier": neutral(STRING, lambda v: v in ("auto", "default"), '"auto" or "default"'),
     # vLLM (and SGLang)
-    "repetition_penalty": neutral(NUMBER, _is(1), "1"),
     "length_penalty": hint(NUMBER),  # beam search's only, and use_beam_search is off
     "use_beam_search": neutral(BOOL, _is(False), "false"),
     "include_stop_str_in_output": neutral(BOOL, _is(False), "false"),

@@ -2,12 +2,13 @@
 built as the official client parses them, errors as OpenAI's error object. No web framework here.
 
 A request field is either supported (model, messages/prompt, max_tokens, max_completion_tokens, temperature, top_p,
-seed, stop, stream, stream_options, user, logit_bias; vLLM's `top_k`, `min_p`, `stop_token_ids`, `ignore_eos`,
-`min_tokens` (where nothing can end a generation early), `chat_template_kwargs` and `add_generation_prompt`), or known and checked by serve/fields.py: accepted only at its neutral value (n 1, no
-logprobs, zero penalties, no tools, text responses, ...: clients such as LangChain send them), a hint accepted with
-any value, or an unknown field, accepted and named (`Job.ignored`: the X-Specexport-Ignored-Fields header), or with
-serve --strict refused. A known field asking for something this server does not do is never ignored; an unknown one
-is ignored only where the response says so.
+seed, stop, stream, stream_options, user, logit_bias, frequency_penalty, presence_penalty; vLLM's `top_k`, `min_p`,
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens` (where nothing can end a generation early),
+`chat_template_kwargs` and `add_generation_prompt`), or known and checked by serve/fields.py: accepted only at its
+neutral value (n 1, no logprobs, no tools, text responses, ...: clients such as LangChain send them), a hint
+accepted with any value, or an unknown field, accepted and named (`Job.ignored`: the X-Specexport-Ignored-Fields
+header), or with serve --strict refused. A known field asking for something this server does not do is never
+ignored; an unknown one is ignored only where the response says so.
 
 /tokenize and /detokenize take vLLM's requests and give its answers.
 """
@@ -77,7 +78,8 @@ def parse_body(raw: bytes, content_type: str | None) -> dict:
 
 
 SUPPORTED_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
-                    "stream_options", "user", "min_p", "logit_bias", "ignore_eos", "min_tokens"}
+                    "stream_options", "user", "min_p", "logit_bias", "ignore_eos", "min_tokens", "frequency_penalty",
+                    "presence_penalty", "repetition_penalty"}
 SUPPORTED_CHAT = SUPPORTED_COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs",
                                      "add_generation_prompt"}
 SUPPORTED_COMPLETION = SUPPORTED_COMMON | {"prompt"}
@@ -238,8 +240,15 @@ def _sampling(body: dict) -> SamplingParams:
     min_p = _number(body, "min_p", 0.0)
     if not 0 <= min_p <= 1:
         raise bad(f"min_p must be in [0, 1], got {min_p:g}", "min_p")
+    penalties = {name: _number(body, name, 0.0) for name in ("frequency_penalty", "presence_penalty")}
+    for name, value in penalties.items():
+        if not -2 <= value <= 2:
+            raise bad(f"{name} must be in [-2, 2], got {value:g}", name)
+    repetition = _number(body, "repetition_penalty", 1.0)
+    if not 0 < repetition <= 2:
+        raise bad(f"repetition_penalty must be in (0, 2], got {repetition:g}", "repetition_penalty")
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k or 0, 0), seed=seed, min_p=min_p,
-                          logit_bias=_logit_bias(body.get("logit_bias")))
+                          logit_bias=_logit_bias(body.get("logit_bias")), repetition_penalty=repetition, **penalties)
 
 
 def _logit_bias(biases) -> tuple[tuple[int, float], ...]:
