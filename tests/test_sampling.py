@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from specexport.errors import UserError
-from specexport.runtime.sampling import Sampler, SamplingParams, penalize, probabilities, sample
+from specexport.runtime.sampling import Context, Sampler, SamplingParams, conditioned, probabilities, sample
 
 LOG_P = np.log([0.1, 0.4, 0.2, 0.3])  # softmax(LOG_P) == [0.1, 0.4, 0.2, 0.3]
 
@@ -79,21 +79,31 @@ def test_logit_bias_comes_first_greedy_or_sampled():
 
 def test_penalties_follow_the_history_and_each_rows_path():
     logits = np.array([2.0, -1.0, 0.5, 1.0, 0.0])
-    history, prompt = [0, 3, 3, 1], 1  # prompt [0]; output so far [3, 3, 1]
+    context = Context([0, 3, 3, 1], 1)  # prompt [0]; output so far [3, 3, 1]
     # repetition 2 on the tokens seen (0, 1, 3; the prompt's too): 2 -> 1, -1 -> -2, 1 -> 0.5
-    np.testing.assert_allclose(penalize(logits, P(repetition_penalty=2.0), history, prompt), [1, -2, 0.5, 0.5, 0])
+    np.testing.assert_allclose(conditioned(logits, P(repetition_penalty=2.0), context), [1, -2, 0.5, 0.5, 0])
     # frequency 0.5 x the output's counts (3 twice, 1 once; not the prompt's 0), presence 0.25 once each
-    np.testing.assert_allclose(penalize(logits, P(frequency_penalty=0.5, presence_penalty=0.25), history, prompt),
+    np.testing.assert_allclose(conditioned(logits, P(frequency_penalty=0.5, presence_penalty=0.25), context),
                                [2, -1.75, 0.5, -0.25, 0])
     # rows of a tree: row 1 follows the path [2], row 2 the path [2, 2]; row 0 the history alone
-    rows = penalize(np.tile(logits, (3, 1)), P(frequency_penalty=1.0), history, prompt, [[], [2], [2, 2]])
+    rows = conditioned(np.tile(logits, (3, 1)), P(frequency_penalty=1.0), context, [[], [2], [2, 2]])
     np.testing.assert_allclose(rows[:, 2], [0.5, -0.5, -1.5])
     np.testing.assert_allclose(rows[:, 3], [-1.0, -1.0, -1.0])
-    assert penalize(logits, P(), history, prompt) is logits  # none: the same array
+    assert conditioned(logits, P(), context) is logits  # none: the same array
     # the sampler and greedy decoding see the penalised row: [0.9, -1, 0.5, 1, 0] -> [0.45, -2.6, 0.5, -0.1, 0]
     greedy, row = SamplingParams(repetition_penalty=2.0, presence_penalty=0.6), np.array([0.9, -1.0, 0.5, 1.0, 0.0])
-    assert Sampler(greedy)(row, history, prompt) == 2 and Sampler(SamplingParams())(row, history, prompt) == 3
-    assert greedy.penalized and greedy.host_only and not SamplingParams().penalized
+    assert Sampler(greedy)(row, context) == 2 and Sampler(SamplingParams())(row, context) == 3
+    assert greedy.conditional and greedy.host_only and not SamplingParams().conditional
+
+
+def test_min_tokens_keeps_the_stop_ids_out_until_the_output_is_long_enough():
+    # 3 output tokens so far, min_tokens 5: rows at depth 0 and 1 (outputs 4 and 5) cannot end; depth 2 can
+    context = Context([0, 3, 3, 1], 1, stop_ids={0, 4})
+    rows = conditioned(np.zeros((3, 5)), SamplingParams(min_tokens=5), context, [[], [2], [2, 2]])
+    assert np.isneginf(rows[:2, [0, 4]]).all() and np.isfinite(rows[:2, 1:4]).all() and np.isfinite(rows[2]).all()
+    ends_at_0 = Context([0, 3, 3, 1], 1, stop_ids={0})
+    assert Sampler(SamplingParams(min_tokens=4))(np.array([5.0, 0, 0, 0, 1.0]), ends_at_0) == 4  # 0 kept out
+    assert Sampler(SamplingParams(min_tokens=3))(np.array([5.0, 0, 0, 0, 1.0]), ends_at_0) == 0  # long enough
 
 
 def test_top_p_matches_full_sort_on_a_large_vocabulary():
@@ -144,6 +154,7 @@ def test_large_logits_are_stable():
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"presence_penalty": math.nan}, "presence_penalty"),
+        ({"min_tokens": -1}, "min_tokens"),
     ],
 )
 def test_validation(kw, word):

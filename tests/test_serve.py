@@ -113,8 +113,7 @@ def test_neutral_values_pass_and_asking_values_are_refused_by_name():
     assert job.sampling == SamplingParams(temperature=1.0, top_k=5, seed=3)
     for name, value in {"n": 2, "logprobs": True, "top_logprobs": 2, "frequency_penalty": 2.5, "presence_penalty": -3,
                         "tools": [{"type": "function"}], "tool_choice": "required",
-                        "response_format": {"type": "json_object"}, "reasoning_effort": "high",
-                        "min_tokens": 3}.items():
+                        "response_format": {"type": "json_object"}, "reasoning_effort": "high"}.items():
         with pytest.raises(protocol.ApiError) as e:
             protocol.chat_request({**base, name: value})
         assert e.value.status == 400 and e.value.param == name, (name, e.value.message)

@@ -156,8 +156,8 @@ def test_each_field_is_supported_neutral_a_hint_or_unknown():
                                  "frequency_penalty": 0.5, "presence_penalty": -1})
     assert job.ignored == () and job.ignore_eos and job.sampling == SamplingParams(
         temperature=0.7, min_p=0.3, logit_bias=((3, 2.5), (7, -100.0)), repetition_penalty=1.2, frequency_penalty=0.5,
-        presence_penalty=-1.0)
-    refused = {"repeat_penalty": 1.1, "min_tokens": 3,
+        presence_penalty=-1.0, min_tokens=8)
+    refused = {"repeat_penalty": 1.1,
                "skip_special_tokens": False, "include_stop_str_in_output": True, "guided_json": {"type": "object"},
                "response_format": {"type": "json_object"}, "n": 2, "echo": True,
                "continue_final_message": True, "chat_template": "{{ messages }}", "grammar": "root ::= x",
@@ -284,7 +284,8 @@ BAD = [  # (what, path, body, headers, param): each a 400 in OpenAI's error shap
     ("presence_penalty not a number", "/v1/chat/completions", chat("x", presence_penalty="no"), {},
      "presence_penalty"),
     ("repetition_penalty 0", "/v1/completions", {"prompt": "x", "repetition_penalty": 0}, {}, "repetition_penalty"),
-    ("min_tokens with eos", "/v1/completions", {"prompt": "x", "min_tokens": 4}, {}, "min_tokens"),
+    ("min_tokens past max_tokens", "/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 4}, {},
+     "min_tokens"),
     ("min_tokens negative", "/v1/completions", {"prompt": "x", "min_tokens": -1, "ignore_eos": True}, {},
      "min_tokens"),
     ("min_p not a number", "/v1/completions", {"prompt": "x", "temperature": 0, "min_p": "x"}, {}, "min_p"),
@@ -427,9 +428,9 @@ def test_stop_token_ids(server, bundle):
 
 def test_the_sampling_knobs_are_the_runtimes(server, bundle):
     """Through the official client: a logit bias changes greedy tokens as Engine.generate's does; an end of sequence
-    forced by a bias ends the answer at its first token, unless ignore_eos (then max_tokens, finish "length", and
-    min_tokens is accepted); a seeded min-p request gives the engine's seeded tokens; the penalties give the
-    engine's greedy tokens, which they change."""
+    forced by a bias ends the answer at its first token, unless ignore_eos (then max_tokens, finish "length"), and
+    min_tokens holds it off as the engine does; a seeded min-p request gives the engine's seeded tokens; the
+    penalties give the engine's greedy tokens, which they change."""
     engine = Engine.load(bundle, threads=1)
     prompt, completions = "the cat sat on the mat, the cat sat on", client(server).completions
     plain = engine.generate(prompt, max_new_tokens=8, chat=False)
@@ -444,8 +445,13 @@ def test_the_sampling_knobs_are_the_runtimes(server, bundle):
     ended = completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, extra_body=forced)
     assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 1
     going = completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
-                               extra_body={**forced, "ignore_eos": True, "min_tokens": 6})
+                               extra_body={**forced, "ignore_eos": True})
     assert going.choices[0].finish_reason == "length" and going.usage.completion_tokens == 6
+    held = completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0,
+                              extra_body={"logit_bias": {str(eos): 8}, "min_tokens": 5})  # eos likely, kept out
+    want = engine.generate(prompt, max_new_tokens=8, chat=False,
+                           sampling=SamplingParams(logit_bias=((eos, 8.0),), min_tokens=5))
+    assert held.choices[0].text == want.text and held.usage.completion_tokens == len(want.tokens) >= 5
 
     sampled = SamplingParams(temperature=1.0, min_p=0.2, seed=11)
     want = engine.generate(prompt, max_new_tokens=8, chat=False, sampling=sampled)

@@ -115,6 +115,23 @@ def test_penalties_keep_greedy_lossless(engines, name):
     assert changed >= 2
 
 
+@pytest.mark.parametrize("name", ["same-chain", "ngram", "self1-tree"])
+def test_min_tokens_keeps_greedy_lossless(engines, name):
+    """A stop id plain decoding meets early is kept out of every row whose output would still be short of
+    min_tokens (by its depth in the tree): speculative tokens equal plain decoding's, whole trees and governed."""
+    engine = engines[name]
+    free = engine.generate("hello", max_new_tokens=NEW, stop_ids=(), plain=True)
+    stop = free.tokens[3]
+    early = engine.generate("hello", max_new_tokens=NEW, stop_ids=(stop,), plain=True)
+    assert early.stop_reason == "eos" and len(early.tokens) <= 4
+    held = SamplingParams(min_tokens=12)
+    plain = engine.generate("hello", max_new_tokens=NEW, stop_ids=(stop,), plain=True, sampling=held)
+    spec = engine.generate("hello", max_new_tokens=NEW, stop_ids=(stop,), sampling=held, budget=False)
+    governed = engine.generate("hello", max_new_tokens=NEW, stop_ids=(stop,), sampling=held)
+    assert spec.tokens == plain.tokens == governed.tokens and len(plain.tokens) >= 12
+    assert stop not in plain.tokens[:11]
+
+
 @pytest.mark.parametrize("name, prompt, params", [
     ("self1-tree", "the cat", {"temperature": 0.7, "min_p": 0.15}),
     ("same-chain", "the cat", {"temperature": 1.0, "min_p": 0.05, "top_k": 30,

@@ -22,7 +22,7 @@ from specexport.runtime.backends.protocol import Backend, Cache, pools
 from specexport.runtime.budget import BatchLatency, grid
 from specexport.runtime.governor import WHOLE, Governor, profiled_latency
 from specexport.runtime.prefix import PrefixStore
-from specexport.runtime.sampling import Sampler, SamplingParams
+from specexport.runtime.sampling import Context, Sampler, SamplingParams
 from specexport.runtime.tokenizer import StreamDecoder, Tokenizer, find_stop
 from specexport.runtime.tree import DraftTree
 from specexport.runtime.verify import Acceptance, Accepting, Route, accept, fused_inputs
@@ -304,9 +304,10 @@ class Engine:
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self, cache: Cache, history: list[int], proposer: methods.Proposer, sampler: Sampler,
-             governor: Governor | None = None, prompt_len: int = 0) -> StepRecord:
-        """One speculative step: propose, verify, accept, commit. history[-1] is the root; its first `prompt_len`
-        ids are the prompt (for the penalties: runtime/sampling.penalize). With a `governor`
+             governor: Governor | None = None, context: Context | None = None) -> StepRecord:
+        """One speculative step: propose, verify, accept, commit. history[-1] is the root; `context`: what the rows
+        follow, for the settings that depend on it (the penalties, min_tokens: runtime/sampling.conditioned). With
+        a `governor`
         (runtime/governor.py) the step may skip proposing (the root verified alone) or verify part of the tree;
         a request sampled with a seed keeps its whole tree."""
         start, inside = time.perf_counter(), self.target.seconds
@@ -333,7 +334,7 @@ class Engine:
             acceptance = Acceptance(path, [draft.tokens[r] for r in path[1:]] + [int(out["bonus_token"][0])])
         else:
             out = self.verify(cache, draft, want=("logits",) + extra)
-            acceptance = accept(draft, out["logits"], sampler.params, sampler.rng, history, prompt_len)
+            acceptance = accept(draft, out["logits"], sampler.params, sampler.rng, context)
         verified = time.perf_counter()
         cache.commit(acceptance.path)
         if plan.propose:
@@ -377,13 +378,16 @@ class Engine:
 
         governor = self.governor() if budget and not plain else None
         start = time.perf_counter()
-        pending = [sampler(self.prefill(cache, ids, proposer), ids, len(ids))]
+        conditional = sampler.params.conditional
+        pending = [sampler(self.prefill(cache, ids, proposer), Context(ids, len(ids), output.stop_ids))]
         stats.ttft_s = time.perf_counter() - start
         while not emit(pending):
             if cancelled():
                 output.reason = "cancelled"
                 break
-            record = self.step(cache, ids + output.tokens, proposer, sampler, governor, len(ids))
+            history = ids + output.tokens
+            record = self.step(cache, history, proposer, sampler, governor,
+                               Context(history, len(ids), output.stop_ids) if conditional else None)
             stats.record(record)
             if on_step is not None:
                 on_step(record)

@@ -6,6 +6,7 @@ The functions are pure (random numbers are arguments) so that verification can r
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +27,9 @@ class SamplingParams:
     first, on the model's logits: `repetition_penalty` (transformers' and vLLM's: a token of the prompt or the output
     so far has its logit divided by it where positive, multiplied where negative), then OpenAI's
     `frequency_penalty` (times the token's count in the output so far) and `presence_penalty` (once, if there)
-    subtracted. E.g. SamplingParams(temperature=0.7, min_p=0.05, logit_bias=((13, -100.0),)) never emits token 13."""
+    subtracted. `min_tokens` keeps the ids that end the output (the end of sequence, stop ids) from being drawn
+    before the output has that many tokens. E.g. SamplingParams(temperature=0.7, min_p=0.05,
+    logit_bias=((13, -100.0),)) never emits token 13."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 keeps every token
@@ -37,6 +40,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 is off
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature <= MAX_TEMPERATURE:  # also false for NaN
@@ -54,6 +58,8 @@ class SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise UserError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
+        if self.min_tokens < 0:
+            raise UserError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
             raise UserError("logit_bias names a token twice")
         for token, bias in self.logit_bias:
@@ -66,36 +72,54 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+    def conditional(self) -> bool:
+        """Whether a row's distribution depends on what it follows (the penalties, min_tokens: `conditioned`)."""
+        return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+                or self.min_tokens > 0)
 
     @property
     def host_only(self) -> bool:
         """Whether only the host applies these settings: the graphs' acceptance (exporter/fused.py) takes the
-        temperature, top-k and top-p, not min-p, a logit bias or the penalties."""
-        return bool(self.logit_bias) or self.penalized or (self.min_p > 0 and not self.greedy)
+        temperature, top-k and top-p, not min-p, a logit bias, the penalties or min_tokens."""
+        return bool(self.logit_bias) or self.conditional or (self.min_p > 0 and not self.greedy)
 
 
-def penalize(logits: np.ndarray, params: SamplingParams, history, prompt_len: int,
-             paths: list[list[int]] | None = None) -> np.ndarray:
-    """`logits` [T, V] (or [V]) with the params' penalties applied (the same array where there are none). Row i
-    follows `history` (the prompt's `prompt_len` ids, then the output so far) and then `paths[i]`, the draft tokens
-    on its tree path (runtime/tree.path_tokens): each row is penalised for its own context, so that a tree's rows
-    get what plain decoding would give at their positions. E.g. history [5, 7, 7] with prompt_len 1 and
-    frequency_penalty 0.5: token 7's logit loses 1.0, token 5's nothing (only the prompt has it)."""
-    if not params.penalized:
+@dataclass(frozen=True)
+class Context:
+    """What the rows being sampled follow: `history`, the prompt's first `prompt_len` ids then the output so far,
+    and `stop_ids`, the ids that end the output (kept from being drawn before min_tokens)."""
+
+    history: Sequence[int] = ()
+    prompt_len: int = 0
+    stop_ids: Collection[int] = ()
+
+
+def conditioned(logits: np.ndarray, params: SamplingParams, context: Context,
+                paths: list[list[int]] | None = None) -> np.ndarray:
+    """`logits` [T, V] (or [V]) with the settings that depend on what each row follows (the same array where there
+    are none). Row i follows the context's history and then `paths[i]`, the draft tokens on its tree path
+    (runtime/tree.path_tokens), so that a tree's rows get what plain decoding would give at their positions: the
+    penalties count its own tokens, and min_tokens counts its own output length. E.g. history [5, 7, 7] with
+    prompt_len 1 and frequency_penalty 0.5: token 7's logit loses 1.0, token 5's nothing (only the prompt has it)."""
+    if not params.conditional:
         return logits
     x = np.array(logits, dtype=np.float64)
     rows = x.reshape(-1, x.shape[-1])
     vocab = rows.shape[-1]
-    history = np.asarray(history, np.int64)
-    counts = np.bincount(history[prompt_len:], minlength=vocab)[:vocab]
+    history = np.asarray(context.history, np.int64)
+    counts = np.bincount(history[context.prompt_len:], minlength=vocab)[:vocab]
     seen = np.zeros(vocab, bool)
     seen[history[history < vocab]] = True
+    stops = np.array([t for t in context.stop_ids if t < vocab], np.int64)
     for i, row in enumerate(rows):
+        path = paths[i] if paths is not None else ()
+        if len(history) - context.prompt_len + len(path) < params.min_tokens:
+            row[stops] = -np.inf
+        if params.repetition_penalty == 1 and params.frequency_penalty == 0 and params.presence_penalty == 0:
+            continue
         c, s = counts, seen
-        if paths is not None and paths[i]:
-            extra = np.asarray(paths[i], np.int64)
+        if path:
+            extra = np.asarray(path, np.int64)
             c, s = counts.copy(), seen.copy()
             np.add.at(c, extra, 1)
             s[extra] = True
@@ -189,15 +213,16 @@ def sample(probs: np.ndarray, u: float) -> int:
 
 
 class Sampler:
-    """Picks one token from one row of logits, with its own seeded random stream; `history` and `prompt_len`: what
-    the row follows, for the penalties (`penalize`)."""
+    """Picks one token from one row of logits, with its own seeded random stream; `context`: what the row follows
+    (`conditioned`)."""
 
     def __init__(self, params: SamplingParams):
         self.params = params
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits_row: np.ndarray, history=(), prompt_len: int = 0) -> int:
-        logits_row = penalize(logits_row, self.params, history, prompt_len)
+    def __call__(self, logits_row: np.ndarray, context: Context | None = None) -> int:
+        if context is not None:
+            logits_row = conditioned(logits_row, self.params, context)
         if self.params.greedy:
             return int(np.argmax(biased(logits_row, self.params)))
         return sample(probabilities(logits_row, self.params), self.rng.random())

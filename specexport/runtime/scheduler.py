@@ -55,7 +55,7 @@ from specexport.runtime.drafting import DraftingProposer
 from specexport.runtime.generate import PREFILL_CHUNK, Engine, Output, Stats, StepRecord
 from specexport.runtime.governor import WHOLE, Governor, HostClock, Plan, profiled_latency
 from specexport.runtime.request import Request
-from specexport.runtime.sampling import Sampler, SamplingParams
+from specexport.runtime.sampling import Context, Sampler, SamplingParams
 from specexport.runtime.verify import Acceptance, Route, accept, accept_greedy
 
 WIDTHS_KEPT = 10_000  # target calls whose (sequences, width) the scheduler keeps (a server runs for weeks)
@@ -80,6 +80,12 @@ class _Sequence:
     @property
     def history(self) -> list[int]:
         return self.ids + self.output.tokens
+
+    def context(self) -> Context | None:
+        """What its next rows follow, where its sampling depends on it (runtime/sampling.conditioned)."""
+        if not self.sampler.params.conditional:
+            return None
+        return Context(self.history, len(self.ids), self.output.stop_ids)
 
     @property
     def last(self) -> int:
@@ -320,7 +326,7 @@ class Scheduler:
                 engine.computed(self.pool.slot(seq.slot), seq.chunks, seq.fed, out, seq.proposer, fused=False)
                 seq.fed += 1
                 if seq.fed == len(seq.chunks):
-                    seq.pending = [seq.sampler(out["logits"][-1], seq.ids, len(seq.ids))]
+                    seq.pending = [seq.sampler(out["logits"][-1], seq.context())]
             except Exception as e:  # noqa: BLE001
                 self._unprefill(seq, _message(e))
         while self.prefilling and self.prefilling[0].pending:  # finished, in order: slot len(running) already
@@ -436,7 +442,7 @@ class Scheduler:
         whole tree, accepted inside the graph where the graph can (same random numbers as the host's rule)."""
         try:
             record = self.engine.step(self.pool.slot(seq.slot), seq.history, seq.proposer, seq.sampler,
-                                      self.governor, len(seq.ids))
+                                      self.governor, seq.context())
         except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
             return self._retire(seq, _message(e))
         width = len(record.tree)
@@ -488,8 +494,7 @@ class Scheduler:
                 if not seq.sampler.params.greedy or seq.sampler.params.host_only:  # (a logit bias: greedy, its own)
                     logits = self._placed(seq, batch, out, ("logits",))["logits"]
                     sampled_rows += len(draft)
-                    accepted.append(accept(draft, logits, seq.sampler.params, seq.sampler.rng, seq.history,
-                                           len(seq.ids)))
+                    accepted.append(accept(draft, logits, seq.sampler.params, seq.sampler.rng, seq.context()))
                 elif top is not None and len(draft) == 1:  # a root alone (plain steps): accept_greedy's result
                     accepted.append(Acceptance([0], [int(top[start])]))
                 elif top is not None:

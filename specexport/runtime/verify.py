@@ -36,7 +36,7 @@ from enum import Enum
 
 import numpy as np
 
-from specexport.runtime.sampling import SamplingParams, biased, penalize, probabilities, sample
+from specexport.runtime.sampling import Context, SamplingParams, biased, conditioned, probabilities, sample
 from specexport.runtime.tree import AcceptMode, DraftTree, chain, children, path_tokens
 
 MODES = (AcceptMode.WITH_REPLACEMENT, AcceptMode.WITHOUT_REPLACEMENT, AcceptMode.TOPK)  # the exact rules
@@ -143,15 +143,16 @@ def accept_typical(tokens, parents, p, uniforms, threshold: float = TYPICAL_THRE
         path.append(node)
 
 
-def accept(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, history=(),
-           prompt_len: int = 0) -> Acceptance:
+def accept(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+           context: Context | None = None) -> Acceptance:
     """A step's acceptance outside the graph, from the target's logits [T, V] over the tree: greedy, the longest
     path of the target's argmax; sampling, the exact rule for how the drafts were chosen (`tree.mode`), so the
     output follows the target's distribution, or Medusa's lossy typical acceptance when the tree asks for it.
-    `history` (ending with the tree's root) and `prompt_len`: each row's context, for the penalties."""
+    `context` (its history ending with the tree's root): what the rows follow, for the settings that depend on it
+    (sampling.conditioned)."""
     tokens, parents = tree.tokens, tree.parents
-    if params.penalized:
-        logits = penalize(logits, params, history, prompt_len, path_tokens(tokens, parents))
+    if context is not None:
+        logits = conditioned(logits, params, context, path_tokens(tokens, parents))
     if params.greedy:
         return accept_greedy(tokens, parents, biased(logits, params).argmax(-1))
     p = probabilities(logits, params)

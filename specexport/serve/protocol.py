@@ -3,8 +3,8 @@ built as the official client parses them, errors as OpenAI's error object. No we
 
 A request field is either supported (model, messages/prompt, max_tokens, max_completion_tokens, temperature, top_p,
 seed, stop, stream, stream_options, user, logit_bias, frequency_penalty, presence_penalty; vLLM's `top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens` (where nothing can end a generation early),
-`chat_template_kwargs` and `add_generation_prompt`), or known and checked by serve/fields.py: accepted only at its
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens`, `chat_template_kwargs` and
+`add_generation_prompt`), or known and checked by serve/fields.py: accepted only at its
 neutral value (n 1, no logprobs, no tools, text responses, ...: clients such as LangChain send them), a hint
 accepted with any value, or an unknown field, accepted and named (`Job.ignored`: the X-Specexport-Ignored-Fields
 header), or with serve --strict refused. A known field asking for something this server does not do is never
@@ -192,14 +192,10 @@ def _job(body: dict, chat: bool, prompts: list, max_field: str, ignored: list[st
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
         raise bad(f"{max_field} must be an integer >= 1, got {json.dumps(max_tokens)}", max_field)
     ignore_eos, stop_token_ids = _flag(body, "ignore_eos", False), _stop_ids(body.get("stop_token_ids"))
-    min_tokens = body.get("min_tokens")
-    if min_tokens is not None:
-        if type(min_tokens) is not int or min_tokens < 0:
-            raise bad(f"min_tokens must be an integer >= 0, got {json.dumps(min_tokens)}", "min_tokens")
-        if min_tokens and not (ignore_eos and not stop_token_ids):  # there, no token can end it early: nothing to do
-            raise bad("min_tokens is not supported by this server (only 0, or any value with ignore_eos and no "
-                      "stop_token_ids)", "min_tokens")
-    return Job(chat, prompts, max_tokens, _sampling(body), _stops(body.get("stop")), bool(stream),
+    sampling = _sampling(body)
+    if max_tokens is not None and sampling.min_tokens > max_tokens:
+        raise bad(f"min_tokens must be <= {max_field} ({max_tokens}), got {sampling.min_tokens}", "min_tokens")
+    return Job(chat, prompts, max_tokens, sampling, _stops(body.get("stop")), bool(stream),
                bool((options or {}).get("include_usage")), model, stop_token_ids, ignore_eos,
                ignored=tuple(ignored))
 
@@ -247,8 +243,12 @@ def _sampling(body: dict) -> SamplingParams:
     repetition = _number(body, "repetition_penalty", 1.0)
     if not 0 < repetition <= 2:
         raise bad(f"repetition_penalty must be in (0, 2], got {repetition:g}", "repetition_penalty")
+    min_tokens = body.get("min_tokens")
+    if min_tokens is not None and (type(min_tokens) is not int or min_tokens < 0):
+        raise bad(f"min_tokens must be an integer >= 0, got {json.dumps(min_tokens)}", "min_tokens")
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k or 0, 0), seed=seed, min_p=min_p,
-                          logit_bias=_logit_bias(body.get("logit_bias")), repetition_penalty=repetition, **penalties)
+                          logit_bias=_logit_bias(body.get("logit_bias")), repetition_penalty=repetition,
+                          min_tokens=min_tokens or 0, **penalties)
 
 
 def _logit_bias(biases) -> tuple[tuple[int, float], ...]:
