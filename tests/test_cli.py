@@ -465,6 +465,8 @@ def test_max_new_tokens(bundle, tmp_path, value):
     (("--logit-bias", "100000=1"), "--logit-bias: token ids must be in 0.."),
     (("--repetition-penalty", "0"), "repetition_penalty must be in (0, 2], got 0.0"),
     (("--presence-penalty", "-3"), "presence_penalty must be in [-2, 2], got -3.0"),
+    (("--logprobs", "2"), "--logprobs goes with --json"),
+    (("--logprobs", "21", "--json"), "logprobs must be in 0..20"),
 ])
 def test_bad_sampling_knobs(bundle, args, match):
     fails("run", bundle, "--prompt", "hi", *args, match=match)
@@ -479,6 +481,16 @@ def test_a_logit_bias_bans_a_token(bundle):
     want = Engine.load(bundle, threads=1).generate("hi", max_new_tokens=4,
                                                    sampling=SamplingParams(logit_bias=((first[0], -100.0),)))
     assert biased == want.tokens and biased[0] != first[0]
+
+
+def test_logprobs_in_the_json(bundle):
+    """--json --logprobs N: each new token's logprob and N alternatives, as the engine gives them."""
+    got = json.loads(cli("run", bundle, "--prompt", "hi", "--json", "--max-new-tokens", "4", "--threads", "1",
+                         "--logprobs", "2").stdout)
+    want = Engine.load(bundle, threads=1).generate("hi", max_new_tokens=4, sampling=SamplingParams(logprobs=2))
+    assert [x["token"] for x in got["logprobs"]] == got["tokens"] == want.tokens
+    assert [x["logprob"] for x in got["logprobs"]] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-5)
+    assert [[t for t, _ in x["top"]] for x in got["logprobs"]] == [[t for t, _ in x.top] for x in want.logprobs]
 
 
 @pytest.mark.parametrize("value", ["-0.5", "nan", "inf", "1e308"])

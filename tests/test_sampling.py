@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 
 from specexport.errors import UserError
-from specexport.runtime.sampling import Context, Sampler, SamplingParams, conditioned, probabilities, sample
+from specexport.runtime.sampling import (
+    Context,
+    Sampler,
+    SamplingParams,
+    TokenLogprob,
+    conditioned,
+    logprobs,
+    probabilities,
+    sample,
+)
 
 LOG_P = np.log([0.1, 0.4, 0.2, 0.3])  # softmax(LOG_P) == [0.1, 0.4, 0.2, 0.3]
 
@@ -155,6 +164,8 @@ def test_large_logits_are_stable():
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"presence_penalty": math.nan}, "presence_penalty"),
         ({"min_tokens": -1}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ],
 )
 def test_validation(kw, word):
@@ -245,3 +256,16 @@ def test_sampler_follows_top_p_distribution():
     assert support.sum() == 4 and counts[~support].sum() == 0
     stat = (((counts[support] - n * target[support]) ** 2) / (n * target[support])).sum()
     assert stat < 16.266  # chi-square quantile, 3 degrees of freedom, p = 0.001
+
+
+def test_logprobs_are_the_models_log_softmax_with_ties_to_the_lower_id():
+    # probabilities 0.5, 0.25, 0.25 (shifted logits: the log-softmax does not see the shift); 2 alternatives: token 1
+    # wins the tie with token 2
+    row = np.log([0.5, 0.25, 0.25]) + 7.0
+    got = logprobs(np.stack([row, row[::-1]]), [2, 0], top=2)
+    assert got[0].token == 2 and got[0].logprob == pytest.approx(math.log(0.25))
+    assert [i for i, _ in got[0].top] == [0, 1] and got[0].top[1][1] == pytest.approx(math.log(0.25))
+    assert [i for i, _ in got[1].top] == [2, 0]  # reversed: 0.25, 0.25, 0.5
+    assert logprobs(row[None], [1], top=0) == [TokenLogprob(1, pytest.approx(math.log(0.25)), ())]
+    assert len(logprobs(row[None], [1], top=20)[0].top) == 3  # never more than the vocabulary
+    assert SamplingParams(logprobs=0).host_only and not SamplingParams(prompt_logprobs=3).host_only

@@ -95,6 +95,42 @@ def test_a_logit_bias_in_a_batch_keeps_each_requests_tokens(engines, name):
     assert [r.result(timeout=0).tokens for r in requests] == [w.tokens for w in want]
 
 
+@pytest.mark.parametrize("name", ["none", "ngram", "self1-tree"])
+def test_logprobs_in_a_batch_are_each_requests_batch_one_logprobs(engines, name):
+    """Requests asking for logprobs (greedy and seeded sampling) or their prompt's, batched with requests that ask
+    for neither and fed 5 tokens a call: each gets its batch-1 tokens and logprobs. The scored prompt begins as an
+    earlier one does, whose chunks are kept; it computes them again (kept rows come without their logits)."""
+    engine = engines[name]
+    shared = "the cat sat on the mat, the cat sat "
+    prompts = [shared + "a", "hello there hello there hello", shared + "b", "abcabcabcabc"]
+    params = [SamplingParams(), SamplingParams(logprobs=2), SamplingParams(logprobs=0, prompt_logprobs=1),
+              SamplingParams(temperature=0.9, seed=5, logprobs=4)]
+    lengths = [12, 20, 9, 16]
+    want = [engine.generate(p, max_new_tokens=n, stop_ids=(), sampling=s, budget=False)
+            for p, n, s in zip(prompts, lengths, params)]
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=5, background=False)
+    streamed = []
+    requests = [scheduler.submit(p, max_new_tokens=n, stop_ids=(), sampling=s,
+                                 on_logprobs=streamed.extend if k == 3 else None)
+                for k, (p, n, s) in enumerate(zip(prompts, lengths, params))]
+    scheduler.run_until_idle()
+    got = [r.result(timeout=0) for r in requests]
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    assert got[0].logprobs is None and got[0].prompt_logprobs is None
+    for g, w in zip(got[1:], want[1:]):
+        assert [x.token for x in g.logprobs] == g.tokens
+        assert np.allclose([x.logprob for x in g.logprobs], [x.logprob for x in w.logprobs], atol=1e-4)
+        assert [[i for i, _ in x.top] for x in g.logprobs] == [[i for i, _ in x.top] for x in w.logprobs]
+    assert streamed == got[3].logprobs
+    scored, alone = got[2].prompt_logprobs, want[2].prompt_logprobs
+    assert scored[0] is None and [x.token for x in scored[1:]] == engine.encode(prompts[2])[1:]
+    assert np.allclose([x.logprob for x in scored[1:]], [x.logprob for x in alone[1:]], atol=1e-4)
+    assert got[2].stats.cached_tokens == 0
+    again = scheduler.submit(prompts[2], max_new_tokens=2, stop_ids=())  # unscored: it copies the kept beginning
+    scheduler.run_until_idle()
+    assert again.result(timeout=0).stats.cached_tokens > 0
+
+
 @pytest.mark.parametrize("name, device", [("none", "cpu"), ("ngram", "cpu"), ("self1-tree", "cpu"),
                                           ("ngram", "cpu-iobinding")])
 def test_a_burst_prefills_several_prompts_in_one_call(engines, name, device):

@@ -111,7 +111,7 @@ def test_neutral_values_pass_and_asking_values_are_refused_by_name():
                "stream_options": {"include_usage": False}, "user": "u1", "seed": 3, "top_k": 5}
     job = protocol.chat_request({**base, **neutral})
     assert job.sampling == SamplingParams(temperature=1.0, top_k=5, seed=3)
-    for name, value in {"n": 2, "logprobs": True, "top_logprobs": 2, "frequency_penalty": 2.5, "presence_penalty": -3,
+    for name, value in {"n": 17, "logprobs": 1, "top_logprobs": 2, "frequency_penalty": 2.5, "presence_penalty": -3,
                         "tools": [{"type": "function"}], "tool_choice": "required",
                         "response_format": {"type": "json_object"}, "reasoning_effort": "high"}.items():
         with pytest.raises(protocol.ApiError) as e:
@@ -123,7 +123,12 @@ def test_neutral_values_pass_and_asking_values_are_refused_by_name():
     assert e.value.param == "n "
     assert protocol.completion_request({"prompt": "x", "best_of": 1, "echo": False, "suffix": None}).prompts == ["x"]
     with pytest.raises(protocol.ApiError, match="echo"):
-        protocol.completion_request({"prompt": "x", "echo": True})
+        protocol.completion_request({"prompt": "x", "echo": True, "logprobs": 1, "stream": True})
+    for body, param in [({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"), ({"n": 0}, "n"),
+                        ({"echo": "yes"}, "echo")]:
+        with pytest.raises(protocol.ApiError) as e:
+            protocol.completion_request({"prompt": "x", **body})
+        assert e.value.status == 400 and e.value.param == param, body
 
 
 def test_messages_become_the_templates_messages():
@@ -201,12 +206,16 @@ BAD = [  # (what, method, path, body, headers, status, param)
     ("wrong content type", "POST", "/v1/chat/completions", b"messages=x", {"Content-Type": "text/plain"}, 415, None),
     ("not UTF-8", "POST", "/v1/completions", b'{"prompt": "\xff\xfe"}', {}, 400, None),
     ("10 MB body", "POST", "/v1/completions", b'{"prompt": "' + b"a" * (10 << 20) + b'"}', {}, 413, None),
-    ("n > 1", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, {}, 400, "n"),
-    ("logprobs", "POST", "/v1/completions", {"prompt": "x", "logprobs": 2}, {}, 400, "logprobs"),
+    ("n past its limit", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 17}, {},
+     400, "n"),
+    ("logprobs past 20", "POST", "/v1/completions", {"prompt": "x", "logprobs": 21}, {}, 400, "logprobs"),
+    ("top_logprobs without logprobs", "POST", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, {}, 400, "top_logprobs"),
     ("tools", "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                "tools": [{"type": "function", "function": {"name": "f"}}]}, {}, 400,
      "tools"),
-    ("a penalty", "POST", "/v1/completions", {"prompt": "x", "frequency_penalty": 1.0}, {}, 400, "frequency_penalty"),
+    ("a penalty past 2", "POST", "/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, {}, 400,
+     "frequency_penalty"),
     ("max_tokens 0", "POST", "/v1/completions", {"prompt": "x", "max_tokens": 0}, {}, 400, "max_tokens"),
     ("max_tokens past the context", "POST", "/v1/completions", {"prompt": "x", "max_tokens": 100000}, {}, 400,
      "max_tokens"),

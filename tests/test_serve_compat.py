@@ -46,10 +46,10 @@ from specexport.runtime import generate
 fault, emit = os.environ["SPECEXPORT_TEST_FAULT"], generate.Output.emit
 
 
-def faulty_emit(self, tokens):
+def faulty_emit(self, tokens, scores=None):
     if self.tokens and os.path.exists(fault):
         raise RuntimeError("injected fault")
-    return emit(self, tokens)
+    return emit(self, tokens, scores)
 
 
 generate.Output.emit = faulty_emit
@@ -159,7 +159,7 @@ def test_each_field_is_supported_neutral_a_hint_or_unknown():
         presence_penalty=-1.0, min_tokens=8)
     refused = {"repeat_penalty": 1.1,
                "skip_special_tokens": False, "include_stop_str_in_output": True, "guided_json": {"type": "object"},
-               "response_format": {"type": "json_object"}, "n": 2, "echo": True,
+               "response_format": {"type": "json_object"}, "n": 20, "echo": True,
                "continue_final_message": True, "chat_template": "{{ messages }}", "grammar": "root ::= x",
                "typical_p": 0.9, "dry_multiplier": 0.8, "mirostat": 2, "reasoning_format": "deepseek",
                "use_beam_search": True, "prompt_logprobs": 1, "n_predict": 64}
@@ -465,6 +465,55 @@ def test_the_sampling_knobs_are_the_runtimes(server, bundle):
     answer = completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
                                 frequency_penalty=1.5, presence_penalty=0.5, extra_body={"repetition_penalty": 1.3})
     assert answer.choices[0].text == want.text and want.tokens != plain.tokens
+
+
+def test_logprobs_echo_and_n_are_the_runtimes(server, bundle, template_file):
+    """Through the official client: chat logprobs with top_logprobs, streamed and not, are Engine.generate's (the
+    target's own, token by token, with each token's bytes); a completion with echo and logprobs gives the prompt's
+    text and its tokens' logprobs (null for the first) before the answer's, as the engine scores them; n seeded
+    choices are the engine's generations with seeds seed, seed + 1, ..., and the usage counts the prompt once."""
+    engine = Engine.load(bundle, threads=1)
+    engine.tokenizer.set_chat_template(template_file.read_text(encoding="utf-8"))  # the server's
+    api, prompt = client(server), "the cat sat on the mat, the cat sat on"
+    messages = [{"role": "user", "content": prompt}]
+    ids = protocol.prompt_ids(engine, protocol.chat_request({"messages": messages}), messages)
+    want = engine.generate(ids, max_new_tokens=10, sampling=SamplingParams(logprobs=3))
+    answer = api.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0, logprobs=True,
+                                         top_logprobs=3)
+    content = answer.choices[0].logprobs.content
+    assert [c.bytes for c in content] == [list(engine.tokenizer.token_bytes(t)) for t in want.tokens]
+    assert [c.logprob for c in content] == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
+    assert [len(c.top_logprobs) for c in content] == [3] * len(want.tokens)
+    assert all(c.top_logprobs[0].logprob >= c.top_logprobs[2].logprob for c in content)
+    streamed = [c for event in api.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0,
+                                                           logprobs=True, top_logprobs=3, stream=True)
+                for choice in event.choices if choice.logprobs for c in choice.logprobs.content]
+    assert [(c.token, c.bytes) for c in streamed] == [(c.token, c.bytes) for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-4)
+
+    echoed = api.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True)
+    scored = engine.generate(prompt, max_new_tokens=4, chat=False,
+                             sampling=SamplingParams(logprobs=2, prompt_logprobs=2))
+    got = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == prompt + scored.text
+    assert len(got.tokens) == len(scored.prompt_logprobs) + len(scored.tokens) == echoed.usage.total_tokens
+    assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+    assert got.token_logprobs[1:] == pytest.approx([x.logprob for x in scored.prompt_logprobs[1:] + scored.logprobs],
+                                                   abs=1e-4)
+    assert all(len(top) <= 2 for top in got.top_logprobs[1:]) and got.text_offset[0] == 0
+    assert "".join(got.tokens) == echoed.choices[0].text  # (this tokenizer's tokens are whole characters)
+
+    many = api.completions.create(model=MODEL, prompt=[prompt, "hello there"], max_tokens=6, temperature=1.0, seed=7,
+                                  n=3)
+    assert [c.index for c in many.choices] == list(range(6))
+    for c in many.choices:
+        text = [prompt, "hello there"][c.index // 3]
+        want = engine.generate(text, max_new_tokens=6, chat=False,
+                               sampling=SamplingParams(temperature=1.0, seed=7 + c.index % 3))
+        assert c.text == want.text
+    assert len({c.text for c in many.choices[:3]}) > 1
+    one = api.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0)
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens + len(engine.encode("hello there", chat=False))
 
 
 def test_cached_tokens_count_the_kept_system_prompt(server, bundle, template_file):

@@ -10,7 +10,7 @@ from specexport.exporter.graph import GraphOptions
 from specexport.exporter.save import write_graph
 from specexport.runtime import tree
 from specexport.runtime.backends.host import GraphSession
-from specexport.runtime.generate import Engine
+from specexport.runtime.generate import Engine, chunk_logprobs
 from specexport.runtime.sampling import SamplingParams, probabilities
 from specexport.runtime.verify import accept_greedy, accept_tree, uniforms_shape
 
@@ -130,6 +130,61 @@ def test_min_tokens_keeps_greedy_lossless(engines, name):
     governed = engine.generate("hello", max_new_tokens=NEW, stop_ids=(stop,), sampling=held)
     assert spec.tokens == plain.tokens == governed.tokens and len(plain.tokens) >= 12
     assert stop not in plain.tokens[:11]
+
+
+def close(a, b, tol=1e-4):
+    """Two TokenLogprob lists agree: the same tokens, logprobs within `tol` (fp32 rows of calls of other widths), the
+    same alternatives' logprobs where both list them."""
+    assert [x.token for x in a] == [y.token for y in b]
+    for x, y in zip(a, b):
+        assert abs(x.logprob - y.logprob) < tol
+        if x.top and y.top:
+            assert np.allclose([lp for _, lp in x.top], [lp for _, lp in y.top], atol=tol)
+
+
+@pytest.mark.parametrize("name", ["ngram", "ngram-logits", "self1-tree", "same-tree"])
+@pytest.mark.parametrize("params", [{}, {"temperature": 0.8, "seed": 3}])
+def test_logprobs_are_the_targets_own_for_each_token(engines, name, params):
+    """Each emitted token's logprob is read from the verification row that drew it: speculative decoding (whole
+    trees and governed) gives plain decoding's logprobs, and both equal the target's own log-softmax at each position,
+    scored again as a prompt (prompt_logprobs of prompt + output, one chunk)."""
+    engine = engines[name]
+    asked = SamplingParams(logprobs=3, **params)
+    for prompt in PROMPTS:
+        ids = engine.encode(prompt)
+        plain = engine.generate(ids, max_new_tokens=NEW, stop_ids=(), plain=True, sampling=asked)
+        runs = [engine.generate(ids, max_new_tokens=NEW, stop_ids=(), sampling=asked, budget=budget)
+                for budget in (False, True)]
+        assert len(plain.logprobs) == len(plain.tokens) == NEW
+        assert all(len(x.top) == 3 and x.top[0][1] >= x.top[-1][1] for x in plain.logprobs)
+        if not params:
+            assert all(x.token == x.top[0][0] for x in plain.logprobs)  # greedy: the most likely token
+            for spec in runs:
+                close(spec.logprobs, plain.logprobs)
+        scored = engine.generate(ids + plain.tokens, max_new_tokens=1, stop_ids=(),
+                                 sampling=SamplingParams(prompt_logprobs=3))
+        assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(ids) + NEW
+        close(scored.prompt_logprobs[len(ids):], plain.logprobs)
+        for spec in runs:  # sampled: other tokens, each scored as the target scores it
+            again = engine.generate(ids + spec.tokens, max_new_tokens=1, stop_ids=(),
+                                    sampling=SamplingParams(prompt_logprobs=0))
+            close(again.prompt_logprobs[len(ids):], spec.logprobs)
+
+
+def test_prompt_logprobs_span_chunks(engines):
+    """A prompt fed in several chunks scores every token after the first, each chunk's last row scoring the next
+    chunk's first token; the scores equal those of one call over the whole prompt."""
+    engine = engines["ngram"]
+    ids = engine.encode("the cat sat on the mat, the cat sat on the mat " * 2)
+    whole = engine.generate(ids, max_new_tokens=2, stop_ids=(), sampling=SamplingParams(prompt_logprobs=2))
+    assert len(whole.prompt_logprobs) == len(ids) and [x.token for x in whole.prompt_logprobs[1:]] == ids[1:]
+    chunks = [ids[:7], ids[7:20], ids[20:]]
+    scores = [None]
+    cache = engine.target.new_cache(len(ids) + 4)
+    for fed in range(len(chunks)):
+        _, logits = engine.prefill_next(cache, chunks, fed, every_row=True)
+        scores.extend(chunk_logprobs(chunks, fed, logits, 2))
+    close(scores[1:], whole.prompt_logprobs[1:], tol=1e-5)
 
 
 @pytest.mark.parametrize("name, prompt, params", [

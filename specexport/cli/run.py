@@ -60,10 +60,12 @@ def _engine(bundle: Path, threads: int | None, device: str, kwargs: dict) -> Eng
 @click.option("--raw", is_flag=True, help="Do not apply the chat template.")
 @click.option("--threads", type=int, default=None, help="ORT intra-op threads (default: all cores).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
+@click.option("--logprobs", type=int, default=None, metavar="N",
+              help="With --json: each new token's log-probability under the model, and the N most likely tokens'.")
 @DEVICE
 @OVERRIDES
 def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, min_p, logit_bias, repetition_penalty,
-        frequency_penalty, presence_penalty, seed, stop, stop_id, raw, threads, as_json, device, **overrides):
+        frequency_penalty, presence_penalty, seed, stop, stop_id, raw, threads, as_json, logprobs, device, **overrides):
     """Generate from a prompt with a bundle, streaming the text, then print stats.
 
     The method's settings (tree, draft length, ...) default to the bundle's; the options below override them.
@@ -75,6 +77,7 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, m
       specexport run smol-fp32 --prompt "List three colours" --json
       specexport run smol-fp32 --prompt-ids 1,504,3300 --max-new-tokens 16
       specexport run smol-fp32 --prompt "Name a fruit" --temperature 1 --min-p 0.1 --logit-bias 28=-100
+      specexport run smol-fp32 --prompt "Name a fruit" --json --logprobs 3
     """
     if (prompt is None) == (prompt_ids is None):
         raise UserError("give exactly one of --prompt and --prompt-ids")
@@ -85,9 +88,12 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, m
             raise UserError(f"--prompt-ids must be comma-separated integers, got '{prompt_ids}'") from None
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if logprobs is not None and not as_json:
+        raise UserError("--logprobs goes with --json (the logprobs are a list in its object)")
     params = SamplingParams(temperature=temperature or 0.0, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
                             logit_bias=_logit_bias(logit_bias), repetition_penalty=repetition_penalty,
-                            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+                            frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                            logprobs=logprobs)
     engine = _engine(bundle, threads, device, overrides)
     vocab = engine.bundle.manifest["model"]["vocab"]
     if any(t >= vocab for t, _ in params.logit_bias):
@@ -100,8 +106,10 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, m
                              stop_ids=stop_ids, chat=not raw, on_text=stream)
     s = result.stats
     if as_json:
+        scores = {} if result.logprobs is None else {"logprobs": [
+            {"token": x.token, "logprob": x.logprob, "top": [list(t) for t in x.top]} for x in result.logprobs]}
         click.echo(json.dumps({"text": result.text, "tokens": result.tokens, "stop_reason": result.stop_reason,
-                               "method": engine.bundle.method, **s.as_dict()}))
+                               "method": engine.bundle.method, **s.as_dict(), **scores}))
         return
     click.echo()
     click.echo(f"[{s.new_tokens} tokens in {s.seconds:.2f} s: {s.tokens_per_s:.1f} tokens/s, "

@@ -22,7 +22,7 @@ from specexport.runtime.backends.protocol import Backend, Cache, pools
 from specexport.runtime.budget import BatchLatency, grid
 from specexport.runtime.governor import WHOLE, Governor, profiled_latency
 from specexport.runtime.prefix import PrefixStore
-from specexport.runtime.sampling import Context, Sampler, SamplingParams
+from specexport.runtime.sampling import Context, Sampler, SamplingParams, TokenLogprob, logprobs
 from specexport.runtime.tokenizer import StreamDecoder, Tokenizer, find_stop
 from specexport.runtime.tree import DraftTree
 from specexport.runtime.verify import Acceptance, Accepting, Route, accept, fused_inputs
@@ -102,6 +102,8 @@ class Generation:
     text: str
     stop_reason: str  # "eos" | "stop_string" | "length" | "context" | "cancelled"
     stats: Stats
+    logprobs: list[TokenLogprob] | None = None  # each token's, where asked (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # the prompt's: None for its first token (nothing before)
 
 
 class Engine:
@@ -228,13 +230,20 @@ class Engine:
         return ids
 
     # -- target calls ------------------------------------------------------------------------
-    def prefill(self, cache: Cache, ids: list[int], proposer=None) -> np.ndarray:
+    def prefill(self, cache: Cache, ids: list[int], proposer=None, scores: list | None = None, top: int = 0
+                ) -> np.ndarray:
         """Run the prompt through the target; returns the logits of its last token. Its calls also
-        bring what `proposer` wants from the target (EAGLE's features; Medusa's candidates at the last row)."""
+        bring what `proposer` wants from the target (EAGLE's features; Medusa's candidates at the last row).
+        `scores`: a list that gets the prompt's logprobs (`chunk_logprobs`, with `top` alternatives each), every
+        chunk computed then (none copied from a kept beginning: its rows' logits are not kept)."""
         chunks, fed = self.prefill_chunks(ids), 0
+        if scores is not None:
+            scores.append(None)  # the first token follows nothing
         while fed < len(chunks):
-            fed, logits = self.prefill_next(cache, chunks, fed, proposer)
-        return logits
+            fed, logits = self.prefill_next(cache, chunks, fed, proposer, every_row=scores is not None)
+            if scores is not None:
+                scores.extend(chunk_logprobs(chunks, fed - 1, logits, top))
+        return logits[-1]
 
     def prefill_chunks(self, ids: list[int], size: int | None = None) -> list[list[int]]:
         """The prompt's target calls: chunks of at most `size` tokens (default PREFILL_CHUNK), cut where a message ends
@@ -247,19 +256,20 @@ class Engine:
         return [c[i:i + size] for c in parts for i in range(0, len(c), size)]
 
     def prefill_next(self, cache: Cache, chunks: list[list[int]], fed: int, proposer=None,
-                     fused: bool | None = None) -> tuple[int, np.ndarray]:
+                     fused: bool | None = None, every_row: bool = False) -> tuple[int, np.ndarray]:
         """Feed the next of a prompt's `chunks` (`prefill_chunks`) into `cache`, which holds the first `fed` of them;
-        returns how many it holds then and the logits of the last token fed. Chunks an earlier prompt began with
-        are copied as its calls left them (`restore_kept`), the next computed and kept (`computed`).
-        `fused`: whether the proposer's steps accept in the graph (what it wants from the target depends on it;
-        default: this engine's graph)."""
+        returns how many it holds then and the logits of the last token fed ([1, V]; `every_row`: of every token
+        fed, [len(chunk), V], and nothing copied). Chunks an earlier prompt began with are copied as its calls left
+        them (`restore_kept`), the next computed and kept (`computed`). `fused`: whether the proposer's steps accept
+        in the graph (what it wants from the target depends on it; default: this engine's graph)."""
         if fed == 0:
             self.prefixes.asked(sum(len(c) for c in chunks))
-        fed = self.restore_kept(cache, chunks, fed, proposer, fused)
+        if not every_row:
+            fed = self.restore_kept(cache, chunks, fed, proposer, fused)
         extra = self._prefill_wants(proposer, fused)
-        out = self.forward_chain(cache, chunks[fed], ("logits",) + extra)
+        out = self.forward_chain(cache, chunks[fed], ("logits",) + extra, every_row)
         self.computed(cache, chunks, fed, out, proposer, fused)
-        return fed + 1, out["logits"][-1]
+        return fed + 1, out["logits"]
 
     def restore_kept(self, cache: Cache, chunks: list[list[int]], fed: int, proposer=None,
                      fused: bool | None = None) -> int:
@@ -287,11 +297,12 @@ class Engine:
         """What the proposer reads from the prompt's calls besides the logits."""
         return proposer.wants(self.accepting.graph if fused is None else fused) if proposer is not None else ()
 
-    def forward_chain(self, cache: Cache, ids: list[int], want=("logits",)) -> dict:
-        """Append a chain of tokens; returns the `want`ed outputs, the logits of the last row, [1, vocab]."""
+    def forward_chain(self, cache: Cache, ids: list[int], want=("logits",), every_row: bool = False) -> dict:
+        """Append a chain of tokens; returns the `want`ed outputs, the logits of the last row, [1, vocab]
+        (`every_row`: of every row, [len(ids), vocab])."""
         t, past = len(ids), cache.length
         out = self.target.forward(cache, np.array([ids]), past + np.arange(t)[None], tree.causal_mask(t),
-                                  np.array([t - 1]), want=want)
+                                  np.arange(t) if every_row else np.array([t - 1]), want=want)
         cache.advance(t)
         return out
 
@@ -367,21 +378,24 @@ class Engine:
         cache = self.target.new_cache(len(ids) + allowed + proposer.max_drafts)
         proposer.start(len(ids), cache.capacity)
         stats = Stats(prompt_tokens=len(ids))
-        output = Output(self.tokenizer, stop, stop_ids, max_new_tokens, allowed, on_text)
+        params = sampler.params
+        output = Output(self.tokenizer, stop, stop_ids, max_new_tokens, allowed, on_text, params)
 
-        def emit(tokens) -> bool:
+        def emit(tokens, scores) -> bool:
             before = len(output.tokens)
-            ended = output.emit(tokens) is not None
+            ended = output.emit(tokens, scores) is not None
             if on_tokens is not None:
                 on_tokens(output.tokens[before:])
             return ended
 
         governor = self.governor() if budget and not plain else None
         start = time.perf_counter()
-        conditional = sampler.params.conditional
-        pending = [sampler(self.prefill(cache, ids, proposer), Context(ids, len(ids), output.stop_ids))]
+        conditional = params.conditional
+        last = self.prefill(cache, ids, proposer, output.prompt_logprobs, params.prompt_logprobs or 0)
+        pending = [sampler(last, Context(ids, len(ids), output.stop_ids))]
+        scores = first_logprobs(last, pending[0], params)
         stats.ttft_s = time.perf_counter() - start
-        while not emit(pending):
+        while not emit(pending, scores):
             if cancelled():
                 output.reason = "cancelled"
                 break
@@ -391,7 +405,7 @@ class Engine:
             stats.record(record)
             if on_step is not None:
                 on_step(record)
-            pending = record.acceptance.tokens
+            pending, scores = record.acceptance.tokens, record.acceptance.logprobs
         stats.seconds = time.perf_counter() - start
         return output.close(stats)
 
@@ -401,17 +415,23 @@ class Output:
     cancelled, or None while it goes on); the same for a batch-1 generation and a scheduled request."""
 
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...], stop_ids, max_new_tokens: int, budget: int,
-                 on_text=None):
+                 on_text=None, params: SamplingParams | None = None):
         self.stop_ids = set(tokenizer.eos_token_ids if stop_ids is None else stop_ids)
         self.text = TextStream(tokenizer, stop, on_text)
         self.max_new_tokens, self.budget = max_new_tokens, budget
         self.tokens: list[int] = []
         self.reason: str | None = None
+        asked = params or SamplingParams()
+        self.logprobs: list[TokenLogprob] | None = [] if asked.logprobs is not None else None
+        self.prompt_logprobs: list | None = [] if asked.prompt_logprobs is not None else None  # filled by prefill
 
-    def emit(self, tokens) -> str | None:
-        """Append a step's tokens one by one; returns why generation stops, if it does (the rest are dropped)."""
-        for token in tokens:
+    def emit(self, tokens, scores: list[TokenLogprob] | None = None) -> str | None:
+        """Append a step's tokens one by one (and their logprobs, `scores`, where asked); returns why generation
+        stops, if it does (the rest are dropped)."""
+        for i, token in enumerate(tokens):
             self.tokens.append(token)
+            if self.logprobs is not None:
+                self.logprobs.append(scores[i])
             if token in self.stop_ids:
                 self.reason = "eos"
             elif self.text.push(token):
@@ -424,7 +444,20 @@ class Output:
 
     def close(self, stats: Stats) -> Generation:
         stats.new_tokens = len(self.tokens)
-        return Generation(self.tokens, self.text.close(flush=self.reason != "stop_string"), self.reason, stats)
+        return Generation(self.tokens, self.text.close(flush=self.reason != "stop_string"), self.reason, stats,
+                          self.logprobs, self.prompt_logprobs)
+
+
+def first_logprobs(logits: np.ndarray, token: int, params: SamplingParams) -> list[TokenLogprob] | None:
+    """The logprob of a prompt's first new token, drawn from the prompt's last row `logits` [V], where asked."""
+    return None if params.logprobs is None else logprobs(logits[None], [token], params.logprobs)
+
+
+def chunk_logprobs(chunks: list[list[int]], fed: int, logits: np.ndarray, top: int) -> list[TokenLogprob]:
+    """The logprobs of the prompt tokens that the rows of chunk `fed` (`logits` [len(chunk), V]) predict: its own
+    tokens after the first, then the next chunk's first. E.g. chunks [[5, 6], [7]]: chunk 0's rows score 6 and 7."""
+    following = chunks[fed][1:] + (chunks[fed + 1][:1] if fed + 1 < len(chunks) else [])
+    return logprobs(logits[:len(following)], following, top)
 
 
 class TextStream:

@@ -17,9 +17,9 @@ _DONE = object()
 class Request:
     """A submitted generation, as its submitter holds it: `stream()` its text, `result()`, `cancel()`. Thread-safe."""
 
-    def __init__(self, rid: int, prompt_tokens: int, on_end=None, on_tokens=None, cancel=None):
+    def __init__(self, rid: int, prompt_tokens: int, on_end=None, on_tokens=None, cancel=None, on_logprobs=None):
         self.id, self.prompt_tokens = rid, prompt_tokens
-        self._on_end, self._on_tokens = on_end, on_tokens
+        self._on_end, self._on_tokens, self._on_logprobs = on_end, on_tokens, on_logprobs
         self._asked = getattr(cancel, "is_set", cancel)  # the submitter's own cancellation, read at each step
         self.submitted = time.perf_counter()
         self.arrivals: list[tuple[float, int]] = []  # (perf_counter time, tokens) of each step that emitted

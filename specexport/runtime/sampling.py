@@ -16,6 +16,7 @@ from specexport.errors import UserError
 MAX_TEMPERATURE = 1000.0  # far past any useful setting; keeps the graph's float32 sampling parameters finite
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: -100 bans a token, 100 all but forces it
 MAX_PENALTY = 2.0  # OpenAI's range for the frequency and presence penalties (and a generous repetition penalty's)
+MAX_TOP_LOGPROBS = 20  # OpenAI's (and vLLM's default) most alternatives a token's logprob lists
 
 
 @dataclass(frozen=True)
@@ -28,8 +29,10 @@ class SamplingParams:
     so far has its logit divided by it where positive, multiplied where negative), then OpenAI's
     `frequency_penalty` (times the token's count in the output so far) and `presence_penalty` (once, if there)
     subtracted. `min_tokens` keeps the ids that end the output (the end of sequence, stop ids) from being drawn
-    before the output has that many tokens. E.g. SamplingParams(temperature=0.7, min_p=0.05,
-    logit_bias=((13, -100.0),)) never emits token 13."""
+    before the output has that many tokens. `logprobs` (N, 0 to MAX_TOP_LOGPROBS) asks for each new token's
+    log-probability and the N most likely tokens' (`TokenLogprob`), `prompt_logprobs` the same for the prompt's tokens
+    after the first. E.g. SamplingParams(temperature=0.7, min_p=0.05, logit_bias=((13, -100.0),)) never emits token
+    13."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 keeps every token
@@ -41,6 +44,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_tokens: int = 0
+    logprobs: int | None = None  # None: no logprobs
+    prompt_logprobs: int | None = None  # None: no logprobs of the prompt's tokens
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature <= MAX_TEMPERATURE:  # also false for NaN
@@ -60,6 +65,10 @@ class SamplingParams:
                 raise UserError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(self, name)}")
         if self.min_tokens < 0:
             raise UserError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not 0 <= getattr(self, name) <= MAX_TOP_LOGPROBS:
+                raise UserError(f"{name} must be in 0..{MAX_TOP_LOGPROBS} (the alternatives listed), "
+                                f"got {getattr(self, name)}")
         if len({t for t, _ in self.logit_bias}) < len(self.logit_bias):
             raise UserError("logit_bias names a token twice")
         for token, bias in self.logit_bias:
@@ -80,8 +89,10 @@ class SamplingParams:
     @property
     def host_only(self) -> bool:
         """Whether only the host applies these settings: the graphs' acceptance (exporter/fused.py) takes the
-        temperature, top-k and top-p, not min-p, a logit bias, the penalties or min_tokens."""
-        return bool(self.logit_bias) or self.conditional or (self.min_p > 0 and not self.greedy)
+        temperature, top-k and top-p, not min-p, a logit bias, the penalties or min_tokens, and brings back no
+        logits to read logprobs from."""
+        return (bool(self.logit_bias) or self.conditional or (self.min_p > 0 and not self.greedy)
+                or self.logprobs is not None)
 
 
 @dataclass(frozen=True)
@@ -92,6 +103,36 @@ class Context:
     history: Sequence[int] = ()
     prompt_len: int = 0
     stop_ids: Collection[int] = ()
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target and the `top` most likely tokens' ((id, logprob), most likely
+    first, ties by lower id). They are the model's own (log-softmax of its logits, before temperature, penalties, a
+    bias or top-k/p: vLLM's default "raw" logprobs), so they do not depend on the sampling settings: an evaluation
+    harness reads the model's likelihood of a text. E.g. TokenLogprob(42, -0.105, ((42, -0.105), (7, -2.41)))."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def logprobs(logits: np.ndarray, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Each token's `TokenLogprob` from its row of `logits` [len(tokens), V] (row i: the distribution token i was
+    drawn from), with the `top` most likely tokens of that row."""
+    x = np.asarray(logits, dtype=np.float64).reshape(-1, np.shape(logits)[-1])[:len(tokens)]
+    peak = x.max(axis=-1, keepdims=True)
+    lp = x - (peak + np.log(np.exp(x - peak).sum(axis=-1, keepdims=True)))
+    out = []
+    for row, token in zip(lp, tokens):
+        best = ()
+        if top > 0:
+            kth = -np.partition(-row, top - 1)[top - 1] if top < row.size else -np.inf
+            ids = np.flatnonzero(row >= kth)  # every tie with the k-th, so the lower ids win below
+            ids = ids[np.lexsort((ids, -row[ids]))][:top]
+            best = tuple((int(i), float(row[i])) for i in ids)
+        out.append(TokenLogprob(int(token), float(row[token]), best))
+    return out
 
 
 def conditioned(logits: np.ndarray, params: SamplingParams, context: Context,

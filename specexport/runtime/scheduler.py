@@ -52,7 +52,7 @@ from specexport.runtime import drafting, tree
 from specexport.runtime.batch import Entry, PaddedBatch
 from specexport.runtime.budget import BatchLatency, grid
 from specexport.runtime.drafting import DraftingProposer
-from specexport.runtime.generate import PREFILL_CHUNK, Engine, Output, Stats, StepRecord
+from specexport.runtime.generate import PREFILL_CHUNK, Engine, Output, Stats, StepRecord, chunk_logprobs, first_logprobs
 from specexport.runtime.governor import WHOLE, Governor, HostClock, Plan, profiled_latency
 from specexport.runtime.request import Request
 from specexport.runtime.sampling import Context, Sampler, SamplingParams
@@ -75,7 +75,13 @@ class _Sequence:
     capacity: int  # the target rows the generation may take (its proposer's `start`)
     slot: int = -1
     pending: list[int] = field(default_factory=list)  # tokens accepted but not yet emitted
+    pending_logprobs: list | None = None  # theirs, where asked
     fed: int = 0  # the prompt's chunks in its cache
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prompt's logprobs are asked: every chunk computed, every row's logits brought back."""
+        return self.output.prompt_logprobs is not None
 
     @property
     def history(self) -> list[int]:
@@ -148,10 +154,11 @@ class Scheduler:
     # -- the front end's side ---------------------------------------------------------------------
     def submit(self, prompt: str | list[int], max_new_tokens: int = 128, sampling: SamplingParams | None = None,
                stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] | None = None, chat: bool = True,
-               on_text=None, on_end=None, on_tokens=None, cancel=None) -> Request:
+               on_text=None, on_end=None, on_tokens=None, cancel=None, on_logprobs=None) -> Request:
         """Queue a generation; returns its handle at once. A bad request (an empty or too long prompt, a bad
         setting) raises UserError here and never enters the batch. `on_text(piece)` receives the text as it is
         accepted instead of `Request.stream`; `on_tokens(ids)` the token ids each step emitted (after their text);
+        `on_logprobs(entries)` their logprobs (runtime/sampling.TokenLogprob), where the sampling asks for them;
         `on_end(request)` is called once the request has ended (all on the scheduler's thread: they must be quick
         and must not raise). `cancel`: a threading.Event or a callable returning True to stop, read by the scheduler
         before each step as `Request.cancel` is (a submitter whose cancellation comes from elsewhere, the C ABI's
@@ -165,11 +172,14 @@ class Scheduler:
             if self._closed:
                 raise UserError("the scheduler is closed")
             self._ids += 1
-            request = Request(self._ids, len(ids), on_end, on_tokens, cancel)
+            request = Request(self._ids, len(ids), on_end, on_tokens, cancel, on_logprobs)
             text = on_text if on_text is not None else request._text
             chunks = engine.prefill_chunks(ids, self.prefill_chunk)
-            seq = _Sequence(request, ids, Output(engine.tokenizer, stop, stop_ids, max_new_tokens, budget, text),
-                            sampler, proposer, chunks, Stats(len(ids)), len(ids) + budget + proposer.max_drafts)
+            output = Output(engine.tokenizer, stop, stop_ids, max_new_tokens, budget, text, sampler.params)
+            seq = _Sequence(request, ids, output, sampler, proposer, chunks, Stats(len(ids)),
+                            len(ids) + budget + proposer.max_drafts)
+            if seq.scores_prompt:
+                output.prompt_logprobs.append(None)  # the first token follows nothing
             self.waiting.append(seq)
             self._lock.notify()
         return request
@@ -294,7 +304,9 @@ class Scheduler:
         for seq in list(self.prefilling):
             try:
                 fed = seq.fed
-                seq.fed = engine.restore_kept(self.pool.slot(seq.slot), seq.chunks, seq.fed, seq.proposer, fused=False)
+                if not seq.scores_prompt:  # (a kept beginning's rows come without their logits)
+                    seq.fed = engine.restore_kept(self.pool.slot(seq.slot), seq.chunks, seq.fed, seq.proposer,
+                                                  fused=False)
                 seq.stats.cached_tokens += sum(len(c) for c in seq.chunks[fed:seq.fed])
             except Exception as e:  # noqa: BLE001 - one request's failure ends that request only
                 self._unprefill(seq, _message(e))
@@ -324,16 +336,20 @@ class Scheduler:
         for seq, out in zip(chosen, outs):
             try:
                 engine.computed(self.pool.slot(seq.slot), seq.chunks, seq.fed, out, seq.proposer, fused=False)
+                if seq.scores_prompt:
+                    seq.output.prompt_logprobs.extend(chunk_logprobs(seq.chunks, seq.fed, out["logits"],
+                                                                     seq.sampler.params.prompt_logprobs))
                 seq.fed += 1
                 if seq.fed == len(seq.chunks):
                     seq.pending = [seq.sampler(out["logits"][-1], seq.context())]
+                    seq.pending_logprobs = first_logprobs(out["logits"][-1], seq.pending[0], seq.sampler.params)
             except Exception as e:  # noqa: BLE001
                 self._unprefill(seq, _message(e))
         while self.prefilling and self.prefilling[0].pending:  # finished, in order: slot len(running) already
             seq = self.prefilling.pop(0)
             seq.stats.ttft_s = time.perf_counter() - seq.request.submitted
             self.running.append(seq)
-            if self._emit(seq, seq.pending):
+            if self._emit(seq, seq.pending, seq.pending_logprobs):
                 self._retire(seq)
 
     def _prefill_call(self, seqs: list[_Sequence]) -> list[dict]:
@@ -344,8 +360,8 @@ class Scheduler:
         entries = []
         for k, seq in enumerate(seqs):
             chunk = seq.chunks[seq.fed]
-            entries.append(Entry(k, k, chunk, lengths[k] + np.arange(len(chunk)), tree.causal_mask(len(chunk)),
-                                 [len(chunk) - 1]))
+            rows = list(range(len(chunk))) if seq.scores_prompt else [len(chunk) - 1]
+            entries.append(Entry(k, k, chunk, lengths[k] + np.arange(len(chunk)), tree.causal_mask(len(chunk)), rows))
         batch = PaddedBatch.lay_out(lengths, entries)
         extra = tuple(sorted({w for seq in seqs for w in seq.proposer.wants(False)}))
         target = self.engine.target
@@ -408,7 +424,7 @@ class Scheduler:
                 context = len(seq.ids) + len(seq.output.tokens)  # len(history), without building it
                 seq.stats.record(StepRecord(draft, acceptance, context, 0.0, verified - mark[0],
                                             time.perf_counter() - mark[0]))
-                if self._emit(seq, acceptance.tokens):
+                if self._emit(seq, acceptance.tokens, acceptance.logprobs):
                     leaving.append((seq, None))
         if self.governor is not None:  # the requests leaving (a slot move) are not the kind's cost
             host, _, side = self.clock.since(mark)
@@ -448,7 +464,7 @@ class Scheduler:
         width = len(record.tree)
         self._count_call(1, width, width)
         seq.stats.record(record)
-        if self._emit(seq, record.acceptance.tokens):
+        if self._emit(seq, record.acceptance.tokens, record.acceptance.logprobs):
             self._retire(seq)
 
     def _verify(self, seqs: list[_Sequence], trees: list) -> tuple[dict, PaddedBatch, tuple]:
@@ -517,13 +533,16 @@ class Scheduler:
             self.on_step(sequences, width)
 
     @staticmethod
-    def _emit(seq: _Sequence, tokens: list[int]) -> bool:
-        """Emit a step's tokens; True when the sequence ends. Their arrival is noted on the request."""
+    def _emit(seq: _Sequence, tokens: list[int], scores=None) -> bool:
+        """Emit a step's tokens (and their logprobs, where asked); True when the sequence ends. Their arrival is
+        noted on the request."""
         before = len(seq.output.tokens)
-        ended = seq.output.emit(tokens) is not None
+        ended = seq.output.emit(tokens, scores) is not None
         seq.request.arrivals.append((time.perf_counter(), len(seq.output.tokens) - before))
         if seq.request._on_tokens is not None:
             seq.request._on_tokens(seq.output.tokens[before:])
+        if seq.request._on_logprobs is not None and seq.output.logprobs is not None:
+            seq.request._on_logprobs(seq.output.logprobs[before:])
         return ended
 
     # -- leaving ----------------------------------------------------------------------------------

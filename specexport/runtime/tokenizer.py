@@ -9,6 +9,7 @@ transformers: a sandboxed jinja2 environment with the same options, filters and 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -19,6 +20,23 @@ from tokenizers.decoders import DecodeStream
 from tokenizers.processors import TemplateProcessing
 
 from specexport.errors import UserError, first_line
+
+BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's token for one raw byte
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the others (controls, the
+    space) for the characters from U+0100 on, in order (so a space is "Ġ")."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {chr(b): b for b in printable}, 0
+    for b in range(256):
+        if b not in printable:
+            table[chr(256 + extra)] = b
+            extra += 1
+    return table
+
+
+BYTE_LEVEL = _byte_level_table()
 
 # The special-token names transformers passes to chat templates (its special_tokens_map).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -47,6 +65,7 @@ class Tokenizer:
         eos = [*eos] if isinstance(eos, list) else [eos]
         self.eos_token_ids: set[int] = {int(i) for i in eos + [self.token_to_id(self.eos_token)] if i is not None}
         self._template = _compile(chat_template) if chat_template else None
+        self._byte_level: bool | None = None  # (read from the decoder at the first `byte_level`)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -75,6 +94,27 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, alone (a piece of a character where the vocabulary splits one): a
+        byte-level vocabulary's through GPT-2's alphabet, SentencePiece's byte tokens (<0x0A>) as their byte and "▁"
+        as a space. E.g. SmolLM2's "Ġhello" is b" hello"; special tokens are their text."""
+        piece = self.backend.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if self.byte_level and all(c in BYTE_LEVEL for c in piece):
+            return bytes(BYTE_LEVEL[c] for c in piece)
+        if (byte := BYTE_FALLBACK.fullmatch(piece)) is not None:
+            return bytes([int(byte.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
+
+    @property
+    def byte_level(self) -> bool:
+        """Whether the vocabulary is byte-level (GPT-2's, Llama 3's, SmolLM2's): its decoder says so."""
+        if self._byte_level is None:
+            decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+            self._byte_level = "ByteLevel" in json.dumps(decoder)
+        return self._byte_level
 
     @property
     def has_chat_template(self) -> bool:

@@ -31,12 +31,21 @@ A chain is the tree [-1, 0, 1, ...] in either of the first two modes (`accept_ch
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 import numpy as np
 
-from specexport.runtime.sampling import Context, SamplingParams, biased, conditioned, probabilities, sample
+from specexport.runtime.sampling import (
+    Context,
+    SamplingParams,
+    TokenLogprob,
+    biased,
+    conditioned,
+    logprobs,
+    probabilities,
+    sample,
+)
 from specexport.runtime.tree import AcceptMode, DraftTree, chain, children, path_tokens
 
 MODES = (AcceptMode.WITH_REPLACEMENT, AcceptMode.WITHOUT_REPLACEMENT, AcceptMode.TOPK)  # the exact rules
@@ -47,6 +56,7 @@ TYPICAL_THRESHOLD, TYPICAL_ALPHA = 0.09, 0.3  # Medusa's published typical-accep
 class Acceptance:
     path: list[int]  # accepted rows, root first (always starts with 0)
     tokens: list[int]  # emitted: the accepted draft tokens, then the bonus / correction token
+    logprobs: list[TokenLogprob] | None = None  # each emitted token's, where asked (SamplingParams.logprobs)
 
     @property
     def accept_length(self) -> int:
@@ -149,7 +159,16 @@ def accept(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.
     path of the target's argmax; sampling, the exact rule for how the drafts were chosen (`tree.mode`), so the
     output follows the target's distribution, or Medusa's lossy typical acceptance when the tree asks for it.
     `context` (its history ending with the tree's root): what the rows follow, for the settings that depend on it
-    (sampling.conditioned)."""
+    (sampling.conditioned). The emitted tokens' logprobs, where the params ask, are read from the rows that drew
+    them (the path's: row path[k] gives emitted token k), as plain decoding reads each from its own step's row."""
+    chosen = _accept(tree, logits, params, rng, context)
+    if params.logprobs is None:
+        return chosen
+    return replace(chosen, logprobs=logprobs(np.asarray(logits)[chosen.path], chosen.tokens, params.logprobs))
+
+
+def _accept(tree: DraftTree, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
+            context: Context | None) -> Acceptance:
     tokens, parents = tree.tokens, tree.parents
     if context is not None:
         logits = conditioned(logits, params, context, path_tokens(tokens, parents))

@@ -34,7 +34,7 @@ from specexport.errors import UserError, first_line
 from specexport.runtime.generate import Engine
 from specexport.runtime.request import Request as Submitted
 from specexport.runtime.scheduler import Scheduler
-from specexport.serve import fields, protocol
+from specexport.serve import fields, logprobs, protocol
 from specexport.serve.metrics import CONTENT_TYPE, Metrics
 from specexport.serve.protocol import FINISH, ApiError, Job
 
@@ -264,7 +264,7 @@ async def _generate(request: Request, state: ServerState, parse) -> Response:
         raise ApiError(503, "the server is shutting down")
     raw = await _read_body(request, config.max_body_bytes)
     job, prompts = await asyncio.to_thread(_prepare, state, parse, raw, request.headers.get("content-type"))
-    if scheduler.active + len(prompts) > scheduler.max_batch + config.max_queue:
+    if scheduler.active + len(prompts) * job.n > scheduler.max_batch + config.max_queue:
         raise ApiError(429, f"the server is at capacity ({scheduler.max_batch} running, {config.max_queue} queued); "
                             f"retry later", code="rate_limit_exceeded",
                        headers={"Retry-After": str(config.retry_after_s)})
@@ -274,8 +274,9 @@ async def _generate(request: Request, state: ServerState, parse) -> Response:
     submitted = _submit(state, job, prompts, queue, asyncio.get_running_loop())
     _note(request, prompt_tokens=sum(len(p) for p in prompts), stream=job.stream)
     headers = _ignored(request, state, job.ignored)
+    echoed = protocol.echo_prompts(state.engine, job, prompts)
     if job.stream:
-        return _EventStream(_stream(request, state, job, rid, submitted, queue), submitted, headers)
+        return _EventStream(_stream(request, state, job, rid, submitted, queue, echoed), submitted, headers)
     watcher = asyncio.create_task(_cancel_on_disconnect(request, submitted))
     try:
         ended = 0
@@ -287,8 +288,10 @@ async def _generate(request: Request, state: ServerState, parse) -> Response:
         for r in submitted:
             r.cancel()  # a no-op for ended requests; stops the rest when this handler is cancelled
     results = _results(request, state, submitted)
-    return JSONResponse(protocol.completion(job, rid, int(time.time()), state.config.model_name, results),
-                        headers=headers)
+    texts = logprobs.Texts(state.engine.tokenizer) if job.logprobs is not None else None
+    answer = await asyncio.to_thread(protocol.completion, job, rid, int(time.time()), state.config.model_name, results,
+                                     texts, echoed)
+    return JSONResponse(answer, headers=headers)
 
 
 def _prepare(state: ServerState, parse, raw: bytes, content_type: str | None) -> tuple[Job, list[list[int]]]:
@@ -329,7 +332,9 @@ async def _tokenization(request: Request, state: ServerState, work) -> Response:
 
 
 def _submit(state: ServerState, job: Job, prompts: list[list[int]], queue: asyncio.Queue, loop) -> list[Submitted]:
-    """Submit each prompt; the scheduler's thread posts (index, text) and, at the end, (index, None) to `queue`."""
+    """Submit each prompt's n choices (choice p * n + j: OpenAI's order); the scheduler's thread posts (index, text),
+    for a stream that asks for them (index, logprobs entries), and at the end (index, None) to `queue`. A prompt's
+    choices share its prefill where its beginning is kept (runtime/prefix.py), as any prompts that begin alike do."""
     def post(item):
         try:
             loop.call_soon_threadsafe(queue.put_nowait, item)
@@ -344,12 +349,15 @@ def _submit(state: ServerState, job: Job, prompts: list[list[int]], queue: async
         return on_end
 
     submitted, stop_ids = [], protocol.stop_ids(state.engine, job)
-    for index, ids in enumerate(prompts):
+    streamed = job.stream and job.logprobs is not None
+    for index, ids in ((p * job.n + j, ids) for p, ids in enumerate(prompts) for j in range(job.n)):
         try:
             request = state.scheduler.submit(ids, max_new_tokens=job.max_tokens or state.engine.max_context,
-                                             sampling=job.sampling, stop=job.stop, stop_ids=stop_ids, chat=False,
+                                             sampling=job.choice_sampling(index % job.n), stop=job.stop,
+                                             stop_ids=stop_ids, chat=False,
                                              on_text=lambda piece, index=index: post((index, piece)),
-                                             on_end=ended(index))
+                                             on_end=ended(index),
+                                             on_logprobs=(lambda e, index=index: post((index, e))) if streamed else None)
         except UserError as e:
             for r in submitted:
                 r.cancel()
@@ -407,22 +415,35 @@ def _sse(data: dict | str) -> bytes:
 
 
 async def _stream(request: Request, state: ServerState, job: Job, rid: str, submitted: list[Submitted],
-                  queue: asyncio.Queue):
-    """Server-sent events as the OpenAI client reads them: the role first (chat), text pieces, a last chunk per
-    choice with its finish reason, the usage chunk when asked, then [DONE]. A failure mid-stream (a request that
-    failed or was stopped, a fault here) is an error event (OpenAI's error object), then [DONE]. Starlette cancels
-    this generator when the client disconnects (_EventStream then cancels the requests)."""
+                  queue: asyncio.Queue, echoed: list[protocol.Prompt]):
+    """Server-sent events as the OpenAI client reads them: the role first (chat) or the echoed prompt (an echoing
+    completion), text pieces and, where asked, each step's logprobs, a last chunk per choice with its finish reason,
+    the usage chunk when asked, then [DONE]. A failure mid-stream (a request that failed or was stopped, a fault
+    here) is an error event (OpenAI's error object), then [DONE]. Starlette cancels this generator when the client
+    disconnects (_EventStream then cancels the requests)."""
     created, model, complete = int(time.time()), state.config.model_name, False
+    texts = logprobs.Texts(state.engine.tokenizer)
+    offsets = [len(echoed[i // job.n].text) if echoed else 0 for i in range(len(submitted))]  # completions' text_offset
     try:
         try:
-            if job.chat:
-                for index in range(len(submitted)):
+            for index in range(len(submitted)):
+                if job.chat:
                     yield _sse(protocol.chunk(job, rid, created, model, index, role=True))
+                elif echoed:
+                    yield _sse(protocol.chunk(job, rid, created, model, index, text=echoed[index // job.n].text))
             ended = 0
             while ended < len(submitted):
                 index, piece = await queue.get()
-                if piece is not None:
+                if isinstance(piece, str):
                     yield _sse(protocol.chunk(job, rid, created, model, index, text=piece))
+                    continue
+                if piece is not None:  # a step's logprobs
+                    if job.chat:
+                        scores = {"content": logprobs.chat(texts, piece)["content"]}
+                    else:
+                        scores = logprobs.completion(texts, [(e, e.token) for e in piece], offsets[index])
+                        offsets[index] += sum(len(t) for t in scores["tokens"])
+                    yield _sse(protocol.chunk(job, rid, created, model, index, scores=scores))
                     continue
                 ended += 1
                 result = submitted[index].generation

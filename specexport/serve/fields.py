@@ -3,9 +3,8 @@
 Clients written for OpenAI, vLLM, SGLang or llama-server send fields of their own. Each field is one of:
 
 - supported: acted on (serve/protocol.py reads them: SUPPORTED_CHAT, SUPPORTED_COMPLETION).
-- neutral only: a feature this server does not have (n > 1, logprobs, llama-server's penalties, tools, structured
-  output, vLLM's
-  and llama-server's other samplers, ...), accepted only at the value that asks for nothing, and a 400 naming it at
+- neutral only: a feature this server does not have (best_of > 1, llama-server's penalties, tools, structured
+  output, vLLM's and llama-server's other samplers, ...), accepted only at the value that asks for nothing, and a 400 naming it at
   any other: an unsupported feature silently ignored would answer something else than what was asked.
   llama-server's `min_keep` also at temperature 0: greedy decoding keeps the most likely token.
 - a hint: any value of its type is accepted and nothing is done with it, because it cannot change the text (a tag,
@@ -101,7 +100,6 @@ NO_TOOL_CALLS = ("none", "auto")  # tool_choice values that ask for no call (aut
 
 COMMON = {
     # OpenAI
-    "n": neutral(INT, _is(1), "1"),
     "metadata": hint(ANY), "store": hint(BOOL), "prompt_cache_key": hint(ANY), "safety_identifier": hint(ANY),
     "service_tier": neutral(STRING, lambda v: v in ("auto", "default"), '"auto" or "default"'),
     # vLLM (and SGLang)
@@ -150,8 +148,6 @@ COMMON = {
 CHAT = {
     **COMMON,
     # OpenAI
-    "logprobs": neutral(BOOL, _is(False), "false"),
-    "top_logprobs": neutral(INT, _is(0), "0"),
     "tools": neutral(LIST, _empty, "empty"), "functions": neutral(LIST, _empty, "empty"),
     "tool_choice": neutral(ANY, lambda v: v in NO_TOOL_CALLS, '"none", or "auto" with no tools'),
     "function_call": neutral(ANY, lambda v: v in NO_TOOL_CALLS, '"none", or "auto" with no functions'),
@@ -174,8 +170,6 @@ COMPLETION = {
     **COMMON,
     # OpenAI
     "best_of": neutral(INT, _is(1), "1"),
-    "logprobs": off(INT),
-    "echo": neutral(BOOL, _is(False), "false"),
     "suffix": neutral(STRING, _empty, "empty"),
     # vLLM
     "add_special_tokens": neutral(BOOL, _is(True), "true"),

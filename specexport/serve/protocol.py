@@ -2,10 +2,11 @@
 built as the official client parses them, errors as OpenAI's error object. No web framework here.
 
 A request field is either supported (model, messages/prompt, max_tokens, max_completion_tokens, temperature, top_p,
-seed, stop, stream, stream_options, user, logit_bias, frequency_penalty, presence_penalty; vLLM's `top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `min_tokens`, `chat_template_kwargs` and
-`add_generation_prompt`), or known and checked by serve/fields.py: accepted only at its
-neutral value (n 1, no logprobs, no tools, text responses, ...: clients such as LangChain send them), a hint
+seed, stop, stream, stream_options, user, n, logit_bias, frequency_penalty, presence_penalty, logprobs and
+top_logprobs (chat), logprobs and echo (completions); vLLM's `top_k`, `min_p`, `repetition_penalty`,
+`stop_token_ids`, `ignore_eos`, `min_tokens`, `chat_template_kwargs` and `add_generation_prompt`), or known and
+checked by serve/fields.py: accepted only at its neutral value (no tools, text responses, ...: clients such as
+LangChain send them), a hint
 accepted with any value, or an unknown field, accepted and named (`Job.ignored`: the X-Specexport-Ignored-Fields
 header), or with serve --strict refused. A known field asking for something this server does not do is never
 ignored; an unknown one is ignored only where the response says so.
@@ -15,14 +16,15 @@ ignored; an unknown one is ignored only where the response says so.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 
 from specexport.errors import UserError, first_line
 from specexport.runtime.generate import Engine, Generation
-from specexport.runtime.sampling import SamplingParams
-from specexport.serve import fields
+from specexport.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from specexport.serve import fields, logprobs
 
 MAX_STOPS = 16  # stop strings per request (OpenAI takes 4; each costs a search of the text held back)
 MAX_STOP_CHARS = 256  # characters per stop string (the stream holds back the longest one's length)
@@ -78,17 +80,18 @@ def parse_body(raw: bytes, content_type: str | None) -> dict:
 
 
 SUPPORTED_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
-                    "stream_options", "user", "min_p", "logit_bias", "ignore_eos", "min_tokens", "frequency_penalty",
-                    "presence_penalty", "repetition_penalty"}
+                    "stream_options", "user", "n", "min_p", "logit_bias", "ignore_eos", "min_tokens",
+                    "frequency_penalty", "presence_penalty", "repetition_penalty"}
 SUPPORTED_CHAT = SUPPORTED_COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs",
-                                     "add_generation_prompt"}
-SUPPORTED_COMPLETION = SUPPORTED_COMMON | {"prompt"}
+                                     "add_generation_prompt", "logprobs", "top_logprobs"}
+SUPPORTED_COMPLETION = SUPPORTED_COMMON | {"prompt", "logprobs", "echo"}
 SUPPORTED_TOKENIZE = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                       "chat_template_kwargs", "return_token_strs"}
 STREAM_OPTIONS = {"include_usage", "continuous_usage_stats", "include_obfuscation"}
 RESERVED_TEMPLATE_NAMES = ("messages", "add_generation_prompt")  # what the server itself passes the template
 MAX_STOP_IDS = 64
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias
+MAX_N = 16  # choices per prompt (each is a sequence in the batch)
 
 
 @dataclass
@@ -110,6 +113,20 @@ class Job:
     template: dict = field(default_factory=dict)  # chat_template_kwargs: the chat template's variables
     add_generation_prompt: bool = True
     ignored: tuple[str, ...] = ()
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the prompt comes first in each choice's text (and logprobs)
+
+    @property
+    def logprobs(self) -> int | None:
+        """The alternatives each token's logprob lists (None: no logprobs)."""
+        return self.sampling.logprobs
+
+    def choice_sampling(self, j: int) -> SamplingParams:
+        """The sampling of a prompt's j-th choice: its own random stream where the request is seeded (seed + j), so
+        that n seeded choices differ from each other and each is reproducible."""
+        if j == 0 or self.sampling.seed is None:
+            return self.sampling
+        return dataclasses.replace(self.sampling, seed=(self.sampling.seed + j) % 2**63)
 
 
 def chat_request(body: dict, strict: bool = False) -> Job:
@@ -122,6 +139,13 @@ def chat_request(body: dict, strict: bool = False) -> Job:
     field_name = "max_completion_tokens" if given[1] is not None else "max_tokens"
     job = _job(body, True, [_messages(body["messages"])], field_name, ignored, strict)
     job.template, job.add_generation_prompt = _template_variables(body), _flag(body, "add_generation_prompt", True)
+    top = body.get("top_logprobs")
+    if top is not None and (type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise bad(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {json.dumps(top)}", "top_logprobs")
+    if _flag(body, "logprobs", False):
+        job.sampling = dataclasses.replace(job.sampling, logprobs=top or 0)
+    elif top:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
     return job
 
 
@@ -129,7 +153,16 @@ def completion_request(body: dict, strict: bool = False) -> Job:
     ignored = _check_fields(body, SUPPORTED_COMPLETION, fields.COMPLETION, strict)
     if "prompt" not in body:
         raise bad("prompt is required", "prompt")
-    return _job(body, False, _prompts(body["prompt"]), "max_tokens", ignored, strict)
+    job = _job(body, False, _prompts(body["prompt"]), "max_tokens", ignored, strict)
+    top, job.echo = body.get("logprobs"), _flag(body, "echo", False)
+    if top is not None:
+        if type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise bad(f"logprobs must be an integer in 0..{MAX_TOP_LOGPROBS} (the alternatives listed per token), "
+                      f"got {json.dumps(top)}", "logprobs")
+        job.sampling = dataclasses.replace(job.sampling, logprobs=top, prompt_logprobs=top if job.echo else None)
+        if job.echo and job.stream:
+            raise bad("echo with logprobs is answered whole: send stream false (or drop logprobs)", "echo")
+    return job
 
 
 def _check_fields(body: dict, supported: set, known: dict, strict: bool) -> list[str]:
@@ -191,13 +224,16 @@ def _job(body: dict, chat: bool, prompts: list, max_field: str, ignored: list[st
     max_tokens = body.get(max_field)
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
         raise bad(f"{max_field} must be an integer >= 1, got {json.dumps(max_tokens)}", max_field)
+    n = body.get("n")
+    if n is not None and (type(n) is not int or not 1 <= n <= MAX_N):
+        raise bad(f"n must be an integer in 1..{MAX_N}, got {json.dumps(n)}", "n")
     ignore_eos, stop_token_ids = _flag(body, "ignore_eos", False), _stop_ids(body.get("stop_token_ids"))
     sampling = _sampling(body)
     if max_tokens is not None and sampling.min_tokens > max_tokens:
         raise bad(f"min_tokens must be <= {max_field} ({max_tokens}), got {sampling.min_tokens}", "min_tokens")
     return Job(chat, prompts, max_tokens, sampling, _stops(body.get("stop")), bool(stream),
                bool((options or {}).get("include_usage")), model, stop_token_ids, ignore_eos,
-               ignored=tuple(ignored))
+               ignored=tuple(ignored), n=n or 1)
 
 
 def _stop_ids(ids) -> tuple[int, ...]:
@@ -454,42 +490,71 @@ def outcome(result: Generation | None) -> str:
     return "abort" if result.stop_reason == "cancelled" else FINISH[result.stop_reason]
 
 
-def usage(results: list[Generation]) -> dict:
+def usage(results: list[Generation], n: int = 1) -> dict:
     """OpenAI's usage (prompt_tokens_details.cached_tokens: the prompt tokens copied from the prefix cache, not
     computed: runtime/prefix.py), with the speculation's figures under EXTRAS_KEY: target steps, tokens per step
-    (tau), draft tokens verified and accepted."""
-    prompt = sum(r.stats.prompt_tokens for r in results)
+    (tau), draft tokens verified and accepted. `results` come n choices per prompt, whose prompt counts once."""
+    groups = [results[i:i + n] for i in range(0, len(results), n)]
+    prompt = sum(g[0].stats.prompt_tokens for g in groups)
     completion = sum(r.stats.new_tokens for r in results)
     steps = sum(r.stats.steps for r in results)
-    accept_lengths = [n for r in results for n in r.stats.accept_lengths]
+    accept_lengths = [k for r in results for k in r.stats.accept_lengths]
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(r.stats.cached_tokens for r in results)},
+            "prompt_tokens_details": {"cached_tokens": sum(max(r.stats.cached_tokens for r in g) for g in groups)},
             EXTRAS_KEY: {"steps": steps, "tau": round(sum(accept_lengths) / len(accept_lengths), 3)
                          if accept_lengths else 0.0,
                          "draft_tokens": sum(r.stats.drafted for r in results),
                          "accepted_tokens": sum(r.stats.accepted for r in results)}}
 
 
-def completion(job: Job, rid: str, created: int, model: str, results: list[Generation]) -> dict:
-    if job.chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": None,
-                    "finish_reason": FINISH[r.stop_reason]} for i, r in enumerate(results)]
-    else:
-        choices = [{"index": i, "text": r.text, "logprobs": None, "finish_reason": FINISH[r.stop_reason]}
-                   for i, r in enumerate(results)]
+@dataclass(frozen=True)
+class Prompt:
+    """A completion prompt as its choices echo it: its text (as sent, or its ids' text) and its token ids."""
+
+    text: str
+    ids: list[int]
+
+
+def echo_prompts(engine: Engine, job: Job, prompts: list[list[int]]) -> list[Prompt]:
+    """What each prompt's choices echo (empty unless the job asks for echo)."""
+    if not job.echo:
+        return []
+    return [Prompt(p if isinstance(p, str) else engine.tokenizer.decode(ids, skip_special_tokens=False), ids)
+            for p, ids in zip(job.prompts, prompts)]
+
+
+def completion(job: Job, rid: str, created: int, model: str, results: list[Generation],
+               texts: logprobs.Texts | None = None, echoed: list[Prompt] | None = None) -> dict:
+    """The whole response: one choice per result (n per prompt, in order), each with its logprobs where asked
+    (`texts`: the tokens' text) and, for an echoing completion, its prompt first (`echoed`, one per prompt)."""
+    choices = []
+    for i, r in enumerate(results):
+        if job.chat:
+            choice = {"index": i, "message": {"role": "assistant", "content": r.text},
+                      "logprobs": logprobs.chat(texts, r.logprobs) if r.logprobs is not None else None}
+        else:
+            prompt = echoed[i // job.n] if echoed else None
+            scored = list(zip(r.logprobs, r.tokens)) if r.logprobs is not None else None
+            if prompt is not None and scored is not None:
+                scored = list(zip(r.prompt_logprobs, prompt.ids)) + scored
+            choice = {"index": i, "text": (prompt.text if prompt else "") + r.text,
+                      "logprobs": logprobs.completion(texts, scored) if scored is not None else None}
+        choices.append({**choice, "finish_reason": FINISH[r.stop_reason]})
     return {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": created,
-            "model": model, "choices": choices, "usage": usage(results), "system_fingerprint": None}
+            "model": model, "choices": choices, "usage": usage(results, job.n), "system_fingerprint": None}
 
 
 def chunk(job: Job, rid: str, created: int, model: str, index: int, text: str | None = None, role: bool = False,
-          finish: str | None = None) -> dict:
+          finish: str | None = None, scores: dict | None = None) -> dict:
     """One stream event's object: a piece of text of choice `index` (the first chat chunk carries the role), or its
-    end (`finish`, no text)."""
+    end (`finish`, no text), or the logprobs of the tokens a step emitted (`scores`: the choice's logprobs object for
+    them, serve/logprobs.py), in a chunk of its own: the text is held back where a stop string may begin, the
+    logprobs are not."""
     if job.chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": scores, "finish_reason": finish}
     else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": scores, "finish_reason": finish}
     event = {"id": rid, "object": "chat.completion.chunk" if job.chat else "text_completion", "created": created,
              "model": model, "choices": [choice], "system_fingerprint": None}
     if job.include_usage:
@@ -499,4 +564,4 @@ def chunk(job: Job, rid: str, created: int, model: str, index: int, text: str | 
 
 def usage_chunk(job: Job, rid: str, created: int, model: str, results: list[Generation]) -> dict:
     return {"id": rid, "object": "chat.completion.chunk" if job.chat else "text_completion", "created": created,
-            "model": model, "choices": [], "usage": usage(results), "system_fingerprint": None}
+            "model": model, "choices": [], "usage": usage(results, job.n), "system_fingerprint": None}
