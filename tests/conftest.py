@@ -176,3 +176,58 @@ def lossless():
         return results
 
     return check
+
+
+# Structured output's constraints for the lossless checks: a JSON object a tiny model can finish, a regex, a choice
+CONSTRAINTS = {
+    "json": {"type": "object", "properties": {"a": {"enum": ["x", "yy"]}, "b": {"type": "boolean"}},
+             "required": ["a", "b"], "additionalProperties": False},
+    "regex": r"(ab|cd)[0-9]{2,4}",
+    "choice": ["yes", "no", "maybe not"],
+}
+
+
+def constraint(name: str):
+    from specexport.runtime.grammar import Constraint
+
+    source = CONSTRAINTS[name]
+    return {"json": Constraint.json_schema, "choice": Constraint.choice}.get(name, lambda r: Constraint("regex", r))(
+        source)
+
+
+def follows(name: str, text: str) -> bool:
+    """Whether a finished output is what its constraint allows."""
+    import json
+    import re
+
+    if name == "json":
+        value = json.loads(text)
+        return set(value) == {"a", "b"} and value["a"] in ("x", "yy") and isinstance(value["b"], bool)
+    if name == "regex":
+        return re.fullmatch(CONSTRAINTS["regex"], text) is not None
+    return text in CONSTRAINTS["choice"]
+
+
+@pytest.fixture(scope="session")
+def constrained():
+    """check(engine, prompts, new_tokens): under each of CONSTRAINTS, greedy speculative decoding (whole trees and
+    governed) emits constrained plain decoding's tokens on every prompt, and each output that ends is one its
+    constraint allows; returns how many ended (the constraint complete) and how many drafts were accepted."""
+    from specexport.runtime.sampling import SamplingParams
+
+    def check(engine, prompts, new_tokens):
+        ended = accepted = 0
+        for name in CONSTRAINTS:
+            params = SamplingParams(constraint=constraint(name))
+            for prompt in prompts:
+                plain = engine.generate(prompt, max_new_tokens=new_tokens, sampling=params, plain=True)
+                spec = engine.generate(prompt, max_new_tokens=new_tokens, sampling=params, budget=False)
+                governed = engine.generate(prompt, max_new_tokens=new_tokens, sampling=params)
+                assert spec.tokens == plain.tokens == governed.tokens, (name, prompt)
+                accepted += spec.stats.accepted
+                if plain.stop_reason == "eos":
+                    assert follows(name, plain.text), (name, plain.text)
+                    ended += 1
+        return ended, accepted
+
+    return check

@@ -493,6 +493,30 @@ def test_logprobs_in_the_json(bundle):
     assert [[t for t, _ in x["top"]] for x in got["logprobs"]] == [[t for t, _ in x.top] for x in want.logprobs]
 
 
+def test_structured_output_from_the_cli(bundle, tmp_path):
+    """--json-schema, --regex and --grammar give the engine's constrained tokens; a bad one is one line."""
+    from conftest import CONSTRAINTS, constraint
+
+    schema = tmp_path / "ab.schema.json"
+    schema.write_text(json.dumps(CONSTRAINTS["json"]))
+    grammar = tmp_path / "yes_no.gbnf"
+    grammar.write_text('root ::= "yes" | "no"')
+    engine = Engine.load(bundle, threads=1)
+    for args, kind in ((("--json-schema", schema), "json"), (("--regex", CONSTRAINTS["regex"]), "regex")):
+        got = json.loads(cli("run", bundle, "--prompt", "hi", "--json", "--max-new-tokens", "30", "--threads", "1",
+                             *args).stdout)
+        assert got["tokens"] == engine.generate("hi", max_new_tokens=30,
+                                                sampling=SamplingParams(constraint=constraint(kind))).tokens
+    got = json.loads(cli("run", bundle, "--prompt", "hi", "--json", "--threads", "1", "--grammar", grammar).stdout)
+    assert got["text"] in ("yes", "no") and got["stop_reason"] == "eos"
+    broken = tmp_path / "broken.json"
+    broken.write_text("{oops")
+    fails("run", bundle, "--prompt", "hi", "--json-schema", broken, match="not JSON")
+    fails("run", bundle, "--prompt", "hi", "--regex", "(ab", match="the regex is not usable")
+    fails("run", bundle, "--prompt", "hi", "--regex", "a", "--grammar", grammar, match="give one of")
+    fails("run", bundle, "--prompt", "hi", "--grammar", tmp_path / "missing.gbnf", match="cannot read it")
+
+
 @pytest.mark.parametrize("value", ["-0.5", "nan", "inf", "1e308"])
 def test_bad_temperature(bundle, value):
     fails("run", bundle, "--prompt", "hi", "--temperature", value, match="temperature must be in [0, 1000], got")

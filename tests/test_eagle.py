@@ -308,6 +308,12 @@ def test_greedy_eagle_is_lossless(eagle_engine, settings, lossless):
         eagle_engine.configure()
 
 
+def test_constrained_greedy_eagle_is_lossless(eagle_engine, constrained):
+    """Structured output on EAGLE's scored trees: the forbidden candidates cut, each row masked on its path."""
+    ended, _ = constrained(eagle_engine, ["The sea wind over blue waves.", "x", '{"a": "x", "b": true}'], 40)
+    assert ended >= 3
+
+
 def test_eagle_1_end_to_end(tiny_folder, sharegpt, tmp_path):
     train_eagle(tiny_folder, tmp_path / "e1", sharegpt, method="eagle", steps=40)
     options = ExportOptions(graph=GraphOptions(), max_context=128,

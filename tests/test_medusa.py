@@ -280,6 +280,12 @@ def test_greedy_medusa_is_lossless(medusa_engine, lossless):
         medusa_engine.configure()
 
 
+def test_constrained_greedy_medusa_is_lossless(medusa_engine, constrained):
+    """Structured output on Medusa's scored trees: the forbidden candidates cut, each row masked on its path."""
+    ended, _ = constrained(medusa_engine, ["The sea wind over blue waves.", "x", '{"a": "x", "b": true}'], 40)
+    assert ended >= 3
+
+
 def test_medusa_sampling_follows_plain_sampling(medusa_engine):
     spec, lengths = chisquare.sampled_counts(medusa_engine, "the cat", False, 1500, 0, temperature=0.4)
     plain, _ = chisquare.sampled_counts(medusa_engine, "the cat", True, 1500, 100_000, temperature=0.4)

@@ -96,6 +96,28 @@ def test_a_logit_bias_in_a_batch_keeps_each_requests_tokens(engines, name):
 
 
 @pytest.mark.parametrize("name", ["none", "ngram", "self1-tree"])
+def test_constrained_requests_in_a_batch_keep_their_batch_one_tokens(engines, name):
+    """Requests under a JSON schema, a regex or a choice (greedy, and one seeded sample) batched with free ones, fed
+    5 tokens a call: each emits its batch-1 tokens, its rows masked by its own grammar on their paths."""
+    from conftest import constraint, follows
+
+    engine = engines[name]
+    prompts = ['{"a": "x", "b": true} and', "hello there hello", "abcabcabcabc", "the cat sat", "x"]
+    params = [SamplingParams(constraint=constraint("json")), SamplingParams(),
+              SamplingParams(constraint=constraint("regex")),
+              SamplingParams(temperature=0.9, seed=4, constraint=constraint("choice")), SamplingParams()]
+    want = [engine.generate(p, max_new_tokens=30, sampling=s, budget=False) for p, s in zip(prompts, params)]
+    scheduler = Scheduler(engine, max_batch=4, prefill_chunk=5, background=False)
+    requests = [scheduler.submit(p, max_new_tokens=30, sampling=s) for p, s in zip(prompts, params)]
+    scheduler.run_until_idle()
+    got = [r.result(timeout=0) for r in requests]
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    for g, kind in zip(got, ["json", None, "regex", "choice"]):
+        if kind is not None and g.stop_reason == "eos":
+            assert follows(kind, g.text)
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "self1-tree"])
 def test_logprobs_in_a_batch_are_each_requests_batch_one_logprobs(engines, name):
     """Requests asking for logprobs (greedy and seeded sampling) or their prompt's, batched with requests that ask
     for neither and fed 5 tokens a call: each gets its batch-1 tokens and logprobs. The scored prompt begins as an

@@ -516,6 +516,55 @@ def test_logprobs_echo_and_n_are_the_runtimes(server, bundle, template_file):
     assert many.usage.prompt_tokens == one.usage.prompt_tokens + len(engine.encode("hello there", chat=False))
 
 
+def test_structured_output_fields_are_the_runtimes_constraints(server, bundle):
+    """Each structured-output field (OpenAI's response_format, vLLM's guided_* and structured_outputs, llama-server's
+    json_schema and GBNF grammar, SGLang's regex) gives Engine.generate's tokens under the same constraint, and the
+    answers that end follow it; two fields at once, and a constraint that does not compile, are 400s naming the
+    field."""
+    from conftest import CONSTRAINTS, constraint, follows
+
+    engine = Engine.load(bundle, threads=1)
+    prompt, completions = '{"a": "x", "b": true} and', client(server).completions
+    cases = [
+        ("json", {"response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "ab", "schema": CONSTRAINTS["json"], "strict": True}}}),
+        ("json", {"guided_json": json.dumps(CONSTRAINTS["json"])}),
+        ("json", {"json_schema": CONSTRAINTS["json"]}),
+        ("json", {"structured_outputs": {"json": CONSTRAINTS["json"]}}),
+        ("regex", {"guided_regex": CONSTRAINTS["regex"]}),
+        ("regex", {"regex": CONSTRAINTS["regex"]}),
+        ("choice", {"guided_choice": CONSTRAINTS["choice"]}),
+        ("choice", {"structured_outputs": {"choice": CONSTRAINTS["choice"]}}),
+    ]
+    for kind, extra in cases:
+        want = engine.generate(prompt, max_new_tokens=40, chat=False, sampling=SamplingParams(constraint=constraint(kind)))
+        answer = completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, extra_body=extra)
+        assert answer.choices[0].text == want.text, extra
+        if answer.choices[0].finish_reason == "stop":
+            assert follows(kind, answer.choices[0].text)
+    gbnf = 'root ::= "yes" | "no"'
+    answer = completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body={"grammar": gbnf})
+    assert answer.choices[0].text in ("yes", "no") and answer.choices[0].finish_reason == "stop"
+    anything = completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].text), dict)
+
+    for body, param in [
+        ({"guided_regex": "ab", "guided_choice": ["a"]}, "guided_choice"),
+        ({"guided_regex": "(ab"}, "guided_regex"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"grammar": "root ::= @@"}, "grammar"),
+    ]:
+        status, _, answer = call(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, **body})
+        assert status == 400 and answer["error"]["param"] == param, (body, answer)
+        assert "\n" not in answer["error"]["message"]
+
+
 def test_cached_tokens_count_the_kept_system_prompt(server, bundle, template_file):
     """Two chats with one long system prompt: the first computes it (0 cached), the second copies its rows (the
     system prompt's part of the prompt, cut where its message ends: runtime/prefix.py)."""

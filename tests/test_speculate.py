@@ -272,3 +272,31 @@ def test_fused_acceptance_equals_the_pure_rule(tmp_path):
             p = probabilities(out["logits"], SamplingParams(temperature=1.0, top_p=0.95))
             ref = accept_tree(tokens[0].tolist(), parents, p, None, u, "topk")
             assert (out["accept_rows"].tolist(), int(out["bonus_token"][0])) == (ref.path, ref.tokens[-1])
+
+
+@pytest.mark.parametrize("name", ["ngram", "ngram-logits", "self1-tree", "same-chain", "same-tree"])
+def test_constrained_greedy_is_lossless(engines, name, constrained):
+    """Structured output: every tree row masked by the grammar after its own path, forbidden drafts cut before the
+    verification; speculative tokens equal constrained plain decoding's, and the outputs that end follow their
+    constraint. Prompts that hold the constrained answers let lookup drafts be accepted."""
+    prompts = PROMPTS + ['{"a": "x", "b": true} and {"a": "x", "b": true}', "ab2355 or ab2355, no or no"]
+    ended, accepted = constrained(engines[name], prompts, 40)
+    assert ended >= 9
+    if name.startswith("ngram"):
+        assert accepted > 0
+
+
+@pytest.mark.parametrize("name, params", [("ngram", {"temperature": 0.8}), ("same-chain", {"temperature": 1.0}),
+                                          ("self1-tree", {"temperature": 0.7, "top_p": 0.95})])
+def test_constrained_sampling_follows_constrained_plain_sampling(engines, name, params):
+    """Constrained sampling: the speculative steps' tokens follow constrained plain sampling's distribution (drafts
+    chosen deterministically are cut where forbidden; drafts sampled from the draft model are kept and rejected)."""
+    from conftest import constraint
+
+    engine = engines[name]
+    params = {**params, "constraint": constraint("regex")}
+    spec = chisquare.sampled_counts(engine, "the cat", False, 1500, 0, tokens=4, **params)[0]
+    plain = chisquare.sampled_counts(engine, "the cat", True, 1500, 100_000, tokens=4, **params)[0]
+    stat, dof = chisquare.two_sample(spec, plain)
+    assert dof >= 3
+    assert stat < chisquare.threshold(dof), (stat, dof)

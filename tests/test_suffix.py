@@ -295,6 +295,15 @@ def test_greedy_is_lossless(tiny, name, settings, lossless):
 
 
 @pytest.mark.parametrize("name", ["suffix", "hybrid"])
+def test_constrained_greedy_is_lossless(tiny, name, constrained):
+    """Structured output on suffix lookup's and the hybrid's scored trees: forbidden drafts cut, rows masked on their
+    paths; the prompts hold the constrained answers, which the lookup drafts."""
+    ended, accepted = constrained(tiny[name], PROMPTS + ['{"a": "x", "b": true} and {"a": "x", "b": true}',
+                                                         "ab2355 or ab2355, no or no"], 40)
+    assert ended >= 6 and accepted > 0
+
+
+@pytest.mark.parametrize("name", ["suffix", "hybrid"])
 def test_sampling_follows_plain_sampling(tiny, name):
     engine = tiny[name]
     spec, lengths = chisquare.sampled_counts(engine, "the cat", False, 1500, 0, temperature=0.4)

@@ -17,6 +17,7 @@ from specexport.runtime import cpu, methods
 from specexport.runtime.backends import DEVICES
 from specexport.runtime.bench import encode_prompts, read_prompts, run_bench, summary_lines
 from specexport.runtime.generate import Engine
+from specexport.runtime.grammar import Constraint
 from specexport.runtime.sampling import SamplingParams
 
 # run-time overrides of a bundle's settings: every method's, as one set of options (--top-k is run's sampling)
@@ -62,10 +63,16 @@ def _engine(bundle: Path, threads: int | None, device: str, kwargs: dict) -> Eng
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of streaming text.")
 @click.option("--logprobs", type=int, default=None, metavar="N",
               help="With --json: each new token's log-probability under the model, and the N most likely tokens'.")
+@path_option("--json-schema", "json_schema", default=None, help="Structured output: the answer follows this JSON "
+             "schema (a .json file).")
+@click.option("--regex", default=None, help="Structured output: the answer matches this regular expression.")
+@path_option("--grammar", default=None, help="Structured output: the answer follows this grammar (a Lark or GBNF "
+             "file).")
 @DEVICE
 @OVERRIDES
 def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, min_p, logit_bias, repetition_penalty,
-        frequency_penalty, presence_penalty, seed, stop, stop_id, raw, threads, as_json, logprobs, device, **overrides):
+        frequency_penalty, presence_penalty, seed, stop, stop_id, raw, threads, as_json, logprobs, json_schema, regex,
+        grammar, device, **overrides):
     """Generate from a prompt with a bundle, streaming the text, then print stats.
 
     The method's settings (tree, draft length, ...) default to the bundle's; the options below override them.
@@ -78,6 +85,7 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, m
       specexport run smol-fp32 --prompt-ids 1,504,3300 --max-new-tokens 16
       specexport run smol-fp32 --prompt "Name a fruit" --temperature 1 --min-p 0.1 --logit-bias 28=-100
       specexport run smol-fp32 --prompt "Name a fruit" --json --logprobs 3
+      specexport run smol-fp32 --prompt "Describe a cat in JSON" --json-schema cat.schema.json
     """
     if (prompt is None) == (prompt_ids is None):
         raise UserError("give exactly one of --prompt and --prompt-ids")
@@ -93,7 +101,7 @@ def run(bundle, prompt, prompt_ids, max_new_tokens, temperature, top_k, top_p, m
     params = SamplingParams(temperature=temperature or 0.0, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
                             logit_bias=_logit_bias(logit_bias), repetition_penalty=repetition_penalty,
                             frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                            logprobs=logprobs)
+                            logprobs=logprobs, constraint=_constraint(json_schema, regex, grammar))
     engine = _engine(bundle, threads, device, overrides)
     vocab = engine.bundle.manifest["model"]["vocab"]
     if any(t >= vocab for t, _ in params.logit_bias):
@@ -183,6 +191,28 @@ def info(bundle):
         click.echo(f"this CPU     {cpu.describe()}: " + (
             "its profile was measured on these features" if same else
             "its profile was not measured on these features (the tree budget measures this CPU when it starts)"))
+
+
+def _constraint(json_schema: Path | None, regex: str | None, grammar: Path | None) -> Constraint | None:
+    """--json-schema, --regex or --grammar (one of them) as the structured output's constraint."""
+    given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar", grammar)) if v]
+    if len(given) > 1:
+        raise UserError(f"give one of --json-schema, --regex and --grammar, got {' and '.join(given)}")
+    if regex is not None:
+        return Constraint("regex", regex)
+    path = json_schema or grammar
+    if path is None:
+        return None
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{given[0]} {path}: cannot read it ({type(e).__name__})") from None
+    if grammar is not None:
+        return Constraint("grammar", text)
+    try:
+        return Constraint.json_schema(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise UserError(f"--json-schema {path}: not JSON ({e.msg} at line {e.lineno})") from None
 
 
 def _logit_bias(given: tuple[str, ...]) -> tuple[tuple[int, float], ...]:

@@ -21,6 +21,7 @@ from specexport.runtime.backends import open_graph
 from specexport.runtime.backends.protocol import Backend, Cache, pools
 from specexport.runtime.budget import BatchLatency, grid
 from specexport.runtime.governor import WHOLE, Governor, profiled_latency
+from specexport.runtime.grammar import Grammars
 from specexport.runtime.prefix import PrefixStore
 from specexport.runtime.sampling import Context, Sampler, SamplingParams, TokenLogprob, logprobs
 from specexport.runtime.tokenizer import StreamDecoder, Tokenizer, find_stop
@@ -120,6 +121,8 @@ class Engine:
         notes = bundle.manifest.get("runtime") or {}
         self.first_token_alone = bool(notes.get("prefill_first_token_alone"))
         self.prefixes = PrefixStore.of(self.tokenizer)  # prompts' leading chunks, kept for later prompts
+        self.grammars = Grammars(self.tokenizer.backend.to_str(), int(bundle.manifest["model"]["vocab"]),
+                                 self.tokenizer.eos_token_ids)  # structured output's (runtime/grammar.py)
         self.warnings = []  # what a caller should tell the user (the CLI prints them)
         ort_int8 = bundle.precision == "int8" and bundle.manifest["flavour"] == "ort"
         if notes.get("int8_weight_bits", 8 if ort_int8 else 0) > cpu.int8_weight_bits():  # older bundles: 8 bits
@@ -187,6 +190,12 @@ class Engine:
                 self.target, self.target.new_pool(1, context + rows), [1], widths, context, repeats=3)
             self._governor = Governor(rows, latency)
         return self._governor
+
+    def sampler(self, params: SamplingParams | None = None) -> Sampler:
+        """A generation's sampler: its settings, random stream and, where it has a constraint, its grammar's state
+        (UserError, one line, for a constraint that does not parse)."""
+        params = params or SamplingParams()
+        return Sampler(params, self.grammars.matcher(params.constraint) if params.constraint is not None else None)
 
     def proposer(self, sampler: Sampler, plain: bool = False) -> methods.Proposer:
         """The bundle's proposer with the current settings; `plain`: plain decoding (the baseline)."""
@@ -333,6 +342,7 @@ class Engine:
             if governor is not None and len(draft) > 1:
                 with governor.lock:
                     draft = governor.cut(plan, [draft], [seeded], [not sampler.params.greedy])[0]
+            draft = pruned(draft, sampler)
         else:
             draft = DraftTree.root_only(history[-1])
         proposed = time.perf_counter()
@@ -373,7 +383,7 @@ class Engine:
         prefill's token) are all emitted; generation then stops with stop_reason "cancelled" and keeps what it has."""
         cancelled = getattr(cancel, "is_set", cancel) or (lambda: False)
         ids, allowed = self.request(prompt, max_new_tokens, stop, chat)
-        sampler = Sampler(sampling or SamplingParams())
+        sampler = self.sampler(sampling)
         proposer = self.proposer(sampler, plain)
         cache = self.target.new_cache(len(ids) + allowed + proposer.max_drafts)
         proposer.start(len(ids), cache.capacity)
@@ -383,6 +393,8 @@ class Engine:
 
         def emit(tokens, scores) -> bool:
             before = len(output.tokens)
+            if sampler.grammar is not None:
+                sampler.grammar.advance(tokens)
             ended = output.emit(tokens, scores) is not None
             if on_tokens is not None:
                 on_tokens(output.tokens[before:])
@@ -392,7 +404,7 @@ class Engine:
         start = time.perf_counter()
         conditional = params.conditional
         last = self.prefill(cache, ids, proposer, output.prompt_logprobs, params.prompt_logprobs or 0)
-        pending = [sampler(last, Context(ids, len(ids), output.stop_ids))]
+        pending = [sampler(last, Context(ids, len(ids), output.stop_ids, sampler.grammar))]
         scores = first_logprobs(last, pending[0], params)
         stats.ttft_s = time.perf_counter() - start
         while not emit(pending, scores):
@@ -401,7 +413,7 @@ class Engine:
                 break
             history = ids + output.tokens
             record = self.step(cache, history, proposer, sampler, governor,
-                               Context(history, len(ids), output.stop_ids) if conditional else None)
+                               Context(history, len(ids), output.stop_ids, sampler.grammar) if conditional else None)
             stats.record(record)
             if on_step is not None:
                 on_step(record)
@@ -446,6 +458,14 @@ class Output:
         stats.new_tokens = len(self.tokens)
         return Generation(self.tokens, self.text.close(flush=self.reason != "stop_string"), self.reason, stats,
                           self.logprobs, self.prompt_logprobs)
+
+
+def pruned(draft: DraftTree, sampler: Sampler) -> DraftTree:
+    """The tree without the drafts the sampler's grammar forbids, where cutting them changes nothing but the rows
+    verified: greedy, or drafts chosen deterministically (runtime/grammar.py); else the tree as it is."""
+    if sampler.grammar is None or not (sampler.params.greedy or draft.mode is tree.AcceptMode.TOPK):
+        return draft
+    return sampler.grammar.prune(draft)
 
 
 def first_logprobs(logits: np.ndarray, token: int, params: SamplingParams) -> list[TokenLogprob] | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specexport.errors import UserError
+from specexport.runtime.grammar import Constraint, Matcher
 
 MAX_TEMPERATURE = 1000.0  # far past any useful setting; keeps the graph's float32 sampling parameters finite
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit bias: -100 bans a token, 100 all but forces it
@@ -31,8 +32,8 @@ class SamplingParams:
     subtracted. `min_tokens` keeps the ids that end the output (the end of sequence, stop ids) from being drawn
     before the output has that many tokens. `logprobs` (N, 0 to MAX_TOP_LOGPROBS) asks for each new token's
     log-probability and the N most likely tokens' (`TokenLogprob`), `prompt_logprobs` the same for the prompt's tokens
-    after the first. E.g. SamplingParams(temperature=0.7, min_p=0.05, logit_bias=((13, -100.0),)) never emits token
-    13."""
+    after the first. `constraint` (runtime/grammar.py) keeps every token to a grammar: a JSON schema, a regex, ...
+    E.g. SamplingParams(temperature=0.7, min_p=0.05, logit_bias=((13, -100.0),)) never emits token 13."""
 
     temperature: float = 0.0
     top_k: int = 0  # 0 keeps every token
@@ -46,6 +47,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # None: no logprobs
     prompt_logprobs: int | None = None  # None: no logprobs of the prompt's tokens
+    constraint: Constraint | None = None  # structured output: the grammar every token follows
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature <= MAX_TEMPERATURE:  # also false for NaN
@@ -82,9 +84,13 @@ class SamplingParams:
 
     @property
     def conditional(self) -> bool:
-        """Whether a row's distribution depends on what it follows (the penalties, min_tokens: `conditioned`)."""
-        return (self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
-                or self.min_tokens > 0)
+        """Whether a row's distribution depends on what it follows (the penalties, min_tokens, a grammar:
+        `conditioned`)."""
+        return self.penalized or self.min_tokens > 0 or self.constraint is not None
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
 
     @property
     def host_only(self) -> bool:
@@ -98,11 +104,13 @@ class SamplingParams:
 @dataclass(frozen=True)
 class Context:
     """What the rows being sampled follow: `history`, the prompt's first `prompt_len` ids then the output so far,
-    and `stop_ids`, the ids that end the output (kept from being drawn before min_tokens)."""
+    `stop_ids`, the ids that end the output (kept from being drawn before min_tokens), and `grammar`, the
+    constraint's state after the output so far (runtime/grammar.Matcher)."""
 
     history: Sequence[int] = ()
     prompt_len: int = 0
     stop_ids: Collection[int] = ()
+    grammar: Matcher | None = None
 
 
 @dataclass(frozen=True)
@@ -140,8 +148,9 @@ def conditioned(logits: np.ndarray, params: SamplingParams, context: Context,
     """`logits` [T, V] (or [V]) with the settings that depend on what each row follows (the same array where there
     are none). Row i follows the context's history and then `paths[i]`, the draft tokens on its tree path
     (runtime/tree.path_tokens), so that a tree's rows get what plain decoding would give at their positions: the
-    penalties count its own tokens, and min_tokens counts its own output length. E.g. history [5, 7, 7] with
-    prompt_len 1 and frequency_penalty 0.5: token 7's logit loses 1.0, token 5's nothing (only the prompt has it)."""
+    penalties count its own tokens, min_tokens counts its own output length, and the grammar allows what follows its
+    own path. E.g. history [5, 7, 7] with prompt_len 1 and frequency_penalty 0.5: token 7's logit loses 1.0, token
+    5's nothing (only the prompt has it)."""
     if not params.conditional:
         return logits
     x = np.array(logits, dtype=np.float64)
@@ -156,7 +165,7 @@ def conditioned(logits: np.ndarray, params: SamplingParams, context: Context,
         path = paths[i] if paths is not None else ()
         if len(history) - context.prompt_len + len(path) < params.min_tokens:
             row[stops] = -np.inf
-        if params.repetition_penalty == 1 and params.frequency_penalty == 0 and params.presence_penalty == 0:
+        if not params.penalized:
             continue
         c, s = counts, seen
         if path:
@@ -167,6 +176,8 @@ def conditioned(logits: np.ndarray, params: SamplingParams, context: Context,
         if params.repetition_penalty != 1:
             row[s] = np.where(row[s] > 0, row[s] / params.repetition_penalty, row[s] * params.repetition_penalty)
         row -= params.frequency_penalty * c + params.presence_penalty * (c > 0)
+    if context.grammar is not None:
+        context.grammar.mask(rows, paths)
     return x
 
 
@@ -255,10 +266,10 @@ def sample(probs: np.ndarray, u: float) -> int:
 
 class Sampler:
     """Picks one token from one row of logits, with its own seeded random stream; `context`: what the row follows
-    (`conditioned`)."""
+    (`conditioned`). `grammar`: the generation's constraint state (runtime/grammar.Matcher), where it has one."""
 
-    def __init__(self, params: SamplingParams):
-        self.params = params
+    def __init__(self, params: SamplingParams, grammar: Matcher | None = None):
+        self.params, self.grammar = params, grammar
         self.rng = np.random.default_rng(params.seed)
 
     def __call__(self, logits_row: np.ndarray, context: Context | None = None) -> int:

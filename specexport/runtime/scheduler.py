@@ -52,7 +52,16 @@ from specexport.runtime import drafting, tree
 from specexport.runtime.batch import Entry, PaddedBatch
 from specexport.runtime.budget import BatchLatency, grid
 from specexport.runtime.drafting import DraftingProposer
-from specexport.runtime.generate import PREFILL_CHUNK, Engine, Output, Stats, StepRecord, chunk_logprobs, first_logprobs
+from specexport.runtime.generate import (
+    PREFILL_CHUNK,
+    Engine,
+    Output,
+    Stats,
+    StepRecord,
+    chunk_logprobs,
+    first_logprobs,
+    pruned,
+)
 from specexport.runtime.governor import WHOLE, Governor, HostClock, Plan, profiled_latency
 from specexport.runtime.request import Request
 from specexport.runtime.sampling import Context, Sampler, SamplingParams
@@ -91,7 +100,7 @@ class _Sequence:
         """What its next rows follow, where its sampling depends on it (runtime/sampling.conditioned)."""
         if not self.sampler.params.conditional:
             return None
-        return Context(self.history, len(self.ids), self.output.stop_ids)
+        return Context(self.history, len(self.ids), self.output.stop_ids, self.sampler.grammar)
 
     @property
     def last(self) -> int:
@@ -165,7 +174,7 @@ class Scheduler:
         specexport_cancel, needs no thread of its own watching it)."""
         engine = self.engine
         ids, budget = engine.request(prompt, max_new_tokens, stop, chat)
-        sampler = Sampler(sampling or SamplingParams())
+        sampler = engine.sampler(sampling)
         proposer = engine.proposer(sampler, self.plain) if self.plain else \
             engine.method.proposer(engine, engine.settings, sampler)
         with self._lock:
@@ -395,7 +404,7 @@ class Scheduler:
                 leaving.append((seq, _message(draft)))
                 continue
             room = self.pool.capacity - int(self.pool.lengths[seq.slot])
-            trees.append(draft.truncated(min(room, self.step_rows)))
+            trees.append(pruned(draft.truncated(min(room, self.step_rows)), seq.sampler))
             seqs.append(seq)
         sampled_s = 0.0
         if seqs:
@@ -537,6 +546,8 @@ class Scheduler:
         """Emit a step's tokens (and their logprobs, where asked); True when the sequence ends. Their arrival is
         noted on the request."""
         before = len(seq.output.tokens)
+        if seq.sampler.grammar is not None:
+            seq.sampler.grammar.advance(tokens)
         ended = seq.output.emit(tokens, scores) is not None
         seq.request.arrivals.append((time.perf_counter(), len(seq.output.tokens) - before))
         if seq.request._on_tokens is not None:

@@ -299,6 +299,11 @@ def _prepare(state: ServerState, parse, raw: bytes, content_type: str | None) ->
     job: Job = parse(protocol.parse_body(raw, content_type), state.config.strict)
     _check_model(state, job.model)
     protocol.stop_ids(state.engine, job)  # its ids checked against the vocabulary before the request queues
+    if job.sampling.constraint is not None:  # compiled here, off the event loop: the submit only copies it
+        try:
+            state.engine.grammars.matcher(job.sampling.constraint)
+        except UserError as e:
+            raise protocol.bad(first_line(e), job.constraint_param) from None
     return job, [protocol.prompt_ids(state.engine, job, p) for p in job.prompts]
 
 

@@ -3,8 +3,8 @@
 Clients written for OpenAI, vLLM, SGLang or llama-server send fields of their own. Each field is one of:
 
 - supported: acted on (serve/protocol.py reads them: SUPPORTED_CHAT, SUPPORTED_COMPLETION).
-- neutral only: a feature this server does not have (best_of > 1, llama-server's penalties, tools, structured
-  output, vLLM's and llama-server's other samplers, ...), accepted only at the value that asks for nothing, and a 400 naming it at
+- neutral only: a feature this server does not have (best_of > 1, llama-server's penalties, tools, vLLM's and
+  llama-server's other samplers, ...), accepted only at the value that asks for nothing, and a 400 naming it at
   any other: an unsupported feature silently ignored would answer something else than what was asked.
   llama-server's `min_keep` also at temperature 0: greedy decoding keeps the most likely token.
 - a hint: any value of its type is accepted and nothing is done with it, because it cannot change the text (a tag,
@@ -112,9 +112,8 @@ COMMON = {
     "prompt_logprobs": off(INT),
     "allowed_token_ids": neutral(LIST, _empty, "empty"),
     "bad_words": neutral(LIST, _empty, "empty"),
-    "guided_json": off(), "guided_regex": off(), "guided_choice": off(), "guided_grammar": off(),
-    "guided_decoding_backend": off(), "guided_whitespace_pattern": off(), "structured_outputs": off(),
-    "structural_tag": off(), "regex": off(), "ebnf": off(),
+    "guided_decoding_backend": hint(STRING),  # one backend here: llguidance (runtime/grammar.py)
+    "guided_whitespace_pattern": off(), "structural_tag": off(),
     "logits_processors": off(), "vllm_xargs": off(), "kv_transfer_params": off(), "lora_path": off(),
     "return_tokens_as_token_ids": neutral(BOOL, _is(False), "false"),
     "return_token_ids": neutral(BOOL, _is(False), "false"),
@@ -137,7 +136,6 @@ COMMON = {
     "dry_penalty_last_n": hint(INT), "dry_sequence_breakers": hint(LIST),
     "xtc_probability": neutral(NUMBER, _is(0), "0"), "xtc_threshold": hint(NUMBER),
     "min_keep": neutral(INT, lambda v: v <= 1, "0 or 1", greedy_noop=True),
-    "grammar": neutral(STRING, _empty, "empty"), "json_schema": off(),
     "samplers": off(), "lora": neutral(LIST, _empty, "empty"), "response_fields": off(),
     "t_max_predict_ms": neutral(INT, _is(0), "0"),
     "return_tokens": neutral(BOOL, _is(False), "false"),
@@ -152,7 +150,6 @@ CHAT = {
     "tool_choice": neutral(ANY, lambda v: v in NO_TOOL_CALLS, '"none", or "auto" with no tools'),
     "function_call": neutral(ANY, lambda v: v in NO_TOOL_CALLS, '"none", or "auto" with no functions'),
     "parallel_tool_calls": hint(BOOL),  # no tools are given
-    "response_format": neutral(OBJECT, lambda v: v == {"type": "text"}, '{"type": "text"}'),
     "modalities": neutral(LIST, lambda v: v == ["text"], '["text"]'),
     "reasoning_effort": off(), "prediction": off(), "audio": off(), "web_search_options": off(), "verbosity": off(),
     # vLLM

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from specexport.errors import UserError, first_line
 from specexport.runtime.generate import Engine, Generation
+from specexport.runtime.grammar import Constraint
 from specexport.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from specexport.serve import fields, logprobs
 
@@ -79,9 +80,13 @@ def parse_body(raw: bytes, content_type: str | None) -> dict:
     return body
 
 
+# structured output: OpenAI's response_format; vLLM's guided_* and structured_outputs; llama-server's json_schema and
+# grammar; SGLang's regex and ebnf (one of them per request)
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs", "json_schema", "grammar", "regex", "ebnf")
 SUPPORTED_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "stream",
                     "stream_options", "user", "n", "min_p", "logit_bias", "ignore_eos", "min_tokens",
-                    "frequency_penalty", "presence_penalty", "repetition_penalty"}
+                    "frequency_penalty", "presence_penalty", "repetition_penalty", *CONSTRAINT_FIELDS}
 SUPPORTED_CHAT = SUPPORTED_COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs",
                                      "add_generation_prompt", "logprobs", "top_logprobs"}
 SUPPORTED_COMPLETION = SUPPORTED_COMMON | {"prompt", "logprobs", "echo"}
@@ -115,6 +120,7 @@ class Job:
     ignored: tuple[str, ...] = ()
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: the prompt comes first in each choice's text (and logprobs)
+    constraint_param: str | None = None  # the field that gave the sampling's constraint (structured output)
 
     @property
     def logprobs(self) -> int | None:
@@ -228,12 +234,13 @@ def _job(body: dict, chat: bool, prompts: list, max_field: str, ignored: list[st
     if n is not None and (type(n) is not int or not 1 <= n <= MAX_N):
         raise bad(f"n must be an integer in 1..{MAX_N}, got {json.dumps(n)}", "n")
     ignore_eos, stop_token_ids = _flag(body, "ignore_eos", False), _stop_ids(body.get("stop_token_ids"))
-    sampling = _sampling(body)
+    constraint, constraint_param = _constraint(body)
+    sampling = dataclasses.replace(_sampling(body), constraint=constraint)
     if max_tokens is not None and sampling.min_tokens > max_tokens:
         raise bad(f"min_tokens must be <= {max_field} ({max_tokens}), got {sampling.min_tokens}", "min_tokens")
     return Job(chat, prompts, max_tokens, sampling, _stops(body.get("stop")), bool(stream),
                bool((options or {}).get("include_usage")), model, stop_token_ids, ignore_eos,
-               ignored=tuple(ignored), n=n or 1)
+               ignored=tuple(ignored), n=n or 1, constraint_param=constraint_param)
 
 
 def _stop_ids(ids) -> tuple[int, ...]:
@@ -285,6 +292,78 @@ def _sampling(body: dict) -> SamplingParams:
     return SamplingParams(temperature=temperature, top_p=top_p, top_k=max(top_k or 0, 0), seed=seed, min_p=min_p,
                           logit_bias=_logit_bias(body.get("logit_bias")), repetition_penalty=repetition,
                           min_tokens=min_tokens or 0, **penalties)
+
+
+def _constraint(body: dict) -> tuple[Constraint | None, str | None]:
+    """The grammar the output must follow and the field that gave it, from whichever structured-output field the
+    request uses (at most one; response_format {"type": "text"} and an empty llama-server grammar ask for none).
+    Whether it compiles is checked when the request is prepared (serve/app.py), also a 400."""
+    given = [name for name in CONSTRAINT_FIELDS if body.get(name) not in (None, "")
+             and body.get(name) != {"type": "text"}]
+    if not given:
+        return None, None
+    if len(given) > 1:
+        raise bad(f"send one structured-output field, got {' and '.join(given)}", given[1])
+    name = given[0]
+    return _constraint_in(name, body[name]), name
+
+
+def _constraint_in(name: str, value) -> Constraint | None:
+    if name == "response_format":
+        return _response_format(value)
+    if name == "structured_outputs":
+        if not isinstance(value, dict) or len([k for k, v in value.items() if v not in (None, False)]) != 1:
+            raise bad("structured_outputs must be an object with one of json, regex, choice, grammar, json_object",
+                      name)
+        key, inner = next((k, v) for k, v in value.items() if v not in (None, False))
+        if key == "json_object":
+            return Constraint.json_object()
+        if key not in ("json", "regex", "choice", "grammar"):
+            raise bad(f"structured_outputs.{key} is not supported (json, regex, choice, grammar, json_object)", name)
+        return _constraint_of(key, inner, f"{name}.{key}")
+    kind = {"guided_json": "json", "json_schema": "json", "guided_regex": "regex", "regex": "regex",
+            "guided_choice": "choice", "guided_grammar": "grammar", "grammar": "grammar", "ebnf": "grammar"}[name]
+    return _constraint_of(kind, value, name)
+
+
+def _constraint_of(kind: str, value, param: str) -> Constraint:
+    """json: a schema (an object, or its JSON text); regex and grammar (Lark or GBNF): text; choice: a list of
+    strings."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise bad(f"{param} is not valid JSON: {e.msg}", param) from None
+        if not isinstance(value, (dict, bool)):
+            raise bad(f"{param} must be a JSON schema (an object)", param)
+        return Constraint.json_schema(value)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+            raise bad(f"{param} must be a non-empty list of strings", param)
+        return Constraint.choice(value)
+    if not isinstance(value, str):
+        raise bad(f"{param} must be a string", param)
+    return Constraint(kind, value)
+
+
+def _response_format(value) -> Constraint | None:
+    """OpenAI's response_format: {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "json_schema":
+    {"name", "schema", "strict", "description"}}."""
+    param = "response_format"
+    if not isinstance(value, dict) or "type" not in value:
+        raise bad('response_format must be an object with a "type": text, json_object or json_schema', param)
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Constraint.json_object()
+    if kind != "json_schema":
+        raise bad(f"response_format.type must be text, json_object or json_schema, got {json.dumps(kind)[:40]}", param)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+        raise bad('response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}', param)
+    return Constraint.json_schema(spec["schema"])
 
 
 def _logit_bias(biases) -> tuple[tuple[int, float], ...]:
