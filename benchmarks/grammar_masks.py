@@ -16,6 +16,7 @@ import json
 import time
 
 import numpy as np
+
 from common import cpu_description
 
 SCHEMA = {"type": "object", "properties": {

@@ -18,11 +18,12 @@ import time
 
 import jsonschema
 import numpy as np
-from common import cpu_description, prompt_texts
 
 from specexport.runtime.generate import Engine
 from specexport.runtime.grammar import Constraint
 from specexport.runtime.sampling import SamplingParams
+
+from common import cpu_description, prompt_texts
 
 SCHEMAS = {
     "person": {"type": "object", "properties": {
