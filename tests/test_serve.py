@@ -113,10 +113,10 @@ def test_neutral_values_pass_and_asking_values_are_refused_by_name():
     assert job.sampling == SamplingParams(temperature=1.0, top_k=5, seed=3)
     for name, value in {"n": 17, "logprobs": 1, "top_logprobs": 2, "frequency_penalty": 2.5, "presence_penalty": -3,
                         "tools": [{"type": "function"}], "tool_choice": "required",
-                        "response_format": {"type": "json_object"}, "reasoning_effort": "high"}.items():
+                        "response_format": {"type": "xml"}, "reasoning_effort": "high"}.items():
         with pytest.raises(protocol.ApiError) as e:
             protocol.chat_request({**base, name: value})
-        assert e.value.status == 400 and e.value.param == name, (name, e.value.message)
+        assert e.value.status == 400 and e.value.param in (name, f"{name}[0]"), (name, e.value.message)
     assert protocol.chat_request({**base, "n ": 1}).ignored == ("n ",)  # unknown: ignored, and named
     with pytest.raises(protocol.ApiError) as e:
         protocol.chat_request({**base, "n ": 1}, strict=True)  # serve --strict
@@ -138,13 +138,24 @@ def test_messages_become_the_templates_messages():
         {"role": "assistant", "content": "ok", "tool_calls": [], "refusal": None}]})
     assert job.prompts == [[{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb", "name": "ann"},
                             {"role": "assistant", "content": "ok"}]]
+    called = protocol.chat_request({"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"}]})
+    assert called.prompts == [[{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]},
+        {"role": "tool", "content": "2", "tool_call_id": "c1"}]]
     for messages, param in [([], "messages"), ([{"role": "robot", "content": "x"}], "messages[0].role"),
                             ([{"role": "user", "content": 5}], "messages[0].content"),
                             ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
                              "messages[0].content"),
-                            ([{"role": "tool", "content": "x"}], "messages[0]"),
+                            ([{"role": "tool", "content": "x"}], "messages[0].tool_call_id"),
+                            ([{"role": "function", "content": "x"}], "messages[0]"),
                             ([{"role": "assistant", "content": None, "tool_calls": [{"id": "t"}]}],
-                             "messages[0].tool_calls")]:
+                             "messages[0].tool_calls[0]"),
+                            ([{"role": "assistant", "content": None, "tool_calls": [
+                                {"id": "t", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}],
+                             "messages[0].tool_calls[0]")]:
         with pytest.raises(protocol.ApiError) as e:
             protocol.chat_request({"messages": messages})
         assert e.value.param == param, (messages, e.value.message)

@@ -11,6 +11,7 @@ import http.client
 import json
 import subprocess
 import sys
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -158,9 +159,9 @@ def test_each_field_is_supported_neutral_a_hint_or_unknown():
         temperature=0.7, min_p=0.3, logit_bias=((3, 2.5), (7, -100.0)), repetition_penalty=1.2, frequency_penalty=0.5,
         presence_penalty=-1.0, min_tokens=8)
     refused = {"repeat_penalty": 1.1,
-               "skip_special_tokens": False, "include_stop_str_in_output": True, "guided_json": {"type": "object"},
-               "response_format": {"type": "json_object"}, "n": 20, "echo": True,
-               "continue_final_message": True, "chat_template": "{{ messages }}", "grammar": "root ::= x",
+               "skip_special_tokens": False, "include_stop_str_in_output": True, "guided_json": 7,
+               "response_format": {"type": "xml"}, "n": 20, "echo": True,
+               "continue_final_message": True, "chat_template": "{{ messages }}", "grammar": ["root ::= x"],
                "typical_p": 0.9, "dry_multiplier": 0.8, "mirostat": 2, "reasoning_format": "deepseek",
                "use_beam_search": True, "prompt_logprobs": 1, "n_predict": 64}
     for name, value in refused.items():
@@ -563,6 +564,87 @@ def test_structured_output_fields_are_the_runtimes_constraints(server, bundle):
         status, _, answer = call(server, "/v1/completions", {"prompt": "x", "max_tokens": 4, **body})
         assert status == 400 and answer["error"]["param"] == param, (body, answer)
         assert "\n" not in answer["error"]["message"]
+
+
+HERMES = Path(__file__).parent / "templates" / "hermes_tools.jinja"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+                                                "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time in a zone.", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def tool_server(tmp_path_factory):
+    """A tiny n-gram bundle of 2048 tokens of context (its byte-level tokenizer spends a token per character of the
+    tools' JSON) with a Hermes-style chat template that renders tools (tests/templates)."""
+    from conftest import method_export, save_folder, tiny_model
+
+    from specexport.exporter.export import ExportOptions, export_bundle
+
+    root = tmp_path_factory.mktemp("tools")
+    folder = save_folder(tiny_model("llama", max_position_embeddings=2048), root / "tiny-long")
+    export_bundle(str(folder), root / MODEL, ExportOptions(max_context=2048, validate=False,
+                                                           **method_export("ngram", draft_length=4)), quiet=True)
+    with Served(root / MODEL, "--max-batch", "2", "--threads", "1", "--chat-template", HERMES) as served:
+        yield served
+        assert served.stop() == 0
+
+
+def test_an_agent_loop_of_two_forced_tool_calls(tool_server):
+    """The openai client runs an agent loop: a forced call of get_weather, its result sent back as a tool message
+    with the assistant's call in the history, a forced call of get_time, its result, then an answer without tools
+    (tool_choice none). Each forced call is a valid call of the named function (the grammar), finish_reason
+    tool_calls; streamed, a required call arrives as tool_call deltas the client assembles."""
+    api = client(tool_server)
+    messages = [{"role": "user", "content": "What is the weather in Paris, and the time there?"}]
+    for tool, result in (("get_weather", "18 C and sunny"), ("get_time", "14:05")):
+        answer = api.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK], max_tokens=200,
+                                             tool_choice={"type": "function", "function": {"name": tool}},
+                                             temperature=0)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0]
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name == tool and call.type == "function" and call.id.startswith("call_")
+        assert set(arguments) == ({"city"} if tool == "get_weather" else {"zone"})
+        messages += [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": result}]
+    final = api.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, CLOCK], tool_choice="none",
+                                        max_tokens=8, temperature=0)
+    assert final.choices[0].message.tool_calls is None and final.choices[0].finish_reason in ("stop", "length")
+
+    calls = {}
+    for event in api.chat.completions.create(model=MODEL, messages=messages[:1], tools=[WEATHER, CLOCK],
+                                             tool_choice="required", parallel_tool_calls=False, max_tokens=200,
+                                             temperature=0, stream=True):
+        for choice in event.choices:
+            for delta in choice.delta.tool_calls or []:
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                entry["name"] += delta.function.name or ""
+                entry["arguments"] += delta.function.arguments or ""
+            finish = choice.finish_reason or None
+    assert len(calls) == 1 and calls[0]["name"] in ("get_weather", "get_time") and finish == "tool_calls"
+    assert isinstance(json.loads(calls[0]["arguments"]), dict)
+
+
+def test_tool_requests_that_cannot_be_served_are_400s(tool_server, strict):
+    """Tools with a template that does not render them, a tool message without its call's id, a named function not
+    among the tools, and a forced call with a response_format too: each a 400 naming its field."""
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    status, _, answer = call(strict, "/v1/chat/completions", {**chat, "tools": [WEATHER]})
+    assert status == 400 and answer["error"]["param"] == "tools" and "--chat-template" in answer["error"]["message"]
+    for body, param in [
+        ({"messages": [{"role": "tool", "content": "18 C"}]}, "messages[0].tool_call_id"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0]"),
+        ({"tool_choice": "required"}, "tool_choice"),
+    ]:
+        status, _, answer = call(tool_server, "/v1/chat/completions", {**chat, **body})
+        assert status == 400 and answer["error"]["param"] == param, (body, answer)
 
 
 def test_cached_tokens_count_the_kept_system_prompt(server, bundle, template_file):

@@ -16,6 +16,7 @@ from specexport.runtime import prefix
 from specexport.runtime.backends import DEVICES
 from specexport.serve.server import chat_template_file
 from specexport.serve.server import serve as run_server
+from specexport.serve.tools import PARSERS
 
 ORIGIN = re.compile(r"[a-z][a-z0-9+.\-]*://[^/\s,]+")  # a browser's Origin: scheme://host[:port], no path
 
@@ -62,6 +63,9 @@ ORIGIN = re.compile(r"[a-z][a-z0-9+.\-]*://[^/\s,]+")  # a browser's Origin: sch
 @click.option("--chat-template", type=click.Path(path_type=Path, dir_okay=False), default=None, metavar="FILE",
               help="A Jinja chat template used instead of the bundle's (requests' chat_template_kwargs are its "
                    "variables).")
+@click.option("--tool-call-parser", type=click.Choice(sorted(PARSERS)), default=None,
+              help="How the model writes tool calls (default: what its chat template's markers say: <tool_call> is "
+                   "hermes, [TOOL_CALLS] mistral, <|python_tag|> llama3_json).")
 @click.option("--device", type=click.Choice([d for d in DEVICES if d != "auto"]), default="cpu", show_default=True,
               help="cuda: the engine and its KV pool on the GPU (ONNX Runtime's I/O binding; onnxruntime-gpu). "
                    "cpu-iobinding: that device path run on the CPU.")
@@ -81,7 +85,8 @@ ORIGIN = re.compile(r"[a-z][a-z0-9+.\-]*://[^/\s,]+")  # a browser's Origin: sch
               help="--ray: seconds for every replica to start before the deployment is given up.")
 def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, drain_timeout, threads,
           prefill_chunk, prefill_tokens, max_context, prefix_cache, max_body_bytes, strict, allowed_origins,
-          chat_template, device, on_ray, replicas, autoscale, address, num_cpus, detach, start_timeout):
+          chat_template, tool_call_parser, device, on_ray, replicas, autoscale, address, num_cpus, detach,
+          start_timeout):
     """Serve a bundle behind an OpenAI-compatible API (chat and text completions, streaming, /v1/models), with
     /health, /ready and Prometheus /metrics, and vLLM's /tokenize, /detokenize and /version. Requests are batched on
     one engine (continuous batching); SIGTERM or Ctrl-C drains them and exits 0.
@@ -108,7 +113,7 @@ def serve(bundle, host, port, max_batch, max_queue, api_key, served_model_name, 
                    threads=threads, prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens, max_context=max_context,
                    prefix_cache=prefix_cache,
                    max_body_bytes=max_body_bytes, device=device, strict=strict, allowed_origins=origins,
-                   chat_template=template)
+                   chat_template=template, tool_call_parser=tool_call_parser)
     ray_only = {"--replicas": replicas, "--autoscale": autoscale, "--address": address, "--num-cpus": num_cpus,
                 "--detach": detach or None}
     if not on_ray:

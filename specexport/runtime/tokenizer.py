@@ -65,6 +65,7 @@ class Tokenizer:
         eos = [*eos] if isinstance(eos, list) else [eos]
         self.eos_token_ids: set[int] = {int(i) for i in eos + [self.token_to_id(self.eos_token)] if i is not None}
         self._template = _compile(chat_template) if chat_template else None
+        self.template_source = chat_template or None  # the chat template's text (None: no template)
         self._byte_level: bool | None = None  # (read from the decoder at the first `byte_level`)
 
     @classmethod
@@ -123,6 +124,7 @@ class Tokenizer:
     def set_chat_template(self, source: str) -> None:
         """Render chats with `source` (a Jinja template) instead of the folder's; UserError when it does not parse."""
         self._template = _compile(source)
+        self.template_source = source
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
         """Render `messages` ([{"role", "content"}, ...]) with the chat template, as transformers does.

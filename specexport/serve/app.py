@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import logging
@@ -34,7 +35,7 @@ from specexport.errors import UserError, first_line
 from specexport.runtime.generate import Engine
 from specexport.runtime.request import Request as Submitted
 from specexport.runtime.scheduler import Scheduler
-from specexport.serve import fields, logprobs, protocol
+from specexport.serve import fields, logprobs, protocol, tools
 from specexport.serve.metrics import CONTENT_TYPE, Metrics
 from specexport.serve.protocol import FINISH, ApiError, Job
 
@@ -54,6 +55,7 @@ class ServeConfig:
     served_by: str = field(default_factory=lambda: f"{socket.gethostname()}/{os.getpid()}")  # X-Served-By
     strict: bool = False  # request fields this server does not know get a 400 (else: ignored, and named)
     allowed_origins: tuple[str, ...] = ()  # CORS: browser origins let in ('*': any); none: no CORS headers at all
+    tool_call_parser: str | None = None  # serve/tools.py's parser (None: the one the chat template's markers name)
 
 
 @dataclass
@@ -68,6 +70,11 @@ class ServerState:
     stopped: bool = False  # the drain timed out: what still ran was cancelled
     inflight: set = field(default_factory=set)  # submitted requests not yet ended
     warned: set = field(default_factory=set)  # unknown request fields the log has warned about
+
+    @property
+    def tool_parser(self) -> tools.Parser | None:
+        """How this model writes tool calls (serve/tools.py): --tool-call-parser's, else its chat template's."""
+        return tools.parser_for(self.engine.tokenizer.template_source, self.config.tool_call_parser)
 
     def stop_all(self) -> None:
         """Cancel every request still running or queued (the end of a drain that timed out)."""
@@ -290,7 +297,7 @@ async def _generate(request: Request, state: ServerState, parse) -> Response:
     results = _results(request, state, submitted)
     texts = logprobs.Texts(state.engine.tokenizer) if job.logprobs is not None else None
     answer = await asyncio.to_thread(protocol.completion, job, rid, int(time.time()), state.config.model_name, results,
-                                     texts, echoed)
+                                     texts, echoed, state.tool_parser)
     return JSONResponse(answer, headers=headers)
 
 
@@ -299,12 +306,37 @@ def _prepare(state: ServerState, parse, raw: bytes, content_type: str | None) ->
     job: Job = parse(protocol.parse_body(raw, content_type), state.config.strict)
     _check_model(state, job.model)
     protocol.stop_ids(state.engine, job)  # its ids checked against the vocabulary before the request queues
+    if job.tools:
+        _tool_calls(state, job)
     if job.sampling.constraint is not None:  # compiled here, off the event loop: the submit only copies it
         try:
             state.engine.grammars.matcher(job.sampling.constraint)
         except UserError as e:
             raise protocol.bad(first_line(e), job.constraint_param) from None
     return job, [protocol.prompt_ids(state.engine, job, p) for p in job.prompts]
+
+
+def _tool_calls(state: ServerState, job: Job) -> None:
+    """A chat with tools: its template must render them, and where it calls tools, this server must read its calls;
+    tool_choice "required" or a named function makes the call the only thing the model can write (a grammar)."""
+    if not tools.renders_tools(state.engine.tokenizer.template_source):
+        raise protocol.bad("this model's chat template does not render tools; start the server with --chat-template "
+                           "FILE whose template does (one that reads `tools`)", "tools")
+    parser = state.tool_parser
+    if not job.calls_tools:
+        return
+    if parser is None:
+        raise protocol.bad("this model's chat template writes tool calls in no format this server reads; start the "
+                           f"server with --tool-call-parser ({', '.join(tools.PARSERS)})", "tools")
+    if job.tool_choice == "auto":
+        return
+    if job.sampling.constraint is not None:
+        raise protocol.bad(f"tool_choice {job.tool_choice} and {job.constraint_param} both constrain the answer; send "
+                           "one", "tool_choice")
+    named = None if job.tool_choice == "required" else job.tool_choice  # (a named function: one call of it)
+    job.sampling = dataclasses.replace(job.sampling, constraint=parser.constraint(
+        job.tools, named, job.parallel_tool_calls and named is None))
+    job.constraint_param = "tool_choice"
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -423,11 +455,13 @@ async def _stream(request: Request, state: ServerState, job: Job, rid: str, subm
                   queue: asyncio.Queue, echoed: list[protocol.Prompt]):
     """Server-sent events as the OpenAI client reads them: the role first (chat) or the echoed prompt (an echoing
     completion), text pieces and, where asked, each step's logprobs, a last chunk per choice with its finish reason,
-    the usage chunk when asked, then [DONE]. A failure mid-stream (a request that failed or was stopped, a fault
+    the usage chunk when asked, then [DONE]. A chat that calls tools sends its content and its calls whole at its end
+    (the text must be read whole to tell a call from content). A failure mid-stream (a request that failed or was stopped, a fault
     here) is an error event (OpenAI's error object), then [DONE]. Starlette cancels this generator when the client
     disconnects (_EventStream then cancels the requests)."""
     created, model, complete = int(time.time()), state.config.model_name, False
     texts = logprobs.Texts(state.engine.tokenizer)
+    held = [[] for _ in submitted] if job.calls_tools else None  # a tool-calling chat's text, read at its end
     offsets = [len(echoed[i // job.n].text) if echoed else 0 for i in range(len(submitted))]  # completions' text_offset
     try:
         try:
@@ -439,6 +473,9 @@ async def _stream(request: Request, state: ServerState, job: Job, rid: str, subm
             ended = 0
             while ended < len(submitted):
                 index, piece = await queue.get()
+                if isinstance(piece, str) and held is not None:
+                    held[index].append(piece)
+                    continue
                 if isinstance(piece, str):
                     yield _sse(protocol.chunk(job, rid, created, model, index, text=piece))
                     continue
@@ -452,8 +489,16 @@ async def _stream(request: Request, state: ServerState, job: Job, rid: str, subm
                     continue
                 ended += 1
                 result = submitted[index].generation
-                if result is not None and result.stop_reason != "cancelled":
-                    yield _sse(protocol.chunk(job, rid, created, model, index, finish=FINISH[result.stop_reason]))
+                if result is None or result.stop_reason == "cancelled":
+                    continue
+                finish = FINISH[result.stop_reason]
+                if held is not None:  # the content, then the calls, as whole deltas
+                    content, calls, finish = protocol.answer(job, result, state.tool_parser)
+                    if content:
+                        yield _sse(protocol.chunk(job, rid, created, model, index, text=content))
+                    if calls:
+                        yield _sse(protocol.chunk(job, rid, created, model, index, calls=calls))
+                yield _sse(protocol.chunk(job, rid, created, model, index, finish=finish))
             results = _results(request, state, submitted)
             if job.include_usage:
                 yield _sse(protocol.usage_chunk(job, rid, created, model, results))

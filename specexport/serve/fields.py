@@ -3,8 +3,8 @@
 Clients written for OpenAI, vLLM, SGLang or llama-server send fields of their own. Each field is one of:
 
 - supported: acted on (serve/protocol.py reads them: SUPPORTED_CHAT, SUPPORTED_COMPLETION).
-- neutral only: a feature this server does not have (best_of > 1, llama-server's penalties, tools, vLLM's and
-  llama-server's other samplers, ...), accepted only at the value that asks for nothing, and a 400 naming it at
+- neutral only: a feature this server does not have (best_of > 1, llama-server's penalties, the deprecated
+  functions, vLLM's and llama-server's other samplers, ...), accepted only at the value that asks for nothing, and a 400 naming it at
   any other: an unsupported feature silently ignored would answer something else than what was asked.
   llama-server's `min_keep` also at temperature 0: greedy decoding keeps the most likely token.
 - a hint: any value of its type is accepted and nothing is done with it, because it cannot change the text (a tag,
@@ -146,10 +146,8 @@ COMMON = {
 CHAT = {
     **COMMON,
     # OpenAI
-    "tools": neutral(LIST, _empty, "empty"), "functions": neutral(LIST, _empty, "empty"),
-    "tool_choice": neutral(ANY, lambda v: v in NO_TOOL_CALLS, '"none", or "auto" with no tools'),
-    "function_call": neutral(ANY, lambda v: v in NO_TOOL_CALLS, '"none", or "auto" with no functions'),
-    "parallel_tool_calls": hint(BOOL),  # no tools are given
+    "functions": neutral(LIST, _empty, "empty: send tools"),
+    "function_call": neutral(ANY, lambda v: v in NO_TOOL_CALLS, '"none", or "auto" with no functions: send tool_choice'),
     "modalities": neutral(LIST, lambda v: v == ["text"], '["text"]'),
     "reasoning_effort": off(), "prediction": off(), "audio": off(), "web_search_options": off(), "verbosity": off(),
     # vLLM
@@ -174,7 +172,7 @@ COMPLETION = {
 
 TOKENIZE = {
     "continue_final_message": CHAT["continue_final_message"], "chat_template": CHAT["chat_template"],
-    "tools": CHAT["tools"], "mm_processor_kwargs": CHAT["mm_processor_kwargs"],
+    "tools": neutral(LIST, _empty, "empty"), "mm_processor_kwargs": CHAT["mm_processor_kwargs"],
 }
 
 CHAT_TEMPLATE_REFUSED = "a chat template in the request is not taken; start the server with --chat-template FILE"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 from specexport.errors import UserError, first_line
@@ -26,10 +27,12 @@ from specexport.runtime.generate import Engine, Generation
 from specexport.runtime.grammar import Constraint
 from specexport.runtime.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from specexport.serve import fields, logprobs
+from specexport.serve.tools import Parser, ToolCall
 
 MAX_STOPS = 16  # stop strings per request (OpenAI takes 4; each costs a search of the text held back)
 MAX_STOP_CHARS = 256  # characters per stop string (the stream holds back the longest one's length)
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for a function's name
 # finish reasons by the runtime's stop reasons
 FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "context": "length"}
 EXTRAS_KEY = "specexport"  # the one key under which responses carry what OpenAI's objects have no field for
@@ -88,7 +91,8 @@ SUPPORTED_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "see
                     "stream_options", "user", "n", "min_p", "logit_bias", "ignore_eos", "min_tokens",
                     "frequency_penalty", "presence_penalty", "repetition_penalty", *CONSTRAINT_FIELDS}
 SUPPORTED_CHAT = SUPPORTED_COMMON | {"messages", "max_completion_tokens", "chat_template_kwargs",
-                                     "add_generation_prompt", "logprobs", "top_logprobs"}
+                                     "add_generation_prompt", "logprobs", "top_logprobs", "tools", "tool_choice",
+                                     "parallel_tool_calls"}
 SUPPORTED_COMPLETION = SUPPORTED_COMMON | {"prompt", "logprobs", "echo"}
 SUPPORTED_TOKENIZE = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
                       "chat_template_kwargs", "return_token_strs"}
@@ -121,6 +125,14 @@ class Job:
     n: int = 1  # choices per prompt
     echo: bool = False  # completions: the prompt comes first in each choice's text (and logprobs)
     constraint_param: str | None = None  # the field that gave the sampling's constraint (structured output)
+    tools: list = field(default_factory=list)  # OpenAI's {"type": "function", "function": {...}}, for the template
+    tool_choice: str = "none"  # "none", "auto", "required", or the name of the function to call
+    parallel_tool_calls: bool = True
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer is read for tool calls (tools given, and tool_choice not "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     @property
     def logprobs(self) -> int | None:
@@ -145,6 +157,8 @@ def chat_request(body: dict, strict: bool = False) -> Job:
     field_name = "max_completion_tokens" if given[1] is not None else "max_tokens"
     job = _job(body, True, [_messages(body["messages"])], field_name, ignored, strict)
     job.template, job.add_generation_prompt = _template_variables(body), _flag(body, "add_generation_prompt", True)
+    job.tools, job.tool_choice = _tools(body.get("tools"), body.get("tool_choice"))
+    job.parallel_tool_calls = _flag(body, "parallel_tool_calls", True)
     top = body.get("top_logprobs")
     if top is not None and (type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS):
         raise bad(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {json.dumps(top)}", "top_logprobs")
@@ -178,6 +192,48 @@ def _check_fields(body: dict, supported: set, known: dict, strict: bool) -> list
         return fields.check(body, supported, known, strict)
     except fields.FieldError as e:
         raise bad(str(e), e.param) from None
+
+
+def _tools(tools, choice) -> tuple[list, str]:
+    """OpenAI's tools ([{"type": "function", "function": {"name", "description", "parameters", "strict"}}]) checked,
+    and tool_choice: "none", "auto" (the default with tools), "required", or {"type": "function", "function": {"name":
+    ...}} (returned as the name)."""
+    tools = tools or []
+    if not isinstance(tools, list):
+        raise bad("tools must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    names = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise bad(f'{where} must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}', where)
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise bad(f"{where}.function.name must be 1 to 64 letters, digits, _, . or -", where)
+        if name in names:
+            raise bad(f"{where}: two tools are named {name}", where)
+        names.append(name)
+        if function.get("parameters") is not None and not isinstance(function["parameters"], dict):
+            raise bad(f"{where}.function.parameters must be a JSON schema (an object)", where)
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise bad(f"{where}.function.description must be a string", where)
+    if choice is None:
+        return tools, "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise bad(f'tool_choice must be "none", "auto", "required" or a function, got {json.dumps(choice)[:40]}',
+                      "tool_choice")
+        if choice == "required" and not tools:
+            raise bad('tool_choice "required" needs tools', "tool_choice")
+        return tools, choice
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if not isinstance(named, str):
+        raise bad('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+                  "tool_choice")
+    if named not in names:
+        raise bad(f"tool_choice names {named}, which is not among the tools", "tool_choice")
+    return tools, named
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -400,7 +456,8 @@ def _stops(stop) -> tuple[str, ...]:
 
 
 def _messages(messages) -> list[dict]:
-    """The chat template's messages ({"role", "content"[, "name"]}) from OpenAI's."""
+    """The chat template's messages from OpenAI's: {"role", "content"[, "name"]}, a tool's result with its
+    "tool_call_id", an assistant's "tool_calls" with their arguments as objects (as templates read them)."""
     if not isinstance(messages, list) or not messages:
         raise bad("messages must be a non-empty list", "messages")
     out = []
@@ -409,20 +466,54 @@ def _messages(messages) -> list[dict]:
         if not isinstance(message, dict):
             raise bad(f"{where} must be an object", where)
         role = message.get("role")
-        if role in ("tool", "function"):
-            raise bad(f"{where}: {role} messages are not supported (this server does not call tools)", where)
+        if role == "function":
+            raise bad(f"{where}: function messages are not supported (send tool messages, with tool_call_id)", where)
         if role not in ROLES:
             raise bad(f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(role)}", f"{where}.role")
+        allowed = {"role", "content", "name"} | ({"tool_calls"} if role == "assistant" else set()) | \
+            ({"tool_call_id"} if role == "tool" else set())
         for key, value in message.items():
-            if key not in ("role", "content", "name") and value not in (None, [], {}):
+            if key not in allowed and value not in (None, [], {}):
                 raise bad(f"{where}.{key} is not supported by this server", f"{where}.{key}")
         name = message.get("name")
         if name is not None and not isinstance(name, str):
             raise bad(f"{where}.name must be a string", f"{where}.name")
-        entry = {"role": ROLES[role], "content": _content(message.get("content"), f"{where}.content")}
+        calls = _history_calls(message.get("tool_calls"), where) if role == "assistant" else []
+        content = message.get("content")
+        entry = {"role": ROLES[role], "content": "" if calls and content in (None, "") else
+                 _content(content, f"{where}.content")}
+        if calls:
+            entry["tool_calls"] = calls
+        if role == "tool":
+            if not isinstance(message.get("tool_call_id"), str):
+                raise bad(f"{where}.tool_call_id must be the id of the call this answers", f"{where}.tool_call_id")
+            entry["tool_call_id"] = message["tool_call_id"]
         if name is not None:
             entry["name"] = name
         out.append(entry)
+    return out
+
+
+def _history_calls(calls, where: str) -> list[dict]:
+    """An assistant message's tool_calls for the template: {"id", "type", "function": {"name", "arguments"}}, the
+    arguments parsed from their JSON text."""
+    if calls in (None, []):
+        return []
+    if not isinstance(calls, list):
+        raise bad(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+    out = []
+    for k, call in enumerate(calls):
+        here = f"{where}.tool_calls[{k}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad(f'{here} must be {{"id", "type": "function", "function": {{"name", "arguments"}}}}', here)
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            raise bad(f"{here}.function.arguments must be JSON text", here) from None
+        out.append({"id": call.get("id"), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
     return out
 
 
@@ -471,7 +562,8 @@ def prompt_ids(engine: Engine, job: Job, prompt) -> list[int]:
     """The prompt's token ids, checked against the context: 400 when it, plus max_tokens, does not fit."""
     param = "messages" if job.chat else "prompt"
     if job.chat:
-        text = render_chat(engine, prompt, job.add_generation_prompt, job.template)
+        variables = {**job.template, **({"tools": job.tools} if job.tools else {})}
+        text = render_chat(engine, prompt, job.add_generation_prompt, variables)
         prompt = engine.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS
     try:
         ids = engine.encode(prompt, chat=False)
@@ -602,35 +694,53 @@ def echo_prompts(engine: Engine, job: Job, prompts: list[list[int]]) -> list[Pro
             for p, ids in zip(job.prompts, prompts)]
 
 
+def answer(job: Job, result: Generation, parser: Parser | None) -> tuple[str | None, list[ToolCall], str]:
+    """A chat choice's content, its tool calls (read by `parser` where the job calls tools) and its finish reason
+    ("tool_calls" where it made some)."""
+    finish = FINISH[result.stop_reason]
+    if not job.calls_tools or parser is None:
+        return result.text, [], finish
+    content, calls = parser.parse(result.text)
+    return content, calls, "tool_calls" if calls and finish == "stop" else finish
+
+
 def completion(job: Job, rid: str, created: int, model: str, results: list[Generation],
-               texts: logprobs.Texts | None = None, echoed: list[Prompt] | None = None) -> dict:
+               texts: logprobs.Texts | None = None, echoed: list[Prompt] | None = None,
+               parser: Parser | None = None) -> dict:
     """The whole response: one choice per result (n per prompt, in order), each with its logprobs where asked
-    (`texts`: the tokens' text) and, for an echoing completion, its prompt first (`echoed`, one per prompt)."""
+    (`texts`: the tokens' text), for an echoing completion its prompt first (`echoed`, one per prompt), and for a
+    chat that calls tools its calls as `parser` reads them."""
     choices = []
     for i, r in enumerate(results):
         if job.chat:
-            choice = {"index": i, "message": {"role": "assistant", "content": r.text},
-                      "logprobs": logprobs.chat(texts, r.logprobs) if r.logprobs is not None else None}
-        else:
-            prompt = echoed[i // job.n] if echoed else None
-            scored = list(zip(r.logprobs, r.tokens)) if r.logprobs is not None else None
-            if prompt is not None and scored is not None:
-                scored = list(zip(r.prompt_logprobs, prompt.ids)) + scored
-            choice = {"index": i, "text": (prompt.text if prompt else "") + r.text,
-                      "logprobs": logprobs.completion(texts, scored) if scored is not None else None}
-        choices.append({**choice, "finish_reason": FINISH[r.stop_reason]})
+            content, calls, finish = answer(job, r, parser)
+            message = {"role": "assistant", "content": content}
+            if calls:
+                message["tool_calls"] = [c.as_openai() for c in calls]
+            choices.append({"index": i, "message": message, "finish_reason": finish,
+                            "logprobs": logprobs.chat(texts, r.logprobs) if r.logprobs is not None else None})
+            continue
+        prompt = echoed[i // job.n] if echoed else None
+        scored = list(zip(r.logprobs, r.tokens)) if r.logprobs is not None else None
+        if prompt is not None and scored is not None:
+            scored = list(zip(r.prompt_logprobs, prompt.ids)) + scored
+        choices.append({"index": i, "text": (prompt.text if prompt else "") + r.text,
+                        "logprobs": logprobs.completion(texts, scored) if scored is not None else None,
+                        "finish_reason": FINISH[r.stop_reason]})
     return {"id": rid, "object": "chat.completion" if job.chat else "text_completion", "created": created,
             "model": model, "choices": choices, "usage": usage(results, job.n), "system_fingerprint": None}
 
 
 def chunk(job: Job, rid: str, created: int, model: str, index: int, text: str | None = None, role: bool = False,
-          finish: str | None = None, scores: dict | None = None) -> dict:
+          finish: str | None = None, scores: dict | None = None, calls: list[ToolCall] = ()) -> dict:
     """One stream event's object: a piece of text of choice `index` (the first chat chunk carries the role), or its
     end (`finish`, no text), or the logprobs of the tokens a step emitted (`scores`: the choice's logprobs object for
     them, serve/logprobs.py), in a chunk of its own: the text is held back where a stop string may begin, the
     logprobs are not."""
     if job.chat:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        if calls:
+            delta["tool_calls"] = [c.as_openai(k) for k, c in enumerate(calls)]
         choice = {"index": index, "delta": delta, "logprobs": scores, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text or "", "logprobs": scores, "finish_reason": finish}

@@ -63,7 +63,8 @@ def build_app(bundle, replicas: int = 1, autoscale: tuple[int, int] | None = Non
               max_batch: int = 8, max_queue: int = 64, api_key: str | None = None, model_name: str | None = None,
               threads: int | None = None, max_context: int | None = None, prefill_chunk: int | None = None,
               prefill_tokens: int | None = None, max_body_bytes: int = 4 << 20, device: str = "cpu", prefix_cache: int | None = None,
-              strict: bool = False, allowed_origins: tuple[str, ...] = (), chat_template: str | None = None):
+              strict: bool = False, allowed_origins: tuple[str, ...] = (), chat_template: str | None = None,
+              tool_call_parser: str | None = None):
     """The Serve application (a `ray.serve.Application`): `replicas` copies (or `autoscale` = (min, max) on ongoing
     requests), each loading `bundle` with these server settings (specexport serve's) and `num_cpus` cores (default:
     `replica_resources`)."""
@@ -75,7 +76,7 @@ def build_app(bundle, replicas: int = 1, autoscale: tuple[int, int] | None = Non
                     prefill_chunk=prefill_chunk, prefill_tokens=prefill_tokens, max_body_bytes=max_body_bytes,
                     device=device,
                     prefix_cache=prefix_cache, strict=strict, allowed_origins=tuple(allowed_origins),
-                    chat_template=chat_template)
+                    chat_template=chat_template, tool_call_parser=tool_call_parser)
 
     def replica_app():
         import ray

@@ -106,14 +106,16 @@ def open_app(bundle, max_batch: int = 8, max_queue: int = 64, api_key: str | Non
              model_name: str | None = None, threads: int | None = None, prefill_chunk: int | None = None,
              prefill_tokens: int | None = None, max_body_bytes: int = 4 << 20, max_context: int | None = None, served_by: str | None = None,
              device: str = "cpu", prefix_cache: int | None = None, strict: bool = False,
-             allowed_origins: tuple[str, ...] = (), chat_template: str | None = None):
+             allowed_origins: tuple[str, ...] = (), chat_template: str | None = None,
+             tool_call_parser: str | None = None):
     """The app over `bundle`, ready: the engine loaded, its scheduler started and warmed up. `max_context`: prompt
     plus new tokens per request (the bundle's by default; the KV pool holds max_batch x max_context rows);
     `served_by`: what X-Served-By names (default host/pid); `device`: the engine's (runtime/backends: cpu, or the
     device path's cuda / cpu-iobinding, where the KV pool lives on the device); `prefix_cache`: MiB of prompts'
     beginnings kept (runtime/prefix.py; default its BUDGET); `strict`: unknown request fields get a 400 (else they
     are ignored and named); `allowed_origins`: the browser origins CORS lets in ('*': any; none: no CORS);
-    `chat_template`: a Jinja chat template's text, used instead of the bundle's."""
+    `chat_template`: a Jinja chat template's text, used instead of the bundle's; `tool_call_parser`: how the model
+    writes tool calls (serve/tools.py; default: what its chat template's markers say)."""
     log.setLevel(logging.INFO)  # the access log, wherever the app runs (uvicorn here, a Ray replica)
     engine = Engine.load(bundle, threads=threads, device=device)
     for warning in engine.warnings:
@@ -132,7 +134,7 @@ def open_app(bundle, max_batch: int = 8, max_queue: int = 64, api_key: str | Non
     warm_up(scheduler)
     config = ServeConfig(model_name=model_name or engine.bundle.path.name, max_queue=max_queue, api_key=api_key,
                          max_body_bytes=max_body_bytes, strict=strict, allowed_origins=tuple(allowed_origins),
-                         **({"served_by": served_by} if served_by else {}))
+                         tool_call_parser=tool_call_parser, **({"served_by": served_by} if served_by else {}))
     return build_app(engine, scheduler, config)
 
 
