@@ -13,9 +13,11 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import CONSTRAINTS
 
 from specexport.embed import SOURCE_DIR, bridge
 from specexport.runtime.generate import Engine
+from specexport.runtime.grammar import Constraint
 from specexport.runtime.sampling import SamplingParams
 
 CHECKS = Path(__file__).parent / "embed"  # the test programs' CMake project (find_package(specexport))
@@ -267,12 +269,22 @@ def test_the_service_gives_pythons_tokens_on_every_method(prefix, bundles):
         requests += [{"id": "ids", "prompt_ids": [5, 6, 7, 8, 9], "max_new_tokens": 16},
                      {"id": "sampled", "prompt": PROMPTS[0], "max_new_tokens": 16, "temperature": 0.7, "seed": 5,
                       "top_k": 40, "top_p": 0.9},
-                     {"id": "stop", "prompt": PROMPTS[1], "max_new_tokens": 24, "stop": ["e"], "raw": True}]
-        wants = {r["id"]: engine.generate(r.get("prompt", r.get("prompt_ids")), max_new_tokens=r["max_new_tokens"],
-                                          stop=tuple(r.get("stop", ())), chat=not r.get("raw", False),
-                                          sampling=SamplingParams(temperature=r.get("temperature", 0.0),
-                                                                  top_k=r.get("top_k", 0), top_p=r.get("top_p", 1.0),
-                                                                  seed=r.get("seed"))) for r in requests}
+                     {"id": "stop", "prompt": PROMPTS[1], "max_new_tokens": 24, "stop": ["e"], "raw": True},
+                     {"id": "knobs", "prompt": PROMPTS[2], "max_new_tokens": 16, "temperature": 0.9, "seed": 3,
+                      "min_p": 0.1, "repetition_penalty": 1.3, "frequency_penalty": 0.5, "presence_penalty": 0.2,
+                      "min_tokens": 4},
+                     {"id": "json", "prompt": PROMPTS[0], "max_new_tokens": 40, "constraint_kind": "json_schema",
+                      "constraint": json.dumps(CONSTRAINTS["json"])},
+                     {"id": "regex", "prompt": PROMPTS[1], "max_new_tokens": 12, "constraint_kind": "regex",
+                      "constraint": CONSTRAINTS["regex"]}]
+        knobs = ("min_p", "repetition_penalty", "frequency_penalty", "presence_penalty", "min_tokens")
+        wants = {r["id"]: engine.generate(
+            r.get("prompt", r.get("prompt_ids")), max_new_tokens=r["max_new_tokens"], stop=tuple(r.get("stop", ())),
+            chat=not r.get("raw", False), sampling=SamplingParams(
+                temperature=r.get("temperature", 0.0), top_k=r.get("top_k", 0), top_p=r.get("top_p", 1.0),
+                seed=r.get("seed"), **{k: r[k] for k in knobs if k in r},
+                constraint=Constraint(r["constraint_kind"], r["constraint"]) if "constraint" in r else None))
+            for r in requests}
         for batch in ("8", "-1"):  # batched (the default), and each generation alone
             got, proc = serve(prefix, bundles / method, requests, "--workers", "4", "--threads", "1",
                               "--max-batch", batch)
@@ -298,8 +310,8 @@ def test_every_bad_input_is_a_status_and_one_line(checks, bundles):
     invalid = ["open_null_handle", "open_null_path", "open_bad_struct_size", "open_unknown_setting",
                "open_setting_wrong_type", "open_settings_not_json", "open_settings_not_object", "open_negative_threads",
                "open_unknown_device", "top_p_zero", "negative_temperature", "negative_top_k", "seed_below_minus_one",
-               "zero_max_new_tokens",
-               "no_prompt", "two_prompts", "prompt_not_utf8", "prompt_over_context", "prompt_id_out_of_range",
+               "zero_max_new_tokens", "constraint_without_kind", "constraint_bad_regex", "constraint_unknown_kind",
+               "repetition_penalty_zero", "no_prompt", "two_prompts", "prompt_not_utf8", "prompt_over_context", "prompt_id_out_of_range",
                "empty_stop_string", "stop_count_without_list", "stop_id_out_of_range", "generate_null_options",
                "stats_bad_size", "cancel_request_0", "close_from_own_callback"]
     want = {**{name: "INVALID_ARGUMENT" for name in invalid}, "open_missing_bundle": "BUNDLE",
@@ -314,11 +326,13 @@ def test_every_bad_input_is_a_status_and_one_line(checks, bundles):
     assert cases["callback_error"]["message"] == "the stream callback returned -7 (an error)"
     assert cases["seed_below_minus_one"]["message"].startswith("seed must be -1 (a fresh random stream) or in [0, 2^63)")
     assert cases["callback_error_calls"]["calls"] == 1  # nothing more reaches a callback that failed
-    for ok in ("null_callback", "callback_stop", "generate_after_close_from_callback", "close", "close_null"):
+    assert cases["constraint_bad_regex"]["message"].startswith("the regex is not usable")
+    for ok in ("null_callback", "callback_stop", "generate_after_close_from_callback", "close", "close_null",
+               "struct_before_the_knobs"):
         assert cases[ok] == {"status": "SPECEXPORT_OK", "message": ""}, ok
     assert cases["null_callback_stats"] == {"new_tokens": 8, "stop_reason": 3}  # NULL callback: no streaming
     stopped = cases["callback_stop_stats"]  # a callback's stop ends the generation as a cancel does, at the next step
-    assert stopped["calls"] == 1 and stopped["stop_reason"] == 5 and 1 <= stopped["new_tokens"] < 8, stopped
+    assert stopped["calls"] == 1 and stopped["stop_reason"] == 5 and 1 <= stopped["new_tokens"] < 200, stopped
 
 
 def test_a_bad_bundle_or_setting_is_one_line(prefix, bundles, tmp_path):

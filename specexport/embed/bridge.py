@@ -18,6 +18,7 @@ from specexport.options import fields
 from specexport.runtime.backends import host as backend
 from specexport.runtime.backends.protocol import pools
 from specexport.runtime.generate import Engine
+from specexport.runtime.grammar import Constraint
 from specexport.runtime.sampling import SamplingParams
 from specexport.runtime.scheduler import Scheduler
 
@@ -135,7 +136,9 @@ _MALLOC_TRIM = _malloc_trim()
 
 def generate(engine: Embedded, prompt: str | None, prompt_ids: list[int] | None, raw: bool, max_new_tokens: int,
              temperature: float, top_k: int, top_p: float, seed: int, stop: list[str], stop_ids: list[int],
-             stream, cancelled) -> tuple:
+             stream, cancelled, min_p: float = 0.0, repetition_penalty: float = 1.0, frequency_penalty: float = 0.0,
+             presence_penalty: float = 0.0, min_tokens: int = 0, constraint_kind: str | None = None,
+             constraint: str | None = None) -> tuple:
     """One generation. `stream(ids, text) -> bool` (or None) receives the tokens and the text as they become final
     (True: stop), on this (the calling) thread; `cancelled() -> bool` is polled before each step (batched: while
     the thread waits for the next step's tokens). Returns the stats as a tuple (python.c reads it): prompt, new
@@ -150,7 +153,11 @@ def generate(engine: Embedded, prompt: str | None, prompt_ids: list[int] | None,
         raise EmbedError(INVALID_ARGUMENT, f"seed must be -1 (a fresh random stream) or in [0, 2^63), got {seed}")
     out = Stream(stream, cancelled)
     try:
-        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=None if seed == -1 else seed)
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=None if seed == -1 else seed,
+                                  min_p=min_p, repetition_penalty=repetition_penalty,
+                                  frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                                  min_tokens=min_tokens,
+                                  constraint=Constraint(constraint_kind, constraint) if constraint_kind else None)
         request = dict(max_new_tokens=max_new_tokens, sampling=sampling, stop=tuple(stop),
                        stop_ids=tuple(sorted(engine.tokenizer.eos_token_ids | set(stop_ids))), chat=not raw)
         prompt = prompt if prompt is not None else prompt_ids

@@ -15,6 +15,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <stddef.h>
+
 #include "specexport.h"
 
 static double now(void) {
@@ -134,6 +136,16 @@ static int errors(const char* bundle) {
     report("seed_below_minus_one", specexport_generate(e, &g, collect, &c, &stats));
     g = greedy("the cat", 0);
     report("zero_max_new_tokens", specexport_generate(e, &g, collect, &c, &stats));
+    g = greedy("the cat", 8), g.constraint = "ab";  /* a constraint's text without its kind */
+    report("constraint_without_kind", specexport_generate(e, &g, collect, &c, &stats));
+    g = greedy("the cat", 8), g.constraint_kind = "regex", g.constraint = "(ab";
+    report("constraint_bad_regex", specexport_generate(e, &g, collect, &c, &stats));
+    g = greedy("the cat", 8), g.constraint_kind = "xml", g.constraint = "<a/>";
+    report("constraint_unknown_kind", specexport_generate(e, &g, collect, &c, &stats));
+    g = greedy("the cat", 8), g.repetition_penalty = 0;
+    report("repetition_penalty_zero", specexport_generate(e, &g, collect, &c, &stats));
+    g = greedy("the cat", 8), g.size = offsetof(specexport_generate_options, min_p);  /* a caller built before them */
+    report("struct_before_the_knobs", specexport_generate(e, &g, collect, &c, &stats));
     g = greedy(NULL, 8);
     report("no_prompt", specexport_generate(e, &g, collect, &c, &stats));
     int32_t ids[4] = {5, 6, 7, 8};
@@ -170,7 +182,9 @@ static int errors(const char* bundle) {
     printf("{\"case\": \"null_callback_stats\", \"new_tokens\": %llu, \"stop_reason\": %d}\n",
            (unsigned long long)stats.new_tokens, stats.stop_reason);
     memset(&c, 0, sizeof c), c.answer = SPECEXPORT_STREAM_STOP;
+    g = greedy("the cat", 200);  /* room for the steps the engine may make before this thread runs the callback */
     status = specexport_generate(e, &g, collect, &c, &stats);
+    g = greedy("the cat", 8);
     report("callback_stop", status);
     printf("{\"case\": \"callback_stop_stats\", \"calls\": %d, \"stop_reason\": %d, \"new_tokens\": %llu}\n", c.calls,
            stats.stop_reason, (unsigned long long)stats.new_tokens);

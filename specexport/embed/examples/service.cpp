@@ -5,7 +5,9 @@
 //
 // A request per line (an id of any JSON type; "prompt_ids": [1, 2, 3] instead of "prompt"):
 //   {"id": 1, "prompt": "Hello", "max_new_tokens": 64, "temperature": 0.7, "top_k": 40, "top_p": 0.9,
-//    "seed": 1, "stop": ["\n\n"], "stop_ids": [2], "raw": false}
+//    "seed": 1, "stop": ["\n\n"], "stop_ids": [2], "raw": false, "min_p": 0.05, "repetition_penalty": 1.1,
+//    "frequency_penalty": 0, "presence_penalty": 0, "min_tokens": 0,
+//    "constraint_kind": "json_schema", "constraint": "{\"type\": \"object\"}"}
 //   {"cancel": 1}                            stops request 1, queued or running
 // Responses, one per line, tagged with the request's id:
 //   {"id": 1, "tokens": [504, 3300], "text": ""}          chunks, as tokens and text become final
@@ -104,6 +106,18 @@ specexport::GenerateOptions parse_options(const json::Value& r) {
     }
     o.stop_ids = get_ids(r, "stop_ids");
     if (const json::Value* raw = r.get("raw")) o.raw = raw->kind == json::Value::Bool && raw->boolean;
+    o.min_p = get_number(r, "min_p", 0.0);
+    o.repetition_penalty = get_number(r, "repetition_penalty", 1.0);
+    o.frequency_penalty = get_number(r, "frequency_penalty", 0.0);
+    o.presence_penalty = get_number(r, "presence_penalty", 0.0);
+    double min_tokens = get_number(r, "min_tokens", 0);
+    if (min_tokens < 0 || min_tokens > 1e9) throw std::runtime_error("min_tokens must be >= 0");
+    o.min_tokens = static_cast<uint32_t>(min_tokens);
+    for (auto [key, field] : {std::pair{"constraint_kind", &o.constraint_kind}, std::pair{"constraint", &o.constraint}})
+        if (const json::Value* v = r.get(key)) {
+            if (v->kind != json::Value::String) throw std::runtime_error(std::string(key) + " must be a string");
+            *field = v->text;
+        }
     return o;
 }
 

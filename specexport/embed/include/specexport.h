@@ -130,6 +130,16 @@ typedef struct specexport_generate_options {
     const int32_t* stop_ids;        /* token ids that end the generation, besides the model's end of sequence */
     size_t n_stop_ids;
     uint64_t request_id;            /* the caller's id for specexport_cancel; 0 = not cancellable */
+    /* Sampling knobs and structured output (a caller's struct may end before them: the defaults apply). Under
+     * speculation the output stays exact under each: the acceptance reads the distribution they make. */
+    double min_p;                   /* keep tokens at least min_p x the likeliest's probability; 0 (default) = off */
+    double repetition_penalty;      /* in (0, 2]; 1 (default) = off */
+    double frequency_penalty;       /* in [-2, 2]; 0 (default) = off */
+    double presence_penalty;        /* in [-2, 2]; 0 (default) = off */
+    uint32_t min_tokens;            /* the end of sequence and stop_ids are kept out before this many new tokens */
+    const char* constraint_kind;    /* structured output: "json_schema", "regex", "grammar" (Lark or GBNF) or
+                                       "choice" (a JSON list of strings); NULL (default) = none */
+    const char* constraint;         /* the schema, expression, grammar or list (UTF-8) */
 } specexport_generate_options;
 
 SPECEXPORT_API void specexport_generate_options_init(specexport_generate_options* options);

@@ -65,6 +65,13 @@ struct GenerateOptions {
     std::vector<std::string> stop;
     std::vector<int32_t> stop_ids;
     uint64_t request_id = 0;            // for Engine::cancel; 0 = not cancellable
+    double min_p = 0.0;                 // 0 = off
+    double repetition_penalty = 1.0;    // 1 = off
+    double frequency_penalty = 0.0;
+    double presence_penalty = 0.0;
+    uint32_t min_tokens = 0;
+    std::string constraint_kind;        // structured output: "json_schema", "regex", "grammar", "choice"; "" = none
+    std::string constraint;             // its text
 };
 
 // What the lambda receives: new token ids or new text (one of them empty), valid during the call only.
@@ -182,6 +189,15 @@ private:
         o.stop_ids = options.stop_ids.data();
         o.n_stop_ids = options.stop_ids.size();
         o.request_id = options.request_id;
+        o.min_p = options.min_p;
+        o.repetition_penalty = options.repetition_penalty;
+        o.frequency_penalty = options.frequency_penalty;
+        o.presence_penalty = options.presence_penalty;
+        o.min_tokens = options.min_tokens;
+        if (!options.constraint_kind.empty()) {
+            o.constraint_kind = options.constraint_kind.c_str();
+            o.constraint = options.constraint.c_str();
+        }
         Stats stats{};
         stats.size = sizeof stats;
         specexport_status status = specexport_generate(handle_, &o, stream, user, &stats);

@@ -84,6 +84,7 @@ void specexport_generate_options_init(specexport_generate_options* o) {
     o->max_new_tokens = 128;
     o->top_p = 1.0;
     o->seed = -1;
+    o->repetition_penalty = 1.0;
 }
 
 /* ---- the registry of engines -------------------------------------------------------------------------- */
@@ -210,8 +211,11 @@ specexport_status specexport_generate(specexport_engine* engine, const specexpor
     if (options == NULL) return se_fail(SPECEXPORT_E_INVALID_ARGUMENT, "options is NULL");
     specexport_generate_options o;
     specexport_generate_options_init(&o);
-    if (read_struct(&o, sizeof o, sizeof o, options, "specexport_generate_options") != SPECEXPORT_OK)
+    if (read_struct(&o, sizeof o, offsetof(specexport_generate_options, min_p), options,
+                    "specexport_generate_options") != SPECEXPORT_OK)  /* (a struct from before the knobs: defaults) */
         return SPECEXPORT_E_INVALID_ARGUMENT;
+    if ((o.constraint_kind == NULL) != (o.constraint == NULL))
+        return se_fail(SPECEXPORT_E_INVALID_ARGUMENT, "give constraint_kind and constraint together, or neither");
     if ((o.n_stop > 0 && o.stop == NULL) || (o.n_stop_ids > 0 && o.stop_ids == NULL) ||
         (o.n_prompt_ids > 0 && o.prompt_ids == NULL))
         return se_fail(SPECEXPORT_E_INVALID_ARGUMENT, "a list has a count but a NULL pointer");

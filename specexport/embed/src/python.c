@@ -316,11 +316,15 @@ static specexport_status generate_kwargs(PyObject* engine, const specexport_gene
     PyObject* stop_ids = int_list(o->stop_ids, o->n_stop_ids);
     *kwargs = NULL;
     if (prompt != NULL && ids != NULL && stop != NULL && stop_ids != NULL)
-        *kwargs = Py_BuildValue("{s:O,s:O,s:O,s:O,s:k,s:d,s:i,s:d,s:L,s:O,s:O,s:O,s:O}", "engine", engine,
-                                "prompt", prompt, "prompt_ids", ids, "raw", o->raw ? Py_True : Py_False,
-                                "max_new_tokens", (unsigned long)o->max_new_tokens, "temperature", o->temperature,
-                                "top_k", (int)o->top_k, "top_p", o->top_p, "seed", (long long)o->seed, "stop", stop,
-                                "stop_ids", stop_ids, "stream", sink, "cancelled", poll);
+        *kwargs = Py_BuildValue("{s:O,s:O,s:O,s:O,s:k,s:d,s:i,s:d,s:L,s:O,s:O,s:O,s:O,s:d,s:d,s:d,s:d,s:k,s:z,s:z}",
+                                "engine", engine, "prompt", prompt, "prompt_ids", ids,
+                                "raw", o->raw ? Py_True : Py_False, "max_new_tokens", (unsigned long)o->max_new_tokens,
+                                "temperature", o->temperature, "top_k", (int)o->top_k, "top_p", o->top_p,
+                                "seed", (long long)o->seed, "stop", stop, "stop_ids", stop_ids, "stream", sink,
+                                "cancelled", poll, "min_p", o->min_p, "repetition_penalty", o->repetition_penalty,
+                                "frequency_penalty", o->frequency_penalty, "presence_penalty", o->presence_penalty,
+                                "min_tokens", (unsigned long)o->min_tokens, "constraint_kind", o->constraint_kind,
+                                "constraint", o->constraint);
     Py_XDECREF(prompt);
     Py_XDECREF(ids);
     Py_XDECREF(stop);
