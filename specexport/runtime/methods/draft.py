@@ -1,6 +1,8 @@
 """A draft model: a small causal LM with the target's vocabulary (or the target's first layers) and its own
 in-place KV cache drafts a chain, or a tree with `draft_branching[d]` children per node at depth d (its top-k; a
-sampled chain when sampling, which keeps the target's distribution exactly)."""
+sampled chain when sampling, which keeps the target's distribution exactly). Under structured output it drafts only
+what the grammar allows after each node's path (its logits masked as the target's rows are), so its drafts can be
+accepted."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from specexport.errors import UserError
 from specexport.options import from_section, setting, with_given
 from specexport.runtime import drafting, tree
 from specexport.runtime.drafting import DraftCall, DraftingProposer
+from specexport.runtime.grammar import Matcher
 from specexport.runtime.sampling import SamplingParams, probabilities, sample
 from specexport.runtime.tree import MAX_DRAFT_LENGTH, AcceptMode, DraftTree, check_draft_length
 
@@ -35,10 +38,11 @@ class Settings:
 
 
 class DraftModel(DraftingProposer):
-    def __init__(self, session, branching: tuple[int, ...], sampling: SamplingParams, rng: np.random.Generator):
+    def __init__(self, session, branching: tuple[int, ...], sampling: SamplingParams, rng: np.random.Generator,
+                 grammar: Matcher | None = None):
         self.session = session
         self.branching = tuple(branching)
-        self.sampling, self.rng = sampling, rng
+        self.sampling, self.rng, self.grammar = sampling, rng, grammar
         self.sampled = not sampling.greedy and all(b == 1 for b in self.branching)
         self.max_drafts = int(np.cumprod(self.branching).sum())
         self.extra_rows = self.max_drafts  # rows past the target's that the cache takes (the tree's nodes)
@@ -56,15 +60,18 @@ class DraftModel(DraftingProposer):
         self.root_row, self.forwarded = self.cache.length - 1, 1
         tokens, parents = [history[-1]], [-1]
         q = np.zeros((self.max_drafts + 1, logits.shape[-1])) if self.sampled else None
-        frontier = [(0, logits[0])]
+        frontier, paths = [(0, logits[0])], [[]]  # paths: each node's drafts from the root's child down
         for depth, width in enumerate(self.branching):
             level = len(tokens)
             for node, row in frontier:
-                picks, dist = self._pick(row, width)
+                picks, dist = self._pick(row, width, paths[node])
                 if dist is not None:
                     q[node] = dist
                 tokens += picks
                 parents += [node] * len(picks)
+                paths += [paths[node] + [t] for t in picks]
+            if len(tokens) == level:  # the grammar allows nothing more here
+                break
             if depth == len(self.branching) - 1:
                 break
             created = list(range(level, len(tokens)))  # one draft call for the whole level
@@ -79,7 +86,15 @@ class DraftModel(DraftingProposer):
         self.cache.rewind(self.root_row)
         self.cache.commit([n for n in path if n < self.forwarded])
 
-    def _pick(self, logits: np.ndarray, width: int) -> tuple[list[int], np.ndarray | None]:
+    def _pick(self, logits: np.ndarray, width: int, path: list[int]) -> tuple[list[int], np.ndarray | None]:
+        """A node's children from its draft logits (the grammar's allowed tokens only, after `path`, where there is
+        one): a sample (with the distribution it was drawn from), or the top `width`."""
+        if self.grammar is not None:
+            allowed = self.grammar.allowed(path)
+            if allowed is None or not allowed.any():
+                return [], None
+            logits = np.where(allowed[:logits.shape[-1]], logits, -np.inf)
+            width = min(width, int(allowed.sum()))
         if self.sampled:
             dist = probabilities(logits, self.sampling)
             return [sample(dist, self.rng.random())], dist
@@ -117,7 +132,7 @@ class Draft:
         return dataclasses.replace(s, draft_branching=tuple(trimmed))
 
     def proposer(self, engine, settings: Settings, sampler) -> DraftModel:
-        return DraftModel(engine.graph("draft"), settings.branching, sampler.params, sampler.rng)
+        return DraftModel(engine.graph("draft"), settings.branching, sampler.params, sampler.rng, sampler.grammar)
 
     def describe(self, settings: Settings) -> str:
         return f"draft length {settings.draft_length}"

@@ -21,6 +21,7 @@ from specexport.errors import UserError
 from specexport.options import from_section, setting, with_given
 from specexport.runtime import drafting, rank_tree, tree
 from specexport.runtime.drafting import DraftCall, DraftingProposer
+from specexport.runtime.grammar import Matcher
 from specexport.runtime.tree import DraftTree
 
 MAX_DEPTH, MAX_TOTAL = rank_tree.MAX_DEPTH, rank_tree.MAX_NODES + 1
@@ -77,8 +78,8 @@ class CandidateTree:
 
 
 class Eagle(DraftingProposer):
-    def __init__(self, session, settings: Settings, static: rank_tree.RankTree | None):
-        self.session, self.static = session, static
+    def __init__(self, session, settings: Settings, static: rank_tree.RankTree | None, grammar: Matcher | None = None):
+        self.session, self.static, self.grammar = session, static, grammar
         self.depth, self.top_k, self.total = settings.depth, settings.top_k, settings.total_tokens
         if static is not None:
             self.depth, self.total = static.depth, static.size
@@ -134,14 +135,28 @@ class Eagle(DraftingProposer):
         return candidates.draft(self.depth, self.total - 1)
 
     def _grow(self, candidates: CandidateTree, paths: dict, parent: int, out: dict, row: int) -> list[int]:
-        """Add the candidates below `parent` from draft output `row`: its top_k, or the static tree's ranks."""
+        """Add the candidates below `parent` from draft output `row`: its top_k, or the static tree's ranks; under
+        structured output, only those the grammar allows after the parent's path."""
         tokens, logps = out["draft_tokens"][row], out["draft_logp"][row]
+        allowed = self._allowed(candidates, parent)
         if self.static is None:
-            return candidates.add(parent, tokens[:self.top_k], logps[:self.top_k])
-        ranks = self.static.ranks_below(paths[parent])
+            keep = [i for i in range(min(self.top_k, len(tokens))) if allowed is None or allowed[tokens[i]]]
+            return candidates.add(parent, [tokens[i] for i in keep], [logps[i] for i in keep])
+        ranks = [r for r in self.static.ranks_below(paths[parent]) if allowed is None or allowed[tokens[r]]]
         made = candidates.add(parent, [tokens[r] for r in ranks], [logps[r] for r in ranks])
         paths.update({n: paths[parent] + (r,) for n, r in zip(made, ranks)})
         return made
+
+    def _allowed(self, candidates: CandidateTree, node: int) -> np.ndarray | None:
+        """The tokens the grammar allows below candidate `node` (None: no grammar); none for a path it forbids."""
+        if self.grammar is None:
+            return None
+        path = []
+        while node > 0:
+            path.append(candidates.tokens[node])
+            node = candidates.parents[node]
+        allowed = self.grammar.allowed(path[::-1])
+        return allowed if allowed is not None else np.zeros(self.grammar.vocab, bool)
 
     @staticmethod
     def _call(ids, hidden, parents, past: int, first: int, rows) -> DraftCall:
@@ -181,7 +196,7 @@ class EagleMethod:
 
     def proposer(self, engine, settings: Settings, sampler) -> Eagle:
         static = self.static_tree(settings, engine.bundle.manifest["method"]["graph_top_k"])
-        return Eagle(engine.graph("draft"), settings, static)
+        return Eagle(engine.graph("draft"), settings, static, sampler.grammar)
 
     def describe(self, settings: Settings) -> str:
         return (f"{settings.tree} tree: depth {settings.depth}, top-k {settings.top_k}, "

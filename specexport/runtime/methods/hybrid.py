@@ -98,7 +98,7 @@ class Hybrid:
 
     def proposer(self, engine, settings: Settings, sampler) -> HybridProposer:
         suffix.check_profile_budget(engine, settings.total_tokens)
-        draft = eagle.Eagle(engine.graph("draft"), settings.eagle_settings(), None)
+        draft = eagle.Eagle(engine.graph("draft"), settings.eagle_settings(), None, sampler.grammar)
         return HybridProposer(draft, suffix.lookup(engine, settings.suffix_settings(), sampler), settings)
 
     def describe(self, settings: Settings) -> str:
