@@ -11,6 +11,7 @@ import pytest
 from served import SPECEXPORT
 
 from specexport.errors import UserError
+from specexport.runtime.grammar import Constraint
 from specexport.runtime.sampling import SamplingParams
 from specexport.serve.listen import free_port
 from specexport.serve.tritonserver import INPUTS, OUTPUTS, launch
@@ -32,6 +33,14 @@ def test_parse_takes_text_or_ids_and_every_setting():
                       ("\n", "END"), chat=False, stream=True)
     job = parse({"input_ids": np.array([5, 6, 7], np.int32)})
     assert job == Job([5, 6, 7], 128, SamplingParams(), (), chat=True, stream=False)
+    job = parse({"input_ids": np.array([5], np.int32), "min_p": np.array([0.25], np.float32),
+                 "repetition_penalty": np.array([1.5], np.float32), "frequency_penalty": np.array([0.5], np.float32),
+                 "presence_penalty": np.array([-0.5], np.float32), "min_tokens": np.array([3], np.int32),
+                 "guided_decoding_guide_type": text("regex"), "guided_decoding_guide": text("[ab]+")})
+    assert job.sampling == SamplingParams(min_p=0.25, repetition_penalty=1.5, frequency_penalty=0.5,
+                                          presence_penalty=-0.5, min_tokens=3, constraint=Constraint("regex", "[ab]+"))
+    json_any = parse({"input_ids": np.array([5], np.int32), "guided_decoding_guide_type": text("json")})
+    assert json_any.sampling.constraint == Constraint.json_object()
 
 
 @pytest.mark.parametrize("values, message", [
@@ -45,6 +54,10 @@ def test_parse_takes_text_or_ids_and_every_setting():
     ({"text_input": text("a"), "temperature": np.array([np.nan], np.float32)}, "finite"),
     ({"text_input": text("a"), "seed": np.array([-2], np.int64)}, "seed"),
     ({"text_input": text("a"), "prompt": text("b")}, "unknown input 'prompt'"),
+    ({"text_input": text("a"), "guided_decoding_guide": text("x")}, "needs guided_decoding_guide_type"),
+    ({"text_input": text("a"), "guided_decoding_guide_type": text("xml")}, "must be json, json_schema"),
+    ({"text_input": text("a"), "guided_decoding_guide_type": text("regex")}, "needs its guided_decoding_guide"),
+    ({"text_input": text("a"), "repetition_penalty": np.array([0.0], np.float32)}, "repetition_penalty"),
 ])
 def test_parse_names_what_is_wrong(values, message):
     with pytest.raises(UserError, match=message):

@@ -213,6 +213,27 @@ def test_a_seeded_request_gives_its_tokens_whatever_runs_beside_it(server):
     assert alone["ids"] == together["ids"] and len(alone["ids"]) > 0 and "error" not in beside[0]
 
 
+def test_structured_output_and_the_sampling_knobs_through_triton(server, engine):
+    """TensorRT-LLM's guided-decoding inputs and the sampling knobs, over Triton's HTTP generate: the engine's
+    tokens under the same constraint and settings; a grammar that does not compile is a 400 with its reason."""
+    from conftest import CONSTRAINTS, constraint
+
+    for kind, body in (("regex", {"guided_decoding_guide_type": "regex", "guided_decoding_guide": CONSTRAINTS["regex"]}),
+                       ("json", {"guided_decoding_guide_type": "json_schema",
+                                 "guided_decoding_guide": json.dumps(CONSTRAINTS["json"])})):
+        status, raw = server.post("generate", {"text_input": PROMPTS[0], "max_tokens": 30, "raw": True, **body})
+        want = engine.generate(PROMPTS[0], max_new_tokens=30, chat=False,
+                               sampling=SamplingParams(constraint=constraint(kind)))
+        assert status == 200 and json.loads(raw)["output_ids"] == want.tokens, raw
+    knobs = {"repetition_penalty": 1.4, "frequency_penalty": 0.5, "min_tokens": 6}
+    status, raw = server.post("generate", {"text_input": PROMPTS[1], "max_tokens": 16, "raw": True, **knobs})
+    want = engine.generate(PROMPTS[1], max_new_tokens=16, chat=False, sampling=SamplingParams(**knobs))
+    assert status == 200 and json.loads(raw)["output_ids"] == want.tokens
+    status, raw = server.post("generate", {"text_input": "hi", "guided_decoding_guide_type": "regex",
+                                           "guided_decoding_guide": "(ab"})
+    assert status == 400 and "the regex is not usable" in json.loads(raw)["error"]
+
+
 def test_bad_requests_are_triton_errors_and_the_server_goes_on(server, engine):
     cases = [({"max_tokens": 8}, "text_input or as input_ids"),  # our model's checks: 400 and the reason
              ({"text_input": "hi", "top_p": 0}, "top_p"),

@@ -11,6 +11,15 @@ INPUTS = (
     ("top_p", "TYPE_FP32", [1]),
     ("top_k", "TYPE_INT32", [1]),
     ("seed", "TYPE_INT64", [1]),  # a seeded sampled request gives the same tokens whatever it is batched with
+    ("min_p", "TYPE_FP32", [1]),  # 0 (default): off
+    ("repetition_penalty", "TYPE_FP32", [1]),  # 1 (default): off
+    ("frequency_penalty", "TYPE_FP32", [1]),
+    ("presence_penalty", "TYPE_FP32", [1]),
+    ("min_tokens", "TYPE_INT32", [1]),  # the end of sequence is kept out before this many new tokens
+    # structured output, named as TensorRT-LLM's Triton backend names it: json (any JSON object), json_schema, regex,
+    # ebnf_grammar (Lark or GBNF), with the schema, expression or grammar in guided_decoding_guide
+    ("guided_decoding_guide_type", "TYPE_STRING", [1]),
+    ("guided_decoding_guide", "TYPE_STRING", [1]),
     ("stop", "TYPE_STRING", [-1]),  # stop strings
     ("raw", "TYPE_BOOL", [1]),  # text_input without the chat template
     ("stream", "TYPE_BOOL", [1]),  # a response per step (generate_stream, gRPC streams); else one response

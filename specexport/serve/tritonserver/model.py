@@ -30,6 +30,7 @@ from specexport.bundle import load_bundle
 from specexport.errors import UserError, first_line
 from specexport.runtime.backends.protocol import pools
 from specexport.runtime.generate import Engine, Generation
+from specexport.runtime.grammar import Constraint
 from specexport.runtime.sampling import SamplingParams
 from specexport.runtime.scheduler import Scheduler
 from specexport.serve.tritonserver import DEFAULT_MAX_TOKENS, INPUTS
@@ -64,12 +65,39 @@ def parse(values: dict) -> Job:
     stop = tuple(_string(s, "stop") for s in values["stop"].reshape(-1)) if "stop" in values else ()
     sampling = SamplingParams(temperature=_number(values, "temperature", 0.0), top_k=int(_number(values, "top_k", 0)),
                               top_p=_number(values, "top_p", 1.0),
-                              seed=int(_scalar(values["seed"], "seed")) if "seed" in values else None)
+                              seed=int(_scalar(values["seed"], "seed")) if "seed" in values else None,
+                              min_p=_number(values, "min_p", 0.0),
+                              repetition_penalty=_number(values, "repetition_penalty", 1.0),
+                              frequency_penalty=_number(values, "frequency_penalty", 0.0),
+                              presence_penalty=_number(values, "presence_penalty", 0.0),
+                              min_tokens=int(_number(values, "min_tokens", 0)), constraint=_guide(values))
     max_tokens = int(_number(values, "max_tokens", DEFAULT_MAX_TOKENS))
     if max_tokens < 1:
         raise UserError(f"max_tokens must be >= 1, got {max_tokens}")
     return Job(prompt, max_tokens, sampling, stop,
                chat=not _flag(values, "raw"), stream=_flag(values, "stream"))
+
+
+GUIDES = {"json_schema": "json_schema", "regex": "regex", "ebnf_grammar": "grammar"}  # TensorRT-LLM's -> ours
+
+
+def _guide(values: dict) -> Constraint | None:
+    """Structured output from guided_decoding_guide_type and guided_decoding_guide (TensorRT-LLM's inputs)."""
+    kind = _string(_scalar(values["guided_decoding_guide_type"], "guided_decoding_guide_type"),
+                   "guided_decoding_guide_type") if "guided_decoding_guide_type" in values else None
+    guide = _string(_scalar(values["guided_decoding_guide"], "guided_decoding_guide"),
+                    "guided_decoding_guide") if "guided_decoding_guide" in values else None
+    if kind is None:
+        if guide is not None:
+            raise UserError("guided_decoding_guide needs guided_decoding_guide_type")
+        return None
+    if kind == "json":
+        return Constraint.json_object()
+    if kind not in GUIDES:
+        raise UserError(f"guided_decoding_guide_type must be json, {', '.join(GUIDES)}; got {kind!r}")
+    if not guide:
+        raise UserError(f"guided_decoding_guide_type {kind} needs its guided_decoding_guide")
+    return Constraint(GUIDES[kind], guide)
 
 
 def _scalar(array: np.ndarray, name: str):
