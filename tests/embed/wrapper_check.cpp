@@ -41,8 +41,10 @@ int main(int argc, char** argv) {
     for (int32_t id : result.tokens) ids += (ids.empty() ? "" : ", ") + std::to_string(id);
     line("collected", "\"tokens\": [" + ids + "], \"new_tokens\": " + std::to_string(result.stats.new_tokens));
 
-    int chunks = 0;  // a lambda returning bool: false stops
+    int chunks = 0;  // a lambda returning bool: false stops (room for the steps the engine may make before it runs)
+    request.max_new_tokens = 200;
     specexport::Stats stats = engine.generate(request, [&chunks](const specexport::Chunk&) { return ++chunks < 2; });
+    request.max_new_tokens = 8;
     line("lambda_stop", "\"chunks\": " + std::to_string(chunks) + ", \"stop_reason\": " + std::to_string(stats.stop_reason));
 
     try {  // a lambda that throws
