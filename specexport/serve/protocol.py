@@ -32,6 +32,7 @@ from specexport.serve.tools import Parser, ToolCall
 MAX_STOPS = 16  # stop strings per request (OpenAI takes 4; each costs a search of the text held back)
 MAX_STOP_CHARS = 256  # characters per stop string (the stream holds back the longest one's length)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+TOOL_CHOICES = ("none", "auto", "required")  # OpenAI's tool_choice strings (or a named function); "none": no calls
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # OpenAI's rule for a function's name
 # finish reasons by the runtime's stop reasons
 FINISH = {"eos": "stop", "stop_string": "stop", "length": "length", "context": "length"}
@@ -132,7 +133,7 @@ class Job:
     @property
     def calls_tools(self) -> bool:
         """Whether the answer is read for tool calls (tools given, and tool_choice not "none")."""
-        return bool(self.tools) and self.tool_choice != "none"
+        return bool(self.tools) and self.tool_choice != TOOL_CHOICES[0]
 
     @property
     def logprobs(self) -> int | None:
@@ -218,9 +219,9 @@ def _tools(tools, choice) -> tuple[list, str]:
         if function.get("description") is not None and not isinstance(function["description"], str):
             raise bad(f"{where}.function.description must be a string", where)
     if choice is None:
-        return tools, "auto" if tools else "none"
+        return tools, "auto" if tools else TOOL_CHOICES[0]
     if isinstance(choice, str):
-        if choice not in ("none", "auto", "required"):
+        if choice not in TOOL_CHOICES:
             raise bad(f'tool_choice must be "none", "auto", "required" or a function, got {json.dumps(choice)[:40]}',
                       "tool_choice")
         if choice == "required" and not tools:
