@@ -157,9 +157,10 @@ def conditioned(logits: np.ndarray, params: SamplingParams, context: Context,
     rows = x.reshape(-1, x.shape[-1])
     vocab = rows.shape[-1]
     history = np.asarray(context.history, np.int64)
-    counts = np.bincount(history[context.prompt_len:], minlength=vocab)[:vocab]
-    seen = np.zeros(vocab, bool)
-    seen[history[history < vocab]] = True
+    if params.penalized:  # (the counts cost two vocabulary-wide arrays a step: only the penalties read them)
+        counts = np.bincount(history[context.prompt_len:], minlength=vocab)[:vocab]
+        seen = np.zeros(vocab, bool)
+        seen[history[history < vocab]] = True
     stops = np.array([t for t in context.stop_ids if t < vocab], np.int64)
     for i, row in enumerate(rows):
         path = paths[i] if paths is not None else ()
