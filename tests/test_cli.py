@@ -266,7 +266,7 @@ def test_unsupported_architecture(tmp_path):
 
     GPT2Config(n_layer=2, n_embd=64, n_head=4).save_pretrained(tmp_path / "gpt2")
     fails("export", "--model", tmp_path / "gpt2", "--output", tmp_path / "out" / "b",
-          match="unsupported architecture 'gpt2'; supported: llama, mistral, qwen2, qwen3")
+          match="unsupported architecture 'gpt2'; supported: gemma, gemma2, gemma3_text, granite, llama, mistral")
     assert_clean(tmp_path / "out")
 
 

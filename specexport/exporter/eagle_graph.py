@@ -15,12 +15,12 @@ EAGLE-1's last hidden state after the final norm.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, fields, replace
 
 import numpy as np
 from onnx import TensorProto, helper
 
-from specexport.exporter.arch import rope_tables
+from specexport.exporter.arch import Dims, rope_tables
 from specexport.exporter.eagle import EagleDraft
 from specexport.exporter.graph import make_model
 
@@ -43,9 +43,11 @@ class TargetFeatures:
 
 
 def draft_dims(draft, target_dims):
-    """The draft decoder as a one-layer Dims (for the graph builder's blocks)."""
+    """The draft decoder as a one-layer Dims (for the graph builder's blocks): a plain Llama layer, whatever the
+    target's family."""
     c = draft.config
-    return replace(target_dims, vocab=c.draft_vocab, hidden=c.hidden, intermediate=c.intermediate, layers=1, heads=c.heads,
+    return replace(Dims(**{f.name: getattr(target_dims, f.name) for f in fields(Dims) if f.default is MISSING}),
+                   vocab=c.draft_vocab, hidden=c.hidden, intermediate=c.intermediate, layers=1, heads=c.heads,
                    kv_heads=c.kv_heads, head_dim=c.head_dim, rms_eps=c.rms_eps,
                    tie_embeddings=target_dims.tie_embeddings and c.version == 1)
 
@@ -84,7 +86,7 @@ def build_draft_graph(builder, draft):
     outputs[:0] = [helper.make_tensor_value_info("hidden_out", et, ["batch", "seq", c.hidden]),
                    helper.make_tensor_value_info("draft_logp", TensorProto.FLOAT, ["rows", EAGLE_TOP_K]),
                    helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["rows", EAGLE_TOP_K])]
-    cos, sin, bias, lengths = builder.step_attention()
+    lengths = builder.step_attention()
     embed = g.const("embed", builder.w["embed"], compute=True)
     emb = g.op("Gather", [embed, "input_ids"])
     if c.version == 3:
@@ -93,7 +95,7 @@ def build_draft_graph(builder, draft):
         x, residual = g.op("Concat", [e, h], axis=-1), "hidden"
     else:
         x = residual = builder.linear(g.op("Concat", [emb, "hidden"], axis=-1), "fc", w["fc"], w.get("fc_bias"))
-    attn = builder.attention(0, x, cos, sin, bias, lengths)
+    attn = builder.attention(0, x, lengths)
     h1 = g.op("Add", [residual, builder.linear(attn, "layers.0.o", builder.w["layers.0.o"])])
     normed, _ = builder.norm(h1, None, w["post_norm"], "layers.0.mlp_norm")
     out = g.op("Add", [h1, builder.mlp(normed, "layers.0.", w["gate"], w["up"], w["down"])])

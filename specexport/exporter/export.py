@@ -102,7 +102,7 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
             step("validating against transformers")
             precision = options.graph.precision
             numerics = validate.check_graph(model, tokenizer, tmp, graphs["target"], precision,
-                                            agreement=precision != "fp32")
+                                            agreement=precision != "fp32", max_context=max_context)
             numerics.update(plan.validate(ctx, graphs))
         engines = None
         if options.engines is not None:

@@ -42,7 +42,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from specexport.errors import UserError
 from specexport.exporter import quant
-from specexport.exporter.arch import ArchSpec, Dims
+from specexport.exporter.arch import Dims
+from specexport.exporter.families import Family
 from specexport.exporter.fused import INPUTS as ACCEPT_INPUTS
 from specexport.exporter.fused import add_accept, add_batch_accept
 from specexport.runtime import cpu
@@ -77,6 +78,12 @@ class GraphOptions:
         if self.flavour == "trt" and self.precision not in TRT_PRECISIONS:
             raise UserError(f"the trt flavour takes precision fp16, bf16 or int4 (fp32 for validation), not "
                             f"{self.precision}")
+        if self.flavour == "ort" and d.head_dim % 16:
+            raise UserError(f"head_dim {d.head_dim}: ONNX Runtime's GroupQueryAttention (the ort flavour) takes multiples "
+                            "of 16; build with --flavour onnx (standard Attention) instead")
+        if self.flavour == "trt" and d.attn_softcap:
+            raise UserError(f"{d.model_type}: attention logit soft-capping cannot be expressed in TensorRT's Attention "
+                            "layer (no softcap); build the ort or onnx flavour")
         bad = [i for i in self.aux_layers if not 0 <= i < d.layers]
         if bad:
             raise UserError(f"aux layer indices {bad} out of range: the model has {d.layers} layers")
@@ -191,14 +198,15 @@ class GraphExtension(Protocol):
 class DecoderGraphBuilder:
     """Builds a decoder's step graph (the target's; the same blocks make a draft's) from its weights."""
 
-    def __init__(self, spec: ArchSpec, dims: Dims, weights: dict[str, np.ndarray], options: GraphOptions,
-                 rope: tuple[np.ndarray, np.ndarray]):
+    def __init__(self, spec: Family, dims: Dims, weights: dict[str, np.ndarray], options: GraphOptions,
+                 rope: tuple[np.ndarray, np.ndarray] | dict[str, tuple[np.ndarray, np.ndarray]]):
         options.check(dims)
         self.spec, self.d, self.w, self.opt = spec, dims, weights, options
         self.g = _Graph(options.compute_type)
-        self.rope = rope
+        self.rope = rope if isinstance(rope, dict) else {"default": rope}  # table name (Dims.rope) -> (cos, sin)
         self.ort, self.trt = options.flavour == "ort", options.flavour == "trt"
-        self.capacity = rope[0].shape[0]  # the trt flavour's static S_max: positions never pass the cache's rows
+        self.capacity = next(iter(self.rope.values()))[0].shape[0]  # the trt flavour's static S_max
+        self.biases: dict[int, str] = {}  # window (0: full) -> the step's attention bias (step_attention)
         self.ragged = False  # build(): the step graph's real rows only (module docstring); other graphs' blocks pad
 
     # -- building blocks -------------------------------------------------------------------
@@ -270,17 +278,30 @@ class DecoderGraphBuilder:
         return g.op("RMSNormalization", [stream, wname], axis=-1, epsilon=eps, stash_type=1), stream
 
     def mlp(self, h: str, prefix: str, gate: np.ndarray, up: np.ndarray, down: np.ndarray) -> str:
-        """SwiGLU, down(silu(gate(h)) * up(h)), with gate and up as one matmul (measured faster on CPU than two)."""
-        g = self.g
-        gate_up = self.linear(h, prefix + "gate_up", np.concatenate([gate, up]))
+        """Gated MLP, down(act(gate(h)) * up(h)), with gate and up as one matmul (measured faster on CPU than two)."""
+        g, w = self.g, self.w
+        bias = np.concatenate([w[prefix + "gate_bias"], w[prefix + "up_bias"]]) if prefix + "gate_bias" in w else None
+        gate_up = self.linear(h, prefix + "gate_up", np.concatenate([gate, up]), bias)
         sizes = g.const(prefix + "mlp.split", np.array([gate.shape[0]] * 2, np.int64))
         gate_x, up_x = g.op("Split", [gate_up, sizes], outputs=2, axis=-1)
-        act = g.op("Mul", [g.op("Mul", [gate_x, g.op("Sigmoid", [gate_x])]), up_x])
-        return self.linear(act, prefix + "down", down)
+        act = g.op("Mul", [self.activation(gate_x), up_x])
+        return self.linear(act, prefix + "down", down, w.get(prefix + "down_bias"))
+
+    def activation(self, x: str) -> str:
+        """The MLP's activation (Dims.activation): SiLU, GELU (exact or tanh, ONNX's Gelu), ReLU."""
+        kind, g = self.d.activation, self.g
+        if kind == "silu":
+            return g.op("Mul", [x, g.op("Sigmoid", [x])])
+        if kind == "relu":
+            return g.op("Relu", [x])
+        return g.op("Gelu", [x], approximate="tanh" if kind == "gelu_tanh" else "none")
 
     def head_norm(self, x: str, weight: np.ndarray, name: str, heads: int) -> str:
-        """qwen3: RMSNorm over each head_dim slice of x [B, T, heads*hd]."""
+        """RMSNorm of q or k before RoPE: over each head_dim slice of x [B, T, heads*hd] (Qwen3, Gemma 3), or over
+        the whole projection (OLMo 2: the weight spans every head)."""
         g, hd = self.g, self.d.head_dim
+        if weight.shape[0] != hd:
+            return self.norm(x, None, weight, name)[0]
         split = g.op("Reshape", [x, g.const(f"{name}.shape", np.array([0, 0, heads, hd], np.int64))])
         normed, _ = self.norm(split, None, weight, name)
         return g.op("Reshape", [normed, g.const(f"{name}.flat", np.array([0, 0, heads * hd], np.int64))])
@@ -296,7 +317,7 @@ class DecoderGraphBuilder:
                        helper.make_tensor_value_info("hidden_states", et, ["batch", "seq", d.hidden])]
         outputs[2:2] = [helper.make_tensor_value_info(f"layer_input.{i}", et, ["batch", "seq", d.hidden])
                         for i in self.opt.aux_layers]
-        cos, sin, bias, attn_args = self.step_attention()
+        attn_args = self.step_attention()
         seq_len = attn_args["seq"]
         self.ragged = self.ort and not self.opt.chain_only  # ragged rows: per-row ops on the R real rows only
         if self.ragged:
@@ -306,26 +327,29 @@ class DecoderGraphBuilder:
 
         embed = g.const("embed", w["embed"], compute=True)
         x = g.op("Gather", [embed, "input_ids"])
+        if d.embed_scale != 1.0:
+            x = g.op("Mul", [x, g.const("embed.scale", np.array(d.embed_scale, np.float32), compute=True)])
         if self.ragged:  # [live, hidden] from here on, but for attention
             x = self.real_rows(x, d.hidden)
-        residual = None
+        stream, branch = x, None  # the residual stream, and the last block's output still to be added to it
         for i in range(d.layers):
             p = f"layers.{i}."
-            h, residual = self.norm(x, residual, w[p + "attn_norm"], p + "attn_norm")
+            stream, h = self.block_input(stream, branch, p + "attn_norm")
             if i in self.opt.aux_layers:
-                g.op("Identity", [padded(residual)], outputs=[f"layer_input.{i}"])
-            attn = self.attention(i, h, cos, sin, bias, attn_args)
-            x = self.linear(attn, p + "o", w[p + "o"])
-            h, residual = self.norm(x, residual, w[p + "mlp_norm"], p + "mlp_norm")
-            x = self.mlp(h, p, w[p + "gate"], w[p + "up"], w[p + "down"])
+                g.op("Identity", [padded(stream)], outputs=[f"layer_input.{i}"])
+            attn = self.attention(i, h, attn_args)
+            branch = self.block_output(self.linear(attn, p + "o", w[p + "o"], w.get(p + "o_bias")), p + "attn_post_norm")
+            stream, h = self.block_input(stream, branch, p + "mlp_norm")
+            branch = self.block_output(self.mlp(h, p, w[p + "gate"], w[p + "up"], w[p + "down"]), p + "mlp_post_norm")
             on_layer(i)
-        final, _ = self.norm(x, residual, w["norm"], "norm")
+        final, _ = self.norm(branch, stream, w["norm"], "norm")
         final = padded(final)  # a ragged graph's Gather names its output; others' norm keeps its own name
         final = g.name(final, "hidden_states") if self.ragged else g.op("Identity", [final], outputs=["hidden_states"])
         flat = g.op("Reshape", [final, g.const("flat_hidden", np.array([-1, d.hidden], np.int64))])
         logits = self.lm_head(g.op("Gather", [flat, "logits_indices"], axis=0))
         if et != TensorProto.FLOAT:
             logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
+        logits = self.logit_scales(logits)
         g.name(logits, "logits")
         row = None
         if self.opt.fused_accept:  # greedy only for TensorRT: the runtime accepts sampling (exporter/fused.py)
@@ -360,11 +384,12 @@ class DecoderGraphBuilder:
                 outputs.append(helper.make_tensor_value_info(f"present.{i}.{kv}", et, shape))
         return inputs, outputs
 
-    def step_attention(self) -> tuple[str, str, str, dict[str, str]]:
+    def step_attention(self) -> dict[str, str]:
         """What every layer's attention takes, computed once per step from `tree_mask` [B, T, K] (K >= T) and
-        `past_len` [B]: the rotary tables, the additive attention bias [B, 1, T, W] and the lengths (`seq`: T, an
-        int64 scalar; ort: GQA's seqlens_k, total length and query lengths, int32; onnx/trt: where the step writes
-        its K/V and, onnx, the valid cache length, int64).
+        `past_len` [B]: the lengths (`seq`: T, an int64 scalar; ort: GQA's seqlens_k, total length and query
+        lengths, int32; onnx/trt: where the step writes its K/V and, onnx, the valid cache length, int64); the
+        additive attention bias [B, 1, T, W] of full-attention layers is `self.biases[0]` (a sliding window's is made
+        from it by `bias`).
 
         The mask covers the last K columns before the step's end: start = past_len + T - K (K = T: the step's own
         tokens; K > T: tree nodes a draft wrote by earlier calls, right after the past). Column c is visible to row
@@ -395,29 +420,98 @@ class DecoderGraphBuilder:
             width = g.op("Gather", [g.op("Shape", ["past_key_values.0.key"]), i64("two", 2)], axis=0)
             lengths = {"write_at": past, "kv_len": end}
         lengths["seq"] = seq64
-        cos = g.const("rope.cos", self.rope[0], compute=True)
-        sin = g.const("rope.sin", self.rope[1], compute=True)
+        self._width, self._past = width, past
         if self.opt.chain_only:  # GQA's causal path: row i sees the past and the step's rows up to i, no bias
-            return cos, sin, "", lengths
+            self.biases = {0: ""}
+            return lengths
         before = g.op("Sub", [end, g.op("Add", [cols, one])])  # [B]: start - 1
         rel = g.op("Sub", [g.op("Range", [zero, width, one]), g.op("Unsqueeze", [before, i64("axis1", [1])])])
         last = cols if self.ort else g.op("Add", [cols, one])  # the hidden column (ort: any, GQA ignores them)
         index = g.op("Min", [g.op("Max", [rel, zero]), last])  # [B, W]: 0 before the mask, 1..K in it, K+1 after
         rows = g.op("Concat", [g.op("Slice", [shape, i64("axis0", [0]), i64("two1", [2])]), i64("unit", [1])], axis=0)
         index = g.op("Expand", [g.op("Unsqueeze", [index, i64("axis1", [1])]), rows])  # [B, T, W]
-        hidden = np.finfo(np.float16).min if g.elem_type == TensorProto.FLOAT16 else -1e9  # finite in every type
-        visible = g.const("mask.visible", np.array(0.0, np.float32), compute=True)
-        hidden = g.const("mask.hidden", np.array(hidden, np.float32), compute=True)
+        visible, hidden = self._bias_values()
         ext = g.op("Pad", [g.op("Where", ["tree_mask", visible, hidden]), i64("pad_before", [0, 0, 1, 0, 0, 0]), visible])
         if not self.ort:
             ext = g.op("Pad", [ext, i64("pad_after", [0, 0, 0, 0, 0, 1]), hidden])
-        bias = g.op("Unsqueeze", [g.op("GatherElements", [ext, index], axis=2), i64("axis1", [1])])
-        return cos, sin, bias, lengths
+        self._bias3 = g.op("GatherElements", [ext, index], axis=2)  # [B, T, W]
+        self.biases = {0: g.op("Unsqueeze", [self._bias3, i64("axis1", [1])])}
+        return lengths
+
+    def _bias_values(self) -> tuple[str, str]:
+        hidden = np.finfo(np.float16).min if self.g.elem_type == TensorProto.FLOAT16 else -1e9  # finite in every type
+        return (self.g.const("mask.visible", np.array(0.0, np.float32), compute=True),
+                self.g.const("mask.hidden", np.array(hidden, np.float32), compute=True))
+
+    def bias(self, window: int) -> str:
+        """The attention bias of a layer with a sliding `window` (0: full attention): the full bias with the columns
+        at or before position - window hidden too (transformers' window: a row sees `window` positions, its own
+        included). A column's position is its index in the past and its row's position_ids in the step (exact for
+        every target step; a draft's earlier tree nodes, K > T, count at their column index). Made once per
+        window and step."""
+        if window in self.biases:
+            return self.biases[window]
+        g = self.g
+        i64 = lambda name, v: g.const(f"mask.{name}.i64", np.array(v, np.int64))  # noqa: E731
+        width = g.op("Cast", [self._width], to=TensorProto.INT64)
+        columns = g.op("Range", [i64("zero", 0), width, i64("one", 1)])  # [W]
+        if self.opt.chain_only:  # a chain's positions are its columns
+            col_pos, base = g.op("Unsqueeze", [columns, i64("axis0", [0])]), self._bias_values()[0]
+        else:
+            past = g.op("Unsqueeze", [g.op("Cast", [self._past], to=TensorProto.INT64), i64("axis1", [1])])  # [B, 1]
+            rel = g.op("Sub", [columns, past])  # [B, W]: the column's row in the step
+            last = g.op("Sub", [g.op("Gather", [g.op("Shape", ["position_ids"]), i64("t", 1)], axis=0), i64("one", 1)])
+            at = g.op("Min", [g.op("Max", [rel, i64("zero", 0)]), last])
+            stepped = g.op("GatherElements", ["position_ids", at], axis=1)
+            col_pos = g.op("Where", [g.op("Less", [rel, i64("zero", 0)]), columns, stepped])
+            base = self._bias3
+        reach = g.op("Sub", ["position_ids", i64(f"window{window}", window)])  # [B, T]
+        far = g.op("LessOrEqual", [g.op("Unsqueeze", [col_pos, i64("axis1", [1])]),
+                                   g.op("Unsqueeze", [reach, i64("axis2", [2])])])  # [B, T, W]
+        bias = g.op("Where", [far, self._bias_values()[1], base])
+        self.biases[window] = g.op("Unsqueeze", [bias, i64("axis1", [1])])
+        return self.biases[window]
+
+    def rope_tables(self, name: str) -> tuple[str, str]:
+        """The cos/sin initializers of RoPE table `name` (Dims.rope)."""
+        cos, sin = self.rope[name]
+        prefix = "rope" if name == "default" else f"rope.{name}"
+        return self.g.const(f"{prefix}.cos", cos, compute=True), self.g.const(f"{prefix}.sin", sin, compute=True)
 
     def real_rows(self, x: str, width: int) -> str:
         """A ragged step's real rows [R, width] of x [B, T, width] (`live_rows`)."""
         flat = self.g.op("Reshape", [x, self.g.const(f"ragged.{width}", np.array([-1, width], np.int64))])
         return self.g.op("Gather", [flat, "live_rows"], axis=0)
+
+    def block_input(self, stream: str, branch: str | None, norm: str) -> tuple[str, str]:
+        """(the residual stream with `branch` added, the block's input): the stream pre-normed where the family has
+        the block's pre-norm `norm`, else the stream itself (OLMo 2's post-norm layout)."""
+        if norm in self.w:
+            normed, stream = self.norm(stream if branch is None else branch, None if branch is None else stream,
+                                       self.w[norm], norm)
+            return stream, normed
+        stream = stream if branch is None else self.g.op("Add", [stream, branch])
+        return stream, stream
+
+    def block_output(self, y: str, norm: str) -> str:
+        """A block's output as added to the stream: post-normed (Gemma 2/3, OLMo 2), times the residual scale
+        (Granite)."""
+        if norm in self.w:
+            y, _ = self.norm(y, None, self.w[norm], norm)
+        if self.d.residual_scale != 1.0:
+            scale = self.g.const("residual.scale", np.array(self.d.residual_scale, np.float32), compute=True)
+            y = self.g.op("Mul", [y, scale])
+        return y
+
+    def logit_scales(self, logits: str) -> str:
+        """fp32 logits divided by the family's scaling (Granite), then soft-capped: tanh(l / c) * c (Gemma 2)."""
+        g, d = self.g, self.d
+        if d.logits_scaling != 1.0:
+            logits = g.op("Div", [logits, g.const("logits.scaling", np.array(d.logits_scaling, np.float32))])
+        if d.final_softcap:
+            cap = g.const("logits.softcap", np.array(d.final_softcap, np.float32))
+            logits = g.op("Mul", [g.op("Tanh", [g.op("Div", [logits, cap])]), cap])
+        return logits
 
     def lm_head(self, rows: str) -> str:
         """Logits of hidden rows [n, hidden] (compute type); the weights are created once and shared."""
@@ -427,41 +521,54 @@ class DecoderGraphBuilder:
             return g.op("Gemm", [rows, embed], transB=1)  # share the embedding table, no transposed copy
         return self.linear(rows, "lm_head", self.w["lm_head"])
 
-    def attention(self, i: int, h: str, cos: str, sin: str, bias: str, lengths: dict[str, str]) -> str:
+    def attention(self, i: int, h: str, lengths: dict[str, str]) -> str:
         d, g, w = self.d, self.g, self.w
         p = f"layers.{i}."
         qkv_w = np.concatenate([w[p + "q"], w[p + "k"], w[p + "v"]])
-        qkv_b = np.concatenate([w[p + "q_bias"], w[p + "k_bias"], w[p + "v_bias"]]) if self.spec.qkv_bias else None
+        qkv_b = np.concatenate([w[p + "q_bias"], w[p + "k_bias"], w[p + "v_bias"]]) if p + "q_bias" in w else None
         qkv = self.linear(h, p + "qkv", qkv_w, qkv_b)
         if self.ragged:  # attention in the step's padded layout [B, T, qkv] (a padding row repeats a real row)
             qkv = g.op("Gather", [qkv, "padded_rows"], axis=0)
         past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
         present_k, present_v = f"present.{i}.key", f"present.{i}.value"
-        if self.ort and not self.spec.qk_norm:  # GQA takes the packed projection: no Split
+        rope, bias = d.rope(i), self.bias(d.window(i))
+        partial = {"rotary_embedding_dim": d.rotary_dim} if d.rotary_dim else {}
+        scales = {k: v for k, v in (("scale", d.attn_scale), ("softcap", d.attn_softcap)) if v}
+        # GQA rotates itself unless the rotary part's half is not a multiple of 8 (its kernel's rule)
+        gqa_rotary = self.ort and bool(rope) and (d.rotary_dim or d.head_dim) // 2 % 8 == 0
+        if self.ort and p + "q_norm" not in w and (gqa_rotary or not rope):  # GQA takes the packed projection
             q, k, v = qkv, "", ""
         else:
             sizes = g.const(p + "qkv.split", np.array([d.q_size, d.kv_size, d.kv_size], np.int64))
             q, k, v = g.op("Split", [qkv, sizes], outputs=3, axis=-1)
-            if self.spec.qk_norm:
+            if p + "q_norm" in w:
                 q = self.head_norm(q, w[p + "q_norm"], p + "q_norm", d.heads)
                 k = self.head_norm(k, w[p + "k_norm"], p + "k_norm", d.kv_heads)
         if self.ort:  # GQA rotates Q and K itself at `position_ids` (past length + depth; query_seqlens makes it use them all)
+            if rope and not gqa_rotary:
+                cos, sin = self.rope_tables(rope)
+                q = g.op("RotaryEmbedding", [q, cos, sin, "position_ids"], num_heads=d.heads, **partial)
+                k = g.op("RotaryEmbedding", [k, cos, sin, "position_ids"], num_heads=d.kv_heads, **partial)
+            cos, sin = self.rope_tables(rope) if gqa_rotary else ("", "")
             inputs = [q, k, v, past_k, past_v, lengths["seqlens_k"], lengths["total"], cos, sin, "position_ids", bias]
             inputs += [""] * 5 + [lengths["query_seqlens"]]
             out, _, _ = g.op("GroupQueryAttention", inputs, outputs=[f"attn_{i}", present_k, present_v], domain="com.microsoft",
-                             num_heads=d.heads, kv_num_heads=d.kv_heads, do_rotary=1, causal=1)
+                             num_heads=d.heads, kv_num_heads=d.kv_heads, do_rotary=int(gqa_rotary), causal=1, **scales)
             return self.real_rows(out, d.q_size) if self.ragged else out
         heads = []
         for t, n in ((q, d.heads), (k, d.kv_heads), (v, d.kv_heads)):
             split = g.op("Reshape", [t, g.const(f"{t}.shape", np.array([0, 0, n, d.head_dim], np.int64))])
             heads.append(g.op("Transpose", [split], perm=[0, 2, 1, 3]))  # [B, n, T, hd]
-        q4 = g.op("RotaryEmbedding", [heads[0], cos, sin, "position_ids"])
-        k4 = g.op("RotaryEmbedding", [heads[1], cos, sin, "position_ids"])
+        q4, k4 = heads[0], heads[1]
+        if rope:
+            cos, sin = self.rope_tables(rope)
+            q4 = g.op("RotaryEmbedding", [q4, cos, sin, "position_ids"], **partial)
+            k4 = g.op("RotaryEmbedding", [k4, cos, sin, "position_ids"], **partial)
         scatter = {"axis": -2, "mode": "linear"} if self.trt else {"axis": 2}  # TensorRT's KVCacheUpdate: -2 only
         g.op("TensorScatter", [past_k, k4, lengths["write_at"]], outputs=[present_k], **scatter)
         g.op("TensorScatter", [past_v, heads[2], lengths["write_at"]], outputs=[present_v], **scatter)
         # trt: over all S_max rows, the mask hiding those past the valid length (TensorRT takes no nonpad_kv_seqlen)
         extra = [] if self.trt else ["", "", lengths["kv_len"]]
-        y = g.op("Attention", [q4, present_k, present_v, bias] + extra)
+        y = g.op("Attention", [q4, present_k, present_v, bias] + extra, **scales)
         y = g.op("Transpose", [y], perm=[0, 2, 1, 3])
         return g.op("Reshape", [y, g.const(f"attn_{i}.shape", np.array([0, 0, d.q_size], np.int64))])

@@ -11,7 +11,14 @@ import onnx
 from onnx import TensorProto
 from tqdm import tqdm
 
-from specexport.exporter.arch import dims_from_config, extract_weights, rope_rows, rope_tables, spec_for
+from specexport.exporter.arch import (
+    dims_from_config,
+    extract_weights,
+    longrope_policy,
+    rope_rows,
+    rope_tables,
+    spec_for,
+)
 from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions
 
 
@@ -31,12 +38,30 @@ class ExportContext:
 
 
 def decoder_builder(model, graph: GraphOptions, max_context: int) -> DecoderGraphBuilder:
-    """A graph builder over a transformers decoder's weights and its rotary tables."""
-    spec, dims = spec_for(model.config.model_type), dims_from_config(model.config)
-    rotary = model.model.rotary_emb
-    rope = rope_tables(rotary.inv_freq.detach().float().numpy(), float(rotary.attention_scaling),
-                       rope_rows(max_context, graph.flavour))
-    return DecoderGraphBuilder(spec, dims, extract_weights(spec, dims, model.state_dict()), graph, rope)
+    """A graph builder over a transformers decoder's weights and its rotary tables (one per RoPE table its layers
+    use)."""
+    spec, dims = spec_for(model.config.model_type), dims_from_config(model.config).within(max_context)
+    rows = rope_rows(max_context, graph.flavour)
+    names = {dims.rope(i) for i in range(dims.layers)} - {""} or {"default"}
+    rope = {name: rope_tables(*model_inv_freq(model, name, max_context), rows) for name in sorted(names)}
+    weights = extract_weights(spec, dims, model.state_dict(), model.config)
+    return DecoderGraphBuilder(spec, dims, weights, graph, rope)
+
+
+def model_inv_freq(model, name: str, max_context: int) -> tuple:
+    """(inverse frequencies, attention scaling) of a transformers decoder's RoPE table `name` ("default", or a
+    layer type where the config gives RoPE per type), as its rotary module initialized them; LongRoPE's long
+    factors where the bundle's context needs them (arch.longrope_policy)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rotary, prefix = model.model.rotary_emb, "" if name == "default" else f"{name}_"
+    inv = getattr(rotary, f"{prefix}original_inv_freq", None)
+    inv = getattr(rotary, f"{prefix}inv_freq") if inv is None else inv  # original: before any dynamic update
+    scaling = float(getattr(rotary, f"{prefix}attention_scaling"))
+    if longrope_policy(model.config, max_context) == "long":
+        original = model.config.rope_parameters["original_max_position_embeddings"]
+        inv, scaling = ROPE_INIT_FUNCTIONS["longrope"](model.config, None, seq_len=original + 1)
+    return inv.detach().float().numpy(), float(scaling)
 
 
 def write_graph(model, name: str, graph: GraphOptions, max_context: int, folder: Path, quiet: bool,

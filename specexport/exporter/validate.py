@@ -8,6 +8,7 @@ teacher-forced over real prompts.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,22 +51,44 @@ def reference_steps(model, steps: list[Step]) -> list[np.ndarray]:
     import torch
     from transformers import DynamicCache
 
-    cache, past, out = DynamicCache(config=model.config), 0, []
+    # every layer keeps every row (transformers' sliding layers would drop those out of the window; the bias hides them)
+    cache, past, out = DynamicCache(), 0, []
     for step in steps:
         b, t = step.ids.shape
-        bias = tree.attention_bias(step.parents, past, batch=b)
+        bias = reference_bias(model, step.parents, past, b)
         positions = np.broadcast_to(past + tree.depths(step.parents), (b, t))
         with torch.no_grad():
             logits = model(
                 input_ids=torch.from_numpy(step.ids),
                 position_ids=torch.from_numpy(positions.copy()),  # broadcast_to views are read-only
-                attention_mask=torch.from_numpy(bias),
+                attention_mask=bias,
                 cache=cache,
                 use_cache=True,
             ).logits
         out.append(logits.float().numpy())
         past += t
     return out
+
+
+def reference_bias(model, parents: list[int], past: int, batch: int):
+    """The 4-D additive bias a transformers reference takes for a tree step after `past` rows: the tree's, and, for
+    a model with sliding layers, the same with the positions a window leaves out hidden (a column's position is its
+    index in the past, its node's depth in the tree), per layer type where the model takes a mask per type."""
+    import torch
+
+    from specexport.exporter.arch import layer_windows
+
+    full = tree.attention_bias(parents, past, batch=batch)
+    windows = set(layer_windows(model.config)) - {0}
+    if not windows:
+        return torch.from_numpy(full)
+    (window,) = windows  # transformers has one sliding_window per config
+    rows = past + tree.depths(parents)
+    cols = np.concatenate([np.arange(past), rows])
+    windowed = np.where(cols[None, :] <= rows[:, None] - window, tree.HIDDEN, full).astype(np.float32)
+    if getattr(model.config, "layer_types", None) is None:  # one window over every layer (Mistral, Phi-3)
+        return torch.from_numpy(windowed)
+    return {"full_attention": torch.from_numpy(full), "sliding_attention": torch.from_numpy(windowed)}
 
 
 def graph_steps(session, steps: list[Step]) -> list[np.ndarray]:
@@ -83,23 +106,48 @@ def graph_steps(session, steps: list[Step]) -> list[np.ndarray]:
     return out
 
 
-def compare(model, session, seed: int = 0, chain_only: bool = False) -> dict[str, dict]:
-    """Per case: max abs logit difference and top-1 agreement over all rows."""
+def compare(model, session, seed: int = 0, chain_only: bool = False, max_context: int | None = None) -> dict[str, dict]:
+    """Per case: max abs logit difference and top-1 agreement over all rows (`max_context`: the bundle's, for the
+    LongRoPE factors it chose)."""
     report = {}
     for name, steps in cases(model.config.vocab_size, seed, chain_only).items():
-        ref, got = reference_steps(model, steps), graph_steps(session, steps)
+        with longrope_reference(model, max_context):
+            ref = reference_steps(model, steps)
+        got = graph_steps(session, steps)
         diff = max(float(np.abs(r - g).max()) for r, g in zip(ref, got))
         agree = np.mean(np.concatenate([(r.argmax(-1) == g.argmax(-1)).ravel() for r, g in zip(ref, got)]))
         report[name] = {"max_abs_diff": diff, "top1_agreement": float(agree)}
     return report
 
 
-def check_graph(model, tokenizer, folder, graph_info: dict, precision: str, agreement: bool) -> dict:
+@contextmanager
+def longrope_reference(model, max_context: int | None):
+    """transformers with a bundle's LongRoPE factors for every sequence length (arch.longrope_policy): the long
+    ones made its short ones too while inside, where the bundle took the long ones."""
+    import torch
+
+    from specexport.exporter.arch import longrope_policy
+    from specexport.exporter.save import model_inv_freq
+
+    rotary = getattr(model.model, "rotary_emb", None)
+    if max_context is None or longrope_policy(model.config, max_context) != "long":
+        yield
+        return
+    saved = rotary.original_inv_freq
+    rotary.original_inv_freq = torch.from_numpy(model_inv_freq(model, "default", max_context)[0])
+    try:
+        yield
+    finally:
+        rotary.original_inv_freq = saved
+
+
+def check_graph(model, tokenizer, folder, graph_info: dict, precision: str, agreement: bool,
+                max_context: int | None = None) -> dict:
     """A bundle's step graph against its transformers model: logits on every shape class (`compare`); with
     `agreement`, top-1 agreement with fp32 on generated text (a quantized graph)."""
     model.config._attn_implementation = "eager"  # the literal reference: the bias is added to the scores
     session = GraphSession(folder / graph_info["file"], graph_info)
-    report = {"cases": compare(model, session, chain_only=bool(graph_info.get("chain_only")))}
+    report = {"cases": compare(model, session, chain_only=bool(graph_info.get("chain_only")), max_context=max_context)}
     report["max_abs_diff"] = max(case["max_abs_diff"] for case in report["cases"].values())
     if agreement:
         sequences = reference_sequences(model, tokenizer, AGREEMENT_PROMPTS, AGREEMENT_NEW_TOKENS)

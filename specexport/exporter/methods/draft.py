@@ -76,13 +76,22 @@ def parse_self_draft(spec: str, target_layers: int) -> int | None:
 def self_draft(model, n: int):
     """The target's first n layers + its final norm and LM head, sharing the target's tensors."""
     config = copy.deepcopy(model.config)
+    layers = config.num_hidden_layers
     config.num_hidden_layers = n
+    for key, value in vars(config).items():  # per-layer plans (layer_types, no_rope_layers) cut to the n layers
+        if isinstance(value, list) and len(value) == layers and key != "architectures":
+            setattr(config, key, value[:n])
     with torch.device("meta"):
         draft_model = type(model)(config)
     keep = {k: v for k, v in model.state_dict().items()
             if not k.startswith("model.layers.") or int(k.split(".")[2]) < n}
     draft_model.load_state_dict(keep, assign=True, strict=True)
     draft_model.model.rotary_emb = model.model.rotary_emb  # its inverse frequencies are a buffer outside the state dict
+    target_buffers = dict(model.named_buffers())
+    for name, buffer in list(draft_model.named_buffers()):  # the rest outside the state dict (Gemma's embed scale)
+        if buffer.is_meta:
+            module_name, _, attr = name.rpartition(".")
+            draft_model.get_submodule(module_name).register_buffer(attr, target_buffers[name], persistent=False)
     return draft_model.eval()
 
 

@@ -9,8 +9,8 @@ from functools import partial
 from pathlib import Path
 
 from specexport.errors import UserError
-from specexport.exporter import validate
-from specexport.exporter.arch import ARCHS, dims_from_config, extract_weights, rope_rows, spec_for
+from specexport.exporter import families, validate
+from specexport.exporter.arch import dims_from_config, extract_weights, rope_rows, spec_for
 from specexport.exporter.eagle import EagleDraft, load_draft
 from specexport.exporter.eagle_graph import (
     EAGLE_TOP_K,
@@ -84,9 +84,9 @@ class Options:
 def write_draft_graph(model, draft: EagleDraft, graph: GraphOptions, max_context: int, folder: Path) -> dict:
     """draft.onnx: the draft decoder with its own KV cache (exporter/eagle_graph.py); its manifest entry."""
     spec, dims = spec_for(model.config.model_type), dims_from_config(model.config)
-    target = extract_weights(spec, dims, model.state_dict())
+    target = extract_weights(spec, dims, model.state_dict(), model.config)
     ddims = draft_dims(draft, dims)
-    builder = DecoderGraphBuilder(ARCHS["llama"], ddims, draft_weights(draft, target), graph,
+    builder = DecoderGraphBuilder(families.get("llama"), ddims, draft_weights(draft, target), graph,
                                   rope_for(draft, rope_rows(max_context, graph.flavour, tree_rows=64)))
     return save_graph(build_draft_graph(builder, draft), "draft", graph, ddims, folder)
 
