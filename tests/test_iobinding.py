@@ -2,7 +2,7 @@
 binding path run on the CPU (`device="cpu-iobinding"`): the same tokens, logits and cache as the host path."""
 
 from functools import lru_cache
-from types import SimpleNamespace
+from types import MethodType, SimpleNamespace
 
 import numpy as np
 import onnx
@@ -36,8 +36,9 @@ def mask_graph(flavour: str, elem_type=TensorProto.FLOAT):
     rope = (np.zeros((CAPACITY, 1), np.float32),) * 2
     builder = SimpleNamespace(g=g, ort=flavour == "ort", trt=flavour == "trt", capacity=CAPACITY, rope=rope,
                               opt=GraphOptions(flavour=flavour))
-    _, _, bias, _ = DecoderGraphBuilder.step_attention(builder)
-    g.op("Identity", [bias], outputs=["bias"])
+    builder._bias_values = MethodType(DecoderGraphBuilder._bias_values, builder)
+    DecoderGraphBuilder.step_attention(builder)
+    g.op("Identity", [builder.biases[0]], outputs=["bias"])
     inputs = [helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, ["batch", "seq", "cols"]),
               helper.make_tensor_value_info("past_len", TensorProto.INT32, ["batch"])]
     if flavour == "onnx":  # its width is the cache's capacity, read from the cache input's shape
