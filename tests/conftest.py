@@ -68,7 +68,7 @@ def randomize(model, seed: int = 1):
                 p.copy_(1 + 0.3 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.3 * noise)
-            elif "embed_tokens" in name:
+            elif "embed_tokens" in name or p.dim() == 1:  # embeddings; GPT-OSS's attention sinks
                 p.copy_(noise)
             else:
                 p.copy_(noise / p.shape[1] ** 0.5)

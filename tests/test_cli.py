@@ -5,6 +5,7 @@ A failure must exit non-zero with one `Error: ...` line (never a traceback) and 
 
 import json
 import os
+import re
 import shlex
 import shutil
 from pathlib import Path
@@ -266,8 +267,68 @@ def test_unsupported_architecture(tmp_path):
 
     GPT2Config(n_layer=2, n_embd=64, n_head=4).save_pretrained(tmp_path / "gpt2")
     fails("export", "--model", tmp_path / "gpt2", "--output", tmp_path / "out" / "b",
-          match="unsupported architecture 'gpt2'; supported: gemma, gemma2, gemma3_text, granite, llama, mistral")
+          match="unsupported architecture 'gpt2'; supported: cohere2, gemma, gemma2, gemma3_text, gpt_oss, granite, llama")
     assert_clean(tmp_path / "out")
+
+
+@pytest.mark.parametrize("family, overrides, flavour, match", [
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}, "ort",
+     "unsupported RoPE type 'dynamic'"),
+    ("llama", {"hidden_act": "tanh"}, "ort", "unsupported MLP activation 'tanh'"),
+    ("qwen3", {"head_dim": 24}, "ort", "head_dim 24: ONNX Runtime's GroupQueryAttention (the ort flavour) takes "
+                                       "multiples of 16; build with --flavour onnx"),
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 6}, "ort", "num_experts_per_tok 6 must be in 1..4"),
+    ("gemma2", {"query_pre_attn_scalar": 16, "attn_logit_softcapping": 5.0}, "trt",
+     "gemma2: attention logit soft-capping cannot be expressed in TensorRT's Attention layer"),
+])  # fmt: skip
+def test_a_family_config_the_export_cannot_express(family, overrides, flavour, match, tmp_path):
+    """One line naming what cannot be expressed, a non-zero exit, nothing written."""
+    save_folder(tiny_model(family, **overrides), tmp_path / family)
+    fails("build", "--model", tmp_path / family, "--precision", "fp32", "--flavour", flavour, "--output",
+          tmp_path / "out" / "b", alone=False, match=match)
+    assert_clean(tmp_path / "out")
+
+
+@pytest.mark.parametrize("family, overrides, dropped, match", [
+    ("llama", {}, "model.layers.1.self_attn.q_proj.weight", "lacks the weight 'model.layers.1.self_attn.q_proj.weight'"),
+    # every expert of layer 1 (checkpoint names: block_sparse_moe.experts.{e}.w1/w2/w3), fused at load
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}, "model.layers.1.block_sparse_moe.experts.",
+     "lacks the weight 'model.layers.1.mlp.experts.down_proj' and 1 more"),
+    # one expert's down projection: the fused tensor comes out a row short
+    ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}, "model.layers.1.block_sparse_moe.experts.2.w2",
+     "lacks the weight 'model.layers.1.mlp.experts.down_proj' (or has it in another shape)"),
+])  # fmt: skip
+def test_a_checkpoint_missing_a_tensor(family, overrides, dropped, match, tmp_path):
+    """transformers fills a missing tensor with random values and only warns: the build refuses in one line naming
+    it, and writes nothing."""
+    from safetensors.torch import load_file, save_file
+
+    folder = save_folder(tiny_model(family, **overrides), tmp_path / family)
+    tensors = load_file(folder / "model.safetensors")
+    kept = {k: v for k, v in tensors.items() if not k.startswith(dropped)}
+    assert len(kept) < len(tensors)
+    save_file(kept, folder / "model.safetensors", metadata={"format": "pt"})
+    fails("build", "--model", folder, "--precision", "fp32", "--output", tmp_path / "out" / "b", alone=False,
+          match=match)
+    assert_clean(tmp_path / "out")
+
+
+def test_a_disk_too_small_for_the_bundle_is_refused_before_any_work(tiny_folder, tmp_path, monkeypatch):
+    from collections import namedtuple
+
+    from specexport.exporter import budget
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(budget.shutil, "disk_usage", lambda path: usage(10 ** 6, 10 ** 6 - 5000, 5000))
+    fails("build", "--model", tiny_folder, "--output", tmp_path / "out" / "b",
+          match="not enough disk for the bundle at")
+    assert_clean(tmp_path / "out")
+
+
+def test_the_build_says_what_it_needs(tiny_folder, tmp_path):
+    result = cli("build", "--model", tiny_folder, "--precision", "int4", "--output", tmp_path / "b")
+    assert re.search(r"tiny-llama: needs about \d+\.\d GB of disk \(\d+ GB free there\) and \d+\.\d GB of "
+                     r"memory", result.stderr), result.stderr
 
 
 def test_truncated_safetensors(tiny_folder, tmp_path):

@@ -47,6 +47,20 @@ FAMILIES = {
     "olmo3": ("olmo3", dict(ODD, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"])),
     "smollm3": ("smollm3", dict(ODD, pad_token_id=None, no_rope_layers=[1, 0], use_sliding_window=True,
                                 sliding_window=WINDOW, layer_types=["full_attention", "sliding_attention"])),
+    # mixtures of experts: Mixtral (8 experts, top 2, a window), Qwen3-MoE (6 experts of 80, the top 2 not
+    # renormalized, layer 1 dense), GPT-OSS (sinks, router bias, clamped SwiGLU, interleaved experts, alternating
+    # windows, YaRN)
+    "mixtral": ("mixtral", dict(ODD, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW)),
+    "qwen3_moe": ("qwen3_moe", dict(ODD, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=80,
+                                    mlp_only_layers=[1], norm_topk_prob=False)),
+    "gpt_oss": ("gpt_oss", dict(ODD, num_local_experts=8, num_experts_per_tok=2, sliding_window=WINDOW)),
+    # Phi-MoE: sparsemixer over 6 experts, LayerNorm with biases, an LM head bias, attention biases, a window
+    "phimoe": ("phimoe", dict(ODD, num_local_experts=6, num_experts_per_tok=2, pad_token_id=None, lm_head_bias=True,
+                              router_jitter_noise=0.3,
+                              attention_bias=True, sliding_window=WINDOW)),
+    # Cohere2: parallel blocks, LayerNorm, interleaved RoPE on the sliding layers only, logit scale
+    "cohere2": ("cohere2", dict(ODD, pad_token_id=None, sliding_window=WINDOW, logit_scale=0.3,
+                                layer_types=["sliding_attention", "full_attention"])),
 }
 
 
@@ -99,7 +113,7 @@ def test_fp32_matches_transformers(kind, flavour, tmp_path):
         assert lint_path(tmp_path / "g").errors == []
 
 
-@pytest.mark.parametrize("kind", ["gemma3", "mistral_window", "smollm3"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral_window", "smollm3", "mixtral", "gpt_oss"])
 def test_chain_only_graphs_keep_the_windows(kind, tmp_path):
     """Plain decoding's graph (GQA's causal path) masks the windows from positions alone."""
     s = session(kind, tmp_path / "g", chain_only=True)

@@ -1,7 +1,8 @@
 """Every family end to end from the CLI: a tiny random model saved as a Hugging Face folder, built with `specexport
 build` (fp32, validated against transformers), then run: greedy output equals transformers' own `generate` on prompts
-longer than the windows, and n-gram and a draft model (the target's first layer, `self:1`) give plain decoding's
-tokens alone and batched at 8 through the scheduler."""
+longer than the windows, and n-gram, a draft model (the target's first layer, `self:1`) and an EAGLE-3 draft trained
+briefly on the family's own continuations give plain decoding's tokens alone and batched at 8 through the
+scheduler."""
 
 import pytest
 import torch
@@ -29,6 +30,18 @@ def build(folder, out, *args):
     return Engine.load(out, threads=1)
 
 
+def train_eagle3(folder, out, data):
+    """An EAGLE-3 draft trained for a few seconds on the tiny target's own continuations (the layout we publish)."""
+    import specexport.train as trainers
+
+    trainer = trainers.get("eagle3")
+    config = trainer.Config(data=data, samples=24, new_tokens=24, prompt_tokens=48, batch=8, lr=3e-3, threads=1,
+                            feature_batch=16, ttt_steps=2, self_share=1.0, steps=40, draft_vocab=128,
+                            aux_layers=(0, 1, 1))
+    trainer.train(str(folder), out, config, quiet=True)
+    return out
+
+
 def hf_greedy(m, ids, n):
     with torch.no_grad():
         out = m.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
@@ -38,7 +51,7 @@ def hf_greedy(m, ids, n):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", list(FAMILIES))
-def test_a_family_built_and_run_from_the_cli(kind, tmp_path, lossless):
+def test_a_family_built_and_run_from_the_cli(kind, tmp_path, lossless, sharegpt):
     m = model(kind)
     folder = save_folder(m, tmp_path / kind)
     plain = build(folder, tmp_path / "plain")
@@ -49,7 +62,9 @@ def test_a_family_built_and_run_from_the_cli(kind, tmp_path, lossless):
         with validate.longrope_reference(m, 128):  # a LongRoPE bundle past the original length: the long factors
             assert expected[prompt] == hf_greedy(m, ids, NEW_TOKENS), prompt
     assert max(len(plain.encode(p, chat=False)) for p in PROMPTS) > 2 * 8
-    for args in (["--method", "ngram"], ["--method", "draft", "--draft-model", "self:1"]):
+    eagle3 = train_eagle3(folder, tmp_path / "eagle3-draft", sharegpt)
+    for args in (["--method", "ngram"], ["--method", "draft", "--draft-model", "self:1"],
+                 ["--method", "eagle3", "--draft", str(eagle3)]):
         engine = build(folder, tmp_path / args[1], *args)
         lossless(engine, PROMPTS, NEW_TOKENS)  # alone: whole trees and the governor's, equal to plain decoding
         scheduler = Scheduler(engine, max_batch=8, background=False)

@@ -212,11 +212,12 @@ def test_forward_refuses_to_overflow_the_cache(tmp_path):
 def test_unsupported_architecture():
     from transformers import GPT2Config
 
-    with pytest.raises(UserError, match="unsupported architecture 'gpt2'; supported: gemma, gemma2, gemma3_text, "
-                                        "granite, llama, mistral, olmo2, olmo3, phi3, qwen2, qwen3, smollm3$"):
+    with pytest.raises(UserError, match="unsupported architecture 'gpt2'; supported: cohere2, gemma, gemma2, "
+                                        "gemma3_text, gpt_oss, granite, llama, mistral, mixtral, olmo2, olmo3, phi3, "
+                                        "phimoe, qwen2, qwen3, qwen3_moe, smollm3$"):
         arch.dims_from_config(GPT2Config())
-    with pytest.raises(UserError, match="unsupported architecture 'mixtral'"):
-        arch.spec_for("mixtral")
+    with pytest.raises(UserError, match="unsupported architecture 'deepseek_v3'"):
+        arch.spec_for("deepseek_v3")
 
 
 def test_unsupported_rope_and_activation():

@@ -20,7 +20,7 @@ from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.medusa import MedusaHeads, load_heads, save_heads
 from specexport.exporter.medusa_graph import HeadsAtAcceptedRow, build_heads_graph
-from specexport.exporter.save import decoder_builder, save_graph, write_graph
+from specexport.exporter.save import Checkpoint, decoder_builder, save_graph, write_graph
 from specexport.runtime.backends.host import GraphSession
 from specexport.runtime.generate import Engine
 from specexport.runtime.rank_tree import PRESETS, expected_accept_length, from_accuracy, make, parse
@@ -181,7 +181,7 @@ def test_fused_step_equals_the_pytorch_reference(tmp_path, own, subset):
         heads.vocab_subset = np.sort(np.random.default_rng(3).choice(V, 100, replace=False))
     options = GraphOptions(fused_accept=True)
     info = write_graph(model, "target", options, 128, tmp_path, True, (HeadsAtAcceptedRow(heads, 10),))
-    builder = decoder_builder(model, options, 128)
+    builder = decoder_builder(Checkpoint.of_model(model), options, 128)
     alone = save_graph(build_heads_graph(builder, heads, 10), "medusa_heads", options, builder.d, tmp_path)
     session = GraphSession(tmp_path / info["file"], info, threads=1)
     heads_session = ort.InferenceSession(str(tmp_path / alone["file"]), providers=["CPUExecutionProvider"])

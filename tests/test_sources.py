@@ -252,6 +252,18 @@ def test_alias_falls_back_to_later_candidates():
     assert resolve("llama3-8b").path == repo / "snapshots" / "abc123"
 
 
+@pytest.mark.parametrize("alias, repo_id", [
+    ("qwen3-8b", "Qwen/Qwen3-8B"), ("gemma3-1b", "google/gemma-3-1b-it"), ("phi4-mini", "microsoft/Phi-4-mini-instruct"),
+    ("granite3.3-2b", "ibm-granite/granite-3.3-2b-instruct"), ("olmo2-1b", "allenai/OLMo-2-0425-1B"),
+    ("smollm3-3b", "HuggingFaceTB/SmolLM3-3B"), ("mixtral-8x7b", "mistralai/Mixtral-8x7B-Instruct-v0.1"),
+    ("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B"), ("gpt-oss-20b", "openai/gpt-oss-20b"),
+])  # fmt: skip
+def test_new_family_aliases_resolve_from_the_cache(alias, repo_id):
+    """The families' aliases name real hub ids, found in the local cache (any candidate) offline."""
+    repo = cache_repo(repo_id)
+    assert resolve(alias, offline=True) == ModelSource("hf_cache", repo / "snapshots" / "abc123", alias)
+
+
 def test_cache_under_hf_home(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_CACHE")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
@@ -579,14 +591,14 @@ def test_save_tokenizer_refuses_slow_only(tmp_path):
 
 def test_save_generation_config(tiny_folder, tmp_path):
     model, _ = load_model(resolve(str(tiny_folder)))
-    assert save_generation_config(model, tmp_path) == ["generation_config.json"]
+    assert save_generation_config(model.config, model.generation_config, tmp_path) == ["generation_config.json"]
     assert json.loads((tmp_path / "generation_config.json").read_text()) == {"bos_token_id": 0, "eos_token_id": [1]}
 
 
 def test_save_generation_config_without_eos(tmp_path):
     nothing = SimpleNamespace(bos_token_id=None, eos_token_id=None, pad_token_id=None)
     model = SimpleNamespace(generation_config=nothing, config=nothing)
-    assert save_generation_config(model, tmp_path / "bundle") == []
+    assert save_generation_config(model.config, model.generation_config, tmp_path / "bundle") == []
     assert not (tmp_path / "bundle").exists()
 
 
@@ -615,5 +627,5 @@ def test_real_model_loads(tmp_path):
     assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (30, 576, 49152)
     assert tokenizer.decode(tokenizer("Hello, world!")["input_ids"]) == "Hello, world!"
     assert "tokenizer.json" in save_tokenizer(tokenizer, tmp_path)
-    save_generation_config(model, tmp_path)
+    save_generation_config(model.config, model.generation_config, tmp_path)
     assert json.loads((tmp_path / "generation_config.json").read_text())["eos_token_id"] == [2]

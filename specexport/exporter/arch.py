@@ -48,6 +48,17 @@ class Dims:
     rotary_dim: int = 0  # 0: head_dim (partial rotary: fewer)
     windows: tuple = ()  # per layer: the sliding window (0: full attention); (): every layer full
     rope_layers: tuple = ()  # per layer: the RoPE table's name ("" : no rotation); (): every layer "default"
+    layer_norm: bool = False  # LayerNorm rather than RMSNorm (biases where the weights have them)
+    parallel: bool = False  # attention and MLP on the same normed input, both added to the stream (Cohere2)
+    rope_interleaved: bool = False  # RoPE over adjacent pairs rather than halves
+    sinks: bool = False  # a learned logit per head joins each softmax (GPT-OSS)
+    experts: int = 0  # mixture of experts: how many (0: dense MLPs)
+    top_k: int = 0  # experts per token
+    expert_dim: int = 0  # each expert's intermediate size
+    moe_layers: tuple = ()  # per layer: MoE (True) or a dense MLP
+    renormalize: bool = True  # the top k's routing weights rescaled to sum to 1
+    sparsemixer: float = 0.0  # > 0: Phi-MoE's sparsemixer routing with this jitter epsilon
+    swiglu: tuple = (1.0, 0.0, 0.0)  # the experts' gate: (alpha, beta, limit), families.Experts
 
     @property
     def q_size(self) -> int:
@@ -59,6 +70,9 @@ class Dims:
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
+
+    def moe(self, layer: int) -> bool:
+        return bool(self.moe_layers) and self.moe_layers[layer]
 
     def rope(self, layer: int) -> str:
         return self.rope_layers[layer] if self.rope_layers else "default"
@@ -135,6 +149,7 @@ def dims_from_config(config) -> Dims:
     if family.fused_qkv and heads % kv_heads:
         raise UserError(f"{heads} heads do not group over {kv_heads} kv heads")
     return Dims(
+        **_experts(family, config),
         model_type=config.model_type,
         vocab=config.vocab_size,
         hidden=config.hidden_size,
@@ -143,7 +158,7 @@ def dims_from_config(config) -> Dims:
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
-        rms_eps=float(config.rms_norm_eps),
+        rms_eps=float(getattr(config, "rms_norm_eps", None) or config.layer_norm_eps),
         max_positions=int(config.max_position_embeddings),  # the model's own: windows are per layer, in the mask
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         rope_type=sorted(rope_types)[0] if rope_types else "default",
@@ -151,92 +166,148 @@ def dims_from_config(config) -> Dims:
         rotary_dim=0 if rotary_dim == head_dim else rotary_dim,
         windows=layer_windows(config),
         rope_layers=rope_names,
+        sinks=family.sinks,
+        layer_norm=family.layer_norm,
+        parallel=family.parallel,
+        rope_interleaved=family.rope_interleaved,
         **scales,
     )
 
 
-def weight_table(family: Family, d: Dims, config=None) -> dict[str, tuple[str, tuple[int, ...], tuple | None]]:
-    """Our name -> (checkpoint name, its shape, rows): linear weights are [out, in] as in PyTorch; `rows` (start,
-    stop) takes a slice of a fused checkpoint matrix (Phi-3's qkv_proj and gate_up_proj), None the whole tensor."""
+def _experts(family: Family, config) -> dict:
+    """The Dims fields of a mixture of experts (none for a dense family)."""
+    moe = family.experts
+    if moe is None:
+        return {}
+    act = getattr(config, "hidden_act", "silu")
+    if ACTIVATIONS.get(act) != "silu":
+        raise UserError(f"unsupported expert activation '{act}': experts are SiLU-gated (SwiGLU)")
+    count, top_k = moe.count(config), moe.top_k(config)
+    if not 0 < top_k <= count:
+        raise UserError(f"num_experts_per_tok {top_k} must be in 1..{count} (the number of experts)")
+    sparsemixer = 0.0
+    if moe.routing == "sparsemixer":
+        sparsemixer = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
+        if top_k != 2 or not sparsemixer > 0:
+            raise UserError(f"sparsemixer routing takes 2 experts a token and a positive router_jitter_noise; got "
+                            f"{top_k} and {sparsemixer}")
+    return {"experts": count, "top_k": top_k, "expert_dim": moe.intermediate(config), "sparsemixer": sparsemixer,
+            "moe_layers": tuple(bool(x) for x in moe.sparse(config)), "renormalize": bool(moe.renormalize(config)),
+            "swiglu": tuple(float(x) for x in moe.swiglu(config))}
+
+
+@dataclass(frozen=True)
+class Part:
+    """Which part of a checkpoint tensor one of our weights is, in numpy terms: `index` (a tuple of slices) taken
+    first, then `axes` transposed. Phi-3's q is rows 0..q of qkv_proj; GPT-OSS's expert gates are the even columns
+    of gate_up_proj [E, hidden, 2I], transposed to [E, I, hidden]."""
+
+    index: tuple = ()
+    axes: tuple | None = None
+
+    def of(self, array: np.ndarray) -> np.ndarray:
+        array = array[self.index]
+        return np.ascontiguousarray(array if self.axes is None else array.transpose(self.axes))
+
+
+WHOLE = Part()
+
+
+def _rows(start: int, stop: int) -> Part:
+    return Part((slice(start, stop),))
+
+
+def _expert_parts(moe, d: Dims) -> dict:
+    """Our expert weights (gate, up [E, I, hidden], down [E, hidden, I], and biases) as parts of the fused tensors."""
+    e, i, h, every = d.experts, d.expert_dim, d.hidden, slice(None)
+    halves = (slice(0, None, 2), slice(1, None, 2)) if moe.interleaved else (slice(0, i), slice(i, 2 * i))
+    if moe.transposed:
+        gate_up_shape, down = (e, h, 2 * i), (moe.down, (e, i, h), Part(axes=(0, 2, 1)))
+        gate, up = (Part((every, every, half), (0, 2, 1)) for half in halves)
+    else:
+        gate_up_shape, down = (e, 2 * i, h), (moe.down, (e, h, i), WHOLE)
+        gate, up = (Part((every, half)) for half in halves)
+    parts = {"gate": (moe.gate_up, gate_up_shape, gate), "up": (moe.gate_up, gate_up_shape, up), "down": down}
+    if moe.biases:
+        bias = moe.gate_up + "_bias"
+        parts.update(gate_bias=(bias, (e, 2 * i), Part((every, halves[0]))),
+                     up_bias=(bias, (e, 2 * i), Part((every, halves[1]))), down_bias=(moe.down + "_bias", (e, h), WHOLE))
+    parts = {f"experts.{name}": (hf, shape, part) for name, (hf, shape, part) in parts.items()}
+    parts["router"] = (moe.router + ".weight", (e, h), WHOLE)
+    if moe.router_bias:
+        parts["router_bias"] = (moe.router + ".bias", (e,), WHOLE)
+    return parts
+
+
+def weight_table(family: Family, d: Dims, config=None) -> dict[str, tuple[str, tuple[int, ...], Part]]:
+    """Our name -> (checkpoint name, its shape, the Part we take): linear weights are [out, in] as in PyTorch
+    (experts' [E, out, in]); a Part slices a fused tensor (Phi-3's qkv_proj and gate_up_proj, MoE experts)."""
     attention_bias = bool(getattr(config, "attention_bias", False))
     qkv_bias, o_bias = family.qkv_bias or attention_bias, family.o_bias or attention_bias
     mlp_bias = bool(getattr(config, "mlp_bias", False))
     table = {
-        "embed": ("model.embed_tokens.weight", (d.vocab, d.hidden), None),
-        "norm": ("model.norm.weight", (d.hidden,), None),
+        "embed": ("model.embed_tokens.weight", (d.vocab, d.hidden), WHOLE),
+        "norm": ("model.norm.weight", (d.hidden,), WHOLE),
     }
+    if family.norm_bias:
+        table["norm_bias"] = ("model.norm.bias", (d.hidden,), WHOLE)
     if not d.tie_embeddings:
-        table["lm_head"] = ("lm_head.weight", (d.vocab, d.hidden), None)
+        table["lm_head"] = ("lm_head.weight", (d.vocab, d.hidden), WHOLE)
+    if getattr(config, "lm_head_bias", False):
+        table["lm_head_bias"] = ("lm_head.bias", (d.vocab,), WHOLE)
     q, kv, inter = d.q_size, d.kv_size, d.intermediate
     for i in range(d.layers):
         p = f"model.layers.{i}."
-        layer = {name: (f"{hf}.weight", (d.hidden,), None) for name, hf in family.norms.items()}
+        layer = {name: (f"{hf}.weight", (d.hidden,), WHOLE) for name, hf in family.norms.items()}
+        if family.norm_bias:
+            layer.update({f"{name}_bias": (f"{hf}.bias", (d.hidden,), WHOLE) for name, hf in family.norms.items()})
         if family.fused_qkv:
             fused = (q + 2 * kv, d.hidden)
-            layer.update(q=("self_attn.qkv_proj.weight", fused, (0, q)),
-                         k=("self_attn.qkv_proj.weight", fused, (q, q + kv)),
-                         v=("self_attn.qkv_proj.weight", fused, (q + kv, q + 2 * kv)))
+            layer.update(q=("self_attn.qkv_proj.weight", fused, _rows(0, q)),
+                         k=("self_attn.qkv_proj.weight", fused, _rows(q, q + kv)),
+                         v=("self_attn.qkv_proj.weight", fused, _rows(q + kv, q + 2 * kv)))
         else:
-            layer.update(q=("self_attn.q_proj.weight", (q, d.hidden), None),
-                         k=("self_attn.k_proj.weight", (kv, d.hidden), None),
-                         v=("self_attn.v_proj.weight", (kv, d.hidden), None))
-        layer["o"] = ("self_attn.o_proj.weight", (d.hidden, q), None)
-        if family.fused_gate_up:
+            layer.update(q=("self_attn.q_proj.weight", (q, d.hidden), WHOLE),
+                         k=("self_attn.k_proj.weight", (kv, d.hidden), WHOLE),
+                         v=("self_attn.v_proj.weight", (kv, d.hidden), WHOLE))
+        layer["o"] = ("self_attn.o_proj.weight", (d.hidden, q), WHOLE)
+        if d.moe(i):
+            layer.update(_expert_parts(family.experts, d))
+        elif family.fused_gate_up:
             fused = (2 * inter, d.hidden)
-            layer.update(gate=("mlp.gate_up_proj.weight", fused, (0, inter)),
-                         up=("mlp.gate_up_proj.weight", fused, (inter, 2 * inter)))
+            layer.update(gate=("mlp.gate_up_proj.weight", fused, _rows(0, inter)),
+                         up=("mlp.gate_up_proj.weight", fused, _rows(inter, 2 * inter)))
         else:
-            layer.update(gate=("mlp.gate_proj.weight", (inter, d.hidden), None),
-                         up=("mlp.up_proj.weight", (inter, d.hidden), None))
-        layer["down"] = ("mlp.down_proj.weight", (d.hidden, inter), None)
+            layer.update(gate=("mlp.gate_proj.weight", (inter, d.hidden), WHOLE),
+                         up=("mlp.up_proj.weight", (inter, d.hidden), WHOLE))
+        if not d.moe(i):
+            layer["down"] = ("mlp.down_proj.weight", (d.hidden, inter), WHOLE)
         if qkv_bias:
-            layer.update(q_bias=("self_attn.q_proj.bias", (q,), None), k_bias=("self_attn.k_proj.bias", (kv,), None),
-                         v_bias=("self_attn.v_proj.bias", (kv,), None))
+            layer.update(q_bias=("self_attn.q_proj.bias", (q,), WHOLE), k_bias=("self_attn.k_proj.bias", (kv,), WHOLE),
+                         v_bias=("self_attn.v_proj.bias", (kv,), WHOLE))
         if o_bias:
-            layer["o_bias"] = ("self_attn.o_proj.bias", (d.hidden,), None)
-        if mlp_bias:
-            layer.update(gate_bias=("mlp.gate_proj.bias", (inter,), None), up_bias=("mlp.up_proj.bias", (inter,), None),
-                         down_bias=("mlp.down_proj.bias", (d.hidden,), None))
+            layer["o_bias"] = ("self_attn.o_proj.bias", (d.hidden,), WHOLE)
+        if mlp_bias and not d.moe(i):
+            layer.update(gate_bias=("mlp.gate_proj.bias", (inter,), WHOLE), up_bias=("mlp.up_proj.bias", (inter,), WHOLE),
+                         down_bias=("mlp.down_proj.bias", (d.hidden,), WHOLE))
         if family.qk_norm == "head":
-            layer.update(q_norm=("self_attn.q_norm.weight", (d.head_dim,), None),
-                         k_norm=("self_attn.k_norm.weight", (d.head_dim,), None))
+            layer.update(q_norm=("self_attn.q_norm.weight", (d.head_dim,), WHOLE),
+                         k_norm=("self_attn.k_norm.weight", (d.head_dim,), WHOLE))
         elif family.qk_norm == "full":
-            layer.update(q_norm=("self_attn.q_norm.weight", (q,), None), k_norm=("self_attn.k_norm.weight", (kv,), None))
-        for name, (hf, shape, rows) in layer.items():
-            table[f"layers.{i}.{name}"] = (p + hf, shape, rows)
+            layer.update(q_norm=("self_attn.q_norm.weight", (q,), WHOLE), k_norm=("self_attn.k_norm.weight", (kv,), WHOLE))
+        if family.sinks:
+            layer["sinks"] = ("self_attn.sinks", (d.heads,), WHOLE)
+        for name, (hf, shape, part) in layer.items():
+            table[f"layers.{i}.{name}"] = (p + hf, shape, part)
     return table
 
 
-def _is_norm(name: str) -> bool:
-    return name == "norm" or name.endswith("_norm")
-
-
 def extract_weights(family: Family, d: Dims, state_dict: dict, config=None) -> dict[str, np.ndarray]:
-    """Map a PyTorch state dict onto our names, strictly: no missing, unexpected or misshapen tensor. Norm weights
-    come with the family's offset folded in (Gemma's 1 + w, in fp32 as transformers computes it)."""
-    table = weight_table(family, d, config)
-    expected = {hf for hf, _, _ in table.values()}
-    if d.tie_embeddings:
-        expected.add("lm_head.weight")  # tied: may be listed, and must then equal the embedding
-    unexpected = sorted(k for k in state_dict if k not in expected and not k.endswith("rotary_emb.inv_freq"))
-    if unexpected:
-        raise UserError(f"unexpected weights for {family.model_type}: {', '.join(unexpected[:5])}")
-    weights = {}
-    for name, (hf, shape, rows) in table.items():
-        if hf not in state_dict:
-            raise UserError(f"missing weight '{hf}' for {family.model_type}")
-        array = state_dict[hf].detach().float().cpu().numpy()
-        if tuple(array.shape) != shape:
-            raise UserError(f"weight '{hf}' has shape {tuple(array.shape)}, expected {shape}")
-        if rows is not None:
-            array = np.ascontiguousarray(array[rows[0]:rows[1]])
-        if family.norm_offset and _is_norm(name):
-            array = array + np.float32(family.norm_offset)
-        weights[name] = array
-    if not d.tie_embeddings:
-        return weights
-    weights["lm_head"] = weights["embed"]
-    return weights
+    """All our weights from a PyTorch state dict, checked strictly (weights.TableWeights, which reads them one at a
+    time for a streaming export)."""
+    from specexport.exporter.weights import StateDictSource, TableWeights
+
+    return dict(TableWeights(family, d, config, StateDictSource(state_dict)))
 
 
 POSITION_SLACK = 512  # rotary rows past the context limit (rope_rows)

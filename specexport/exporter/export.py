@@ -14,10 +14,11 @@ import onnxruntime as ort
 
 from specexport.bundle import staged_bundle, write_manifest
 from specexport.errors import UserError
-from specexport.exporter import arch, methods, sources, validate
+from specexport.exporter import arch, budget, methods, sources, validate
 from specexport.exporter.graph import GraphOptions
+from specexport.exporter.layerwise import WHOLE_REFERENCE_BYTES
 from specexport.exporter.methods.plan import Target
-from specexport.exporter.save import ExportContext, write_graph
+from specexport.exporter.save import Checkpoint, ExportContext, write_graph
 from specexport.exporter.tensorrt import build as tensorrt
 from specexport.options import with_given
 from specexport.runtime.backends.host import session_options
@@ -81,18 +82,34 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
     if options.profile is not None and options.max_context is None:
         max_context = min(max_context, options.profile["limits"]["max_context"])
     plan = method.plan(method_options, settings, Target(source.name, dims))  # bad heads, drafts or trees fail here
+    streamed = loaded is None and sources.streams(source, config)
+    whole_reference = not streamed or budget.fp32_bytes(dims) <= WHOLE_REFERENCE_BYTES  # as ExportContext.reference
+    need = budget.estimate(dims.within(max_context), options.graph, options.optimize, options.validate,
+                           whole_reference)
+    free = budget.check_disk(Path(output), need)  # refused here, before any work, when the disk cannot hold it
     # load, build, tokenizer (+ the method's graphs) (+ optimize) (+ validate)
     step = Steps(3 + plan.extra_graphs + options.optimize + options.validate + (options.engines is not None), quiet)
     with staged_bundle(Path(output), overwrite=overwrite) as tmp:
-        step(f"loading {source.name} ({source.kind}: {source.path})")
-        model, tokenizer = loaded or sources.load_model(source)
+        if not quiet:
+            print(f"{source.name}: {need.line(free)}", file=sys.stderr, flush=True)
+        if streamed:
+            step(f"loading {source.name} ({source.kind}: {source.path}; the weights a layer at a time)")
+            model, tokenizer = None, sources.load_tokenizer(source)
+            checkpoint = Checkpoint.of_folder(source.path, config)
+        else:
+            step(f"loading {source.name} ({source.kind}: {source.path})")
+            model, tokenizer = loaded or sources.load_model(source)
+            checkpoint = Checkpoint.of_model(model)
         step(f"building the {options.graph.precision} target graph ({options.graph.flavour} ops, {dims.layers} layers)")
         target_options = plan.graph_options(options.graph)
-        graphs = {"target": write_graph(model, "target", target_options, max_context, tmp, quiet, plan.extensions())}
-        ctx = ExportContext(source, dims, model, tokenizer, tmp, options.graph, max_context, quiet, step)
+        graphs = {"target": write_graph(checkpoint, "target", target_options, max_context, tmp, quiet,
+                                        plan.extensions())}
+        ctx = ExportContext(source, dims, checkpoint, tokenizer, tmp, options.graph, max_context, quiet, step, model)
         graphs.update(plan.write_graphs(ctx))
         step("saving the tokenizer")
-        tokenizer_files = sources.save_tokenizer(tokenizer, tmp) + sources.save_generation_config(model, tmp)
+        generation = model.generation_config if model is not None else sources.load_generation_config(source, config)
+        tokenizer_files = sources.save_tokenizer(tokenizer, tmp) + sources.save_generation_config(config, generation,
+                                                                                                  tmp)
         if options.optimize:
             step("optimizing the graphs for onnxruntime")
             for info in graphs.values():
@@ -101,7 +118,7 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
         if options.validate:
             step("validating against transformers")
             precision = options.graph.precision
-            numerics = validate.check_graph(model, tokenizer, tmp, graphs["target"], precision,
+            numerics = validate.check_graph(ctx.reference, tokenizer, tmp, graphs["target"], precision,
                                             agreement=precision != "fp32", max_context=max_context)
             numerics.update(plan.validate(ctx, graphs))
         engines = None

@@ -33,7 +33,9 @@ the other flavours apply RoPE before attention with the same position ids.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -138,12 +140,52 @@ def _domains(graph: onnx.GraphProto) -> set[str]:
     return found
 
 
-class _Graph:
-    """Minimal node/initializer accumulator with unique names."""
+class ExternalData:
+    """Initializers written to the graph's external data file as the builder makes them, so that the model in memory
+    holds only their names and offsets (a streaming export never holds the whole graph). Tensors under 1 KiB stay in
+    the proto; those of 1 MiB and more start at a multiple of 4096 bytes (ONNX Runtime memory-maps aligned data).
 
-    def __init__(self, elem_type: int, prefix: str = ""):
+    Example: `DecoderGraphBuilder(..., store=ExternalData(folder / "target.onnx.data"))`, then
+    `save_graph(proto, "target", ...)` writes the small proto beside it."""
+
+    THRESHOLD, LARGE, ALIGN = 1024, 1 << 20, 4096
+
+    def __init__(self, path: Path):
+        self.path, self.file, self.offset = Path(path), None, 0
+
+    def put(self, tensor: onnx.TensorProto) -> onnx.TensorProto:
+        data = tensor.raw_data
+        if len(data) < self.THRESHOLD:
+            return tensor
+        if self.file is None:
+            self.file = open(self.path, "wb")  # noqa: SIM115 - closed by close(), after the last initializer
+        if len(data) >= self.LARGE and self.offset % self.ALIGN:
+            pad = self.ALIGN - self.offset % self.ALIGN
+            self.file.write(b"\0" * pad)
+            self.offset += pad
+        self.file.write(data)
+        # a new message: clearing raw_data would leave its bytes in the tensor's protobuf arena until the graph is
+        # saved, the whole model's worth by the last layer
+        stub = onnx.TensorProto(name=tensor.name, dims=tensor.dims, data_type=tensor.data_type,
+                                data_location=TensorProto.EXTERNAL)
+        for key, value in (("location", self.path.name), ("offset", str(self.offset)), ("length", str(len(data)))):
+            entry = stub.external_data.add()
+            entry.key, entry.value = key, value
+        self.offset += len(data)
+        return stub
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+class _Graph:
+    """Minimal node/initializer accumulator with unique names; initializers go to `store` as they come, if given."""
+
+    def __init__(self, elem_type: int, prefix: str = "", store: ExternalData | None = None):
         self.elem_type = elem_type
         self.prefix = prefix  # a subgraph's names start with it: names are unique across the whole model
+        self.store = store
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
         self._names: dict[str, tuple] = {}  # initializer name -> shape
@@ -154,7 +196,7 @@ class _Graph:
 
     def subgraph(self, name: str) -> "_Graph":
         """An empty graph for the body of an If or Loop node (it may use this graph's names)."""
-        return _Graph(self.elem_type, prefix=f"{self.prefix}{name}.")
+        return _Graph(self.elem_type, prefix=f"{self.prefix}{name}.", store=self.store)
 
     def const(self, name: str, array: np.ndarray, compute: bool = False) -> str:
         name = self.prefix + name
@@ -168,7 +210,7 @@ class _Graph:
 
     def add(self, tensor: onnx.TensorProto) -> str:
         self._names[tensor.name] = tuple(tensor.dims)
-        self.initializers.append(tensor)
+        self.initializers.append(self.store.put(tensor) if self.store is not None else tensor)
         return tensor.name
 
     def op(self, op_type: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", **attrs):
@@ -198,11 +240,12 @@ class GraphExtension(Protocol):
 class DecoderGraphBuilder:
     """Builds a decoder's step graph (the target's; the same blocks make a draft's) from its weights."""
 
-    def __init__(self, spec: Family, dims: Dims, weights: dict[str, np.ndarray], options: GraphOptions,
-                 rope: tuple[np.ndarray, np.ndarray] | dict[str, tuple[np.ndarray, np.ndarray]]):
+    def __init__(self, spec: Family, dims: Dims, weights: Mapping[str, np.ndarray], options: GraphOptions,
+                 rope: tuple[np.ndarray, np.ndarray] | dict[str, tuple[np.ndarray, np.ndarray]],
+                 store: ExternalData | None = None):
         options.check(dims)
         self.spec, self.d, self.w, self.opt = spec, dims, weights, options
-        self.g = _Graph(options.compute_type)
+        self.g = _Graph(options.compute_type, store=store)
         self.rope = rope if isinstance(rope, dict) else {"default": rope}  # table name (Dims.rope) -> (cos, sin)
         self.ort, self.trt = options.flavour == "ort", options.flavour == "trt"
         self.capacity = next(iter(self.rope.values()))[0].shape[0]  # the trt flavour's static S_max
@@ -266,9 +309,19 @@ class DecoderGraphBuilder:
         return g.op("DequantizeLinear", [f"{name}.qweight", f"{name}.scale"], axis=0, block_size=block)
 
     def norm(self, x: str, residual: str | None, weight: np.ndarray, name: str) -> tuple[str, str]:
-        """RMSNorm(x + residual) -> (normed, new residual stream)."""
+        """RMSNorm(x + residual) -> (normed, new residual stream); LayerNorm where the family has it (Dims.layer_norm),
+        with the bias `{name}_bias` where the weights have one."""
         g, eps = self.g, self.d.rms_eps
         wname = g.const(name, weight, compute=True)
+        if self.d.layer_norm:
+            bias = self.w.get(f"{name}_bias")
+            bname = g.const(f"{name}_bias", bias if bias is not None else np.zeros_like(weight), compute=True)
+            if self.ort and residual is not None:
+                out = g.op("SkipLayerNormalization", [x, residual, wname, bname], outputs=4, domain="com.microsoft",
+                           epsilon=eps)
+                return out[0], out[3]
+            stream = x if residual is None else g.op("Add", [residual, x])
+            return g.op("LayerNormalization", [stream, wname, bname], axis=-1, epsilon=eps, stash_type=1), stream
         if self.ort:
             if residual is None:
                 return g.op("SimplifiedLayerNormalization", [x, wname], axis=-1, epsilon=eps), x
@@ -286,6 +339,130 @@ class DecoderGraphBuilder:
         gate_x, up_x = g.op("Split", [gate_up, sizes], outputs=2, axis=-1)
         act = g.op("Mul", [self.activation(gate_x), up_x])
         return self.linear(act, prefix + "down", down, w.get(prefix + "down_bias"))
+
+    def moe(self, h: str, prefix: str) -> str:
+        """A mixture-of-experts MLP (Dims.experts) whose cost grows with the experts each token is routed to, not
+        with their number. ort: ONNX Runtime's MoE op (QMoE with int4 or int8 experts); the other flavours: the same
+        routing in standard ops, each expert run on the rows routed to it (NonZero, Gather, ScatterND). The router
+        stays in the compute type at every precision: quantizing it would change which experts a token takes.
+
+        Example: Mixtral's 8 experts, top 2, renormalized: softmax(router(h)), its top 2 rescaled to sum to 1, the
+        two experts' SwiGLU MLPs weighted by them and summed."""
+        g, w, d = self.g, self.w, self.d
+        flat = g.op("Reshape", [h, g.const("moe.rows", np.array([-1, d.hidden], np.int64))])
+        router = g.const(prefix + "router.weight", np.ascontiguousarray(w[prefix + "router"].T), compute=True)
+        logits = g.op("MatMul", [flat, router])
+        if prefix + "router_bias" in w:
+            logits = g.op("Add", [logits, g.const(prefix + "router.bias", w[prefix + "router_bias"], compute=True)])
+        out = self._moe_op(flat, logits, prefix) if self.ort else self._moe_standard(flat, logits, prefix)
+        return g.op("Reshape", [out, g.op("Shape", [h])])
+
+    def routing(self, logits: str) -> str:
+        """Each row's weights over the experts [N, E] (fp32), k of them nonzero: the top k of the router's softmax
+        (renormalized where Dims.renormalize), or Phi-MoE's sparsemixer."""
+        g, d = self.g, self.d
+        if self.opt.compute_type != TensorProto.FLOAT:
+            logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
+        if d.sparsemixer:
+            return self._sparsemixer(logits)
+        probs = g.op("Softmax", [logits], axis=-1)
+        top, index = g.op("TopK", [probs, g.const("moe.k", np.array([d.top_k], np.int64))], outputs=2, axis=-1)
+        if d.renormalize:
+            top = g.op("Div", [top, g.op("ReduceSum", [top, g.const("moe.last", np.array([-1], np.int64))])])
+        return g.op("ScatterElements", [g.op("Sub", [probs, probs]), index, top], axis=1)
+
+    def _sparsemixer(self, scores: str) -> str:
+        """Phi-MoE's sparsemixer in eval mode: twice, the best remaining expert, weighted by the softmax over the
+        remaining logits within 2 * jitter_eps (relative to max(|logit|, best)) of the best one."""
+        g, d = self.g, self.d
+        last = g.const("moe.last", np.array([-1], np.int64))
+        far_off, minus_inf = g.const("moe.eps2", np.array(2 * d.sparsemixer, np.float32)), g.const(
+            "moe.minus_inf", np.array([[-np.inf]], np.float32))
+        magnitude, remaining, routing = g.op("Abs", [scores]), scores, g.op("Sub", [scores, scores])
+        for _ in range(2):
+            top = g.op("ReduceMax", [remaining, last], keepdims=1)
+            best = g.op("ArgMax", [remaining], axis=-1, keepdims=1)
+            far = g.op("Greater", [g.op("Div", [g.op("Sub", [top, scores]), g.op("Max", [magnitude, top])]), far_off])
+            gates = g.op("Softmax", [g.op("Where", [far, minus_inf, remaining])], axis=-1)
+            weight = g.op("GatherElements", [gates, best], axis=1)
+            routing = g.op("ScatterElements", [routing, best, weight], axis=1)
+            remaining = g.op("ScatterElements", [remaining, best, g.op("Expand", [minus_inf, g.op("Shape", [best])])],
+                             axis=1)
+        return routing
+
+    def _moe_op(self, h: str, logits: str, prefix: str) -> str:
+        """ONNX Runtime's MoE / QMoE: gate and up interleaved in one matrix per expert (swiglu_fusion 1). The op
+        routes by softmax and top k itself; another router's weights r go in as log(r), whose softmax is r / sum(r),
+        and the output is scaled back by sum(r)."""
+        g, w, d, p = self.g, self.w, self.d, prefix + "experts."
+        scale = None
+        if d.sparsemixer:
+            routing = self.routing(logits)
+            scale = g.op("ReduceSum", [routing, g.const("moe.last", np.array([-1], np.int64))])
+            logits, scale = g.op("Log", [routing]), self._to_compute(scale)
+            logits = self._to_compute(logits)
+        gate, up, down = w[p + "gate"], w[p + "up"], w[p + "down"]
+        fc1 = np.stack([gate, up], axis=2).reshape(d.experts, 2 * d.expert_dim, d.hidden)
+        fc1_bias = (np.stack([w[p + "gate_bias"], w[p + "up_bias"]], axis=2).reshape(d.experts, -1)
+                    if p + "gate_bias" in w else None)
+        biases = [g.const(p + "fc1.bias", fc1_bias, compute=True) if fc1_bias is not None else "",
+                  g.const(p + "fc2.bias", w[p + "down_bias"], compute=True) if p + "down_bias" in w else ""]
+        alpha, beta, limit = d.swiglu
+        attrs = {"k": d.top_k, "activation_type": "swiglu", "swiglu_fusion": 1, "activation_alpha": alpha,
+                 "activation_beta": beta, "normalize_routing_weights": int(d.renormalize and not d.sparsemixer)}
+        if limit:
+            attrs["swiglu_limit"] = limit
+        if self.opt.precision in ("int4", "int8"):
+            bits = 4 if self.opt.precision == "int4" else 8
+            if bits == 4:
+                attrs["block_size"] = quant.qmoe_block(d.hidden, d.expert_dim)
+            block = attrs.get("block_size", 0)
+            (q1, s1), (q2, s2) = quant.qmoe_experts(fc1, bits, block), quant.qmoe_experts(down, bits, block)
+            inputs = [h, logits, g.const(p + "fc1.q", q1), g.const(p + "fc1.scale", s1), biases[0],
+                      g.const(p + "fc2.q", q2), g.const(p + "fc2.scale", s2), biases[1]]
+            out = g.op("QMoE", inputs, domain="com.microsoft", expert_weight_bits=bits, **attrs)
+        else:
+            inputs = [h, logits, g.const(p + "fc1", fc1, compute=True), biases[0],
+                      g.const(p + "fc2", down, compute=True), biases[1]]
+            out = g.op("MoE", inputs, domain="com.microsoft", **attrs)
+        return out if scale is None else g.op("Mul", [out, scale])
+
+    def _to_compute(self, x: str) -> str:
+        et = self.opt.compute_type
+        return x if et == TensorProto.FLOAT else self.g.op("Cast", [x], to=et)
+
+    def _moe_standard(self, h: str, logits: str, prefix: str) -> str:
+        """The MoE in standard ops: routing weights as a dense [N, E] matrix with k nonzeros a row, then per expert
+        its rows (NonZero), its MLP on them, and their weighted outputs scattered back and summed."""
+        g, w, d, p = self.g, self.w, self.d, prefix + "experts."
+        flat, routing = h, self._to_compute(self.routing(logits))  # [N, hidden], [N, E]
+        out = g.op("Sub", [flat, flat])
+        last = g.const("moe.unsqueeze", np.array([-1], np.int64))
+        for e in range(d.experts):
+            weight = g.op("Gather", [routing, g.const(f"moe.expert.{e}", np.array(e, np.int64))], axis=1)  # [N]
+            rows = g.op("Reshape", [g.op("NonZero", [weight]), last])
+            x = g.op("Gather", [flat, rows], axis=0)
+            bias = (np.concatenate([w[p + "gate_bias"][e], w[p + "up_bias"][e]]) if p + "gate_bias" in w else None)
+            gate_up = self.linear(x, f"{p}{e}.gate_up", np.concatenate([w[p + "gate"][e], w[p + "up"][e]]), bias)
+            sizes = g.const("moe.split", np.array([d.expert_dim] * 2, np.int64))
+            gate, up = g.op("Split", [gate_up, sizes], outputs=2, axis=-1)
+            y = self.linear(self.gated(gate, up), f"{p}{e}.down", w[p + "down"][e],
+                            w[p + "down_bias"][e] if p + "down_bias" in w else None)
+            y = g.op("Mul", [y, g.op("Unsqueeze", [g.op("Gather", [weight, rows], axis=0), last])])
+            out = g.op("Add", [out, g.op("ScatterND", [g.op("Sub", [flat, flat]), g.op("Unsqueeze", [rows, last]), y])])
+        return out
+
+    def gated(self, gate: str, up: str) -> str:
+        """An expert's gate (Dims.swiglu): SiLU(g) * u, or clamp(g, max=l) * sigmoid(a g) * (clamp(u, -l, l) + b)."""
+        g, (alpha, beta, limit) = self.g, self.d.swiglu
+        if (alpha, beta, limit) == (1.0, 0.0, 0.0):
+            return g.op("Mul", [self.activation(gate), up])
+        c = lambda name, v: g.const(f"swiglu.{name}", np.array(v, np.float32), compute=True)  # noqa: E731
+        if limit:
+            gate = g.op("Clip", [gate, "", c("limit", limit)])
+            up = g.op("Clip", [up, c("neg_limit", -limit), c("limit", limit)])
+        glu = g.op("Mul", [gate, g.op("Sigmoid", [g.op("Mul", [gate, c("alpha", alpha)])])])
+        return g.op("Mul", [g.op("Add", [up, c("beta", beta)]), glu])
 
     def activation(self, x: str) -> str:
         """The MLP's activation (Dims.activation): SiLU, GELU (exact or tanh, ONNX's Gelu), ReLU."""
@@ -339,8 +516,11 @@ class DecoderGraphBuilder:
                 g.op("Identity", [padded(stream)], outputs=[f"layer_input.{i}"])
             attn = self.attention(i, h, attn_args)
             branch = self.block_output(self.linear(attn, p + "o", w[p + "o"], w.get(p + "o_bias")), p + "attn_post_norm")
-            stream, h = self.block_input(stream, branch, p + "mlp_norm")
-            branch = self.block_output(self.mlp(h, p, w[p + "gate"], w[p + "up"], w[p + "down"]), p + "mlp_post_norm")
+            if not d.parallel:  # else the MLP reads the attention's input, and both outputs join the stream
+                stream, h = self.block_input(stream, branch, p + "mlp_norm")
+            ffn = self.moe(h, p) if d.moe(i) else self.mlp(h, p, w[p + "gate"], w[p + "up"], w[p + "down"])
+            ffn = self.block_output(ffn, p + "mlp_post_norm")
+            branch = g.op("Add", [branch, ffn]) if d.parallel else ffn
             on_layer(i)
         final, _ = self.norm(branch, stream, w["norm"], "norm")
         final = padded(final)  # a ragged graph's Gather names its output; others' norm keeps its own name
@@ -362,6 +542,8 @@ class DecoderGraphBuilder:
             outputs += add_batch_accept(g, top)  # the batched engine's greedy acceptance, every sequence at once
         for extension in extensions:
             outputs += extension.add(self, final, flat, row)
+        if g.store is not None:
+            g.store.close()
         return make_model(helper.make_graph(g.nodes, "target", inputs, outputs, initializer=g.initializers))
 
     def step_io(self, layers: int, extra: tuple = ()) -> tuple[list, list]:
@@ -516,10 +698,29 @@ class DecoderGraphBuilder:
     def lm_head(self, rows: str) -> str:
         """Logits of hidden rows [n, hidden] (compute type); the weights are created once and shared."""
         g, d = self.g, self.d
+        bias = self.w.get("lm_head_bias")
         if self.opt.precision in _FLOAT_TYPES and d.tie_embeddings:
             embed = "embed" if g.has("embed") else g.const("embed", self.w["embed"], compute=True)
-            return g.op("Gemm", [rows, embed], transB=1)  # share the embedding table, no transposed copy
-        return self.linear(rows, "lm_head", self.w["lm_head"])
+            inputs = [rows, embed] + ([g.const("lm_head.bias", bias, compute=True)] if bias is not None else [])
+            return g.op("Gemm", inputs, transB=1)  # share the embedding table, no transposed copy
+        return self.linear(rows, "lm_head", self.w["lm_head"], bias)
+
+    def _sink_row(self, i: int, keys: str, values: str, bias: str, kv_len: str | None) -> tuple:
+        """Attention sinks in the standard Attention op, which has no sink input: a zero key and value row ahead of
+        the cache, whose bias column is the head's sink (q . 0 = 0), so exp(sink) joins each row's softmax
+        denominator and adds nothing to its output. (keys, values, bias [B, heads, T, 1 + W], kv_len + 1)."""
+        g, d, p = self.g, self.d, f"layers.{i}."
+        two, one = g.const("sink.two", np.array([2], np.int64)), g.const("sink.one", np.array([1], np.int64))
+        zero, three = g.const("sink.zero", np.array([0], np.int64)), g.const("sink.three", np.array([3], np.int64))
+        row = g.op("Slice", [keys, zero, one, two])  # [B, kv_heads, 1, hd]
+        row = g.op("Sub", [row, row])
+        keys, values = (g.op("Concat", [row, t], axis=2) for t in (keys, values))
+        sinks = g.const(p + "sinks", self.w[p + "sinks"].reshape(1, d.heads, 1, 1), compute=True)
+        column = g.op("Slice", [bias, zero, one, three])  # [B, 1, T, 1]
+        column = g.op("Add", [g.op("Sub", [column, column]), sinks])  # [B, heads, T, 1]
+        heads = g.op("Sub", [sinks, sinks])  # [1, heads, 1, 1] zeros: the bias per head
+        bias = g.op("Concat", [column, g.op("Add", [bias, heads])], axis=-1)
+        return keys, values, bias, (g.op("Add", [kv_len, one]) if kv_len else None)
 
     def attention(self, i: int, h: str, lengths: dict[str, str]) -> str:
         d, g, w = self.d, self.g, self.w
@@ -533,6 +734,7 @@ class DecoderGraphBuilder:
         present_k, present_v = f"present.{i}.key", f"present.{i}.value"
         rope, bias = d.rope(i), self.bias(d.window(i))
         partial = {"rotary_embedding_dim": d.rotary_dim} if d.rotary_dim else {}
+        partial.update({"interleaved": 1} if d.rope_interleaved else {})
         scales = {k: v for k, v in (("scale", d.attn_scale), ("softcap", d.attn_softcap)) if v}
         # GQA rotates itself unless the rotary part's half is not a multiple of 8 (its kernel's rule)
         gqa_rotary = self.ort and bool(rope) and (d.rotary_dim or d.head_dim) // 2 % 8 == 0
@@ -550,10 +752,12 @@ class DecoderGraphBuilder:
                 q = g.op("RotaryEmbedding", [q, cos, sin, "position_ids"], num_heads=d.heads, **partial)
                 k = g.op("RotaryEmbedding", [k, cos, sin, "position_ids"], num_heads=d.kv_heads, **partial)
             cos, sin = self.rope_tables(rope) if gqa_rotary else ("", "")
-            inputs = [q, k, v, past_k, past_v, lengths["seqlens_k"], lengths["total"], cos, sin, "position_ids", bias]
-            inputs += [""] * 5 + [lengths["query_seqlens"]]
+            sinks = g.const(p + "sinks", w[p + "sinks"], compute=True) if d.sinks else ""
+            inputs = [q, k, v, past_k, past_v, lengths["seqlens_k"], lengths["total"], cos, sin, "position_ids", bias,
+                      sinks] + [""] * 4 + [lengths["query_seqlens"]]
             out, _, _ = g.op("GroupQueryAttention", inputs, outputs=[f"attn_{i}", present_k, present_v], domain="com.microsoft",
-                             num_heads=d.heads, kv_num_heads=d.kv_heads, do_rotary=int(gqa_rotary), causal=1, **scales)
+                             num_heads=d.heads, kv_num_heads=d.kv_heads, do_rotary=int(gqa_rotary), causal=1,
+                             rotary_interleaved=int(d.rope_interleaved), **scales)
             return self.real_rows(out, d.q_size) if self.ragged else out
         heads = []
         for t, n in ((q, d.heads), (k, d.kv_heads), (v, d.kv_heads)):
@@ -568,7 +772,10 @@ class DecoderGraphBuilder:
         g.op("TensorScatter", [past_k, k4, lengths["write_at"]], outputs=[present_k], **scatter)
         g.op("TensorScatter", [past_v, heads[2], lengths["write_at"]], outputs=[present_v], **scatter)
         # trt: over all S_max rows, the mask hiding those past the valid length (TensorRT takes no nonpad_kv_seqlen)
-        extra = [] if self.trt else ["", "", lengths["kv_len"]]
-        y = g.op("Attention", [q4, present_k, present_v, bias] + extra, **scales)
+        keys, values, kv_len = present_k, present_v, lengths.get("kv_len")
+        if d.sinks:
+            keys, values, bias, kv_len = self._sink_row(i, present_k, present_v, bias, kv_len)
+        extra = [] if self.trt else ["", "", kv_len]
+        y = g.op("Attention", [q4, keys, values, bias] + extra, **scales)
         y = g.op("Transpose", [y], perm=[0, 2, 1, 3])
         return g.op("Reshape", [y, g.const(f"attn_{i}.shape", np.array([0, 0, d.q_size], np.int64))])

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from specexport.errors import UserError
+
 INT4_BLOCK = 32
 TRT_INT4_BLOCK = 64  # TensorRT's weight-only int4: signed, symmetric, blocks of 64 or 128 (the finer one here)
 
@@ -79,3 +81,27 @@ def dequantize_int4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray, in_dim: 
     blocks = scale.shape[1]
     w = (q.reshape(out_dim, blocks, -1).astype(np.float32) - zero[..., None]) * scale[..., None]
     return w.reshape(out_dim, -1)[:, :in_dim]
+
+
+def qmoe_block(hidden: int, inter: int) -> int:
+    """The int4 block of ONNX Runtime's QMoE: 32, or 16 where a dimension is not a multiple of 32 (both dims must
+    divide by it)."""
+    for block in (INT4_BLOCK, 16):
+        if hidden % block == 0 and inter % block == 0:
+            return block
+    raise UserError(f"int4 experts need hidden and expert sizes divisible by 16 (ONNX Runtime's QMoE); got {hidden} "
+                    f"and {inter}")
+
+
+def qmoe_experts(w: np.ndarray, bits: int, block: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Experts [E, out, in] in ONNX Runtime's QMoE layout: uint8 with zero point 2^(bits-1) (no zero-point input),
+    row-major [E, out, in * bits / 8], low nibble first; int8 one scale per output row [E, out], int4 symmetric
+    blocks of `block` along `in` [E, out, in / block] (qmoe_block)."""
+    experts, out_dim, in_dim = w.shape
+    rows = w.reshape(-1, in_dim)
+    if bits == 8:
+        q, scale = int8_per_channel(rows)
+        return (q.T.astype(np.int16) + 128).astype(np.uint8).reshape(w.shape), scale.reshape(experts, out_dim)
+    q, scale = int4_symmetric_blocks(rows, block)
+    packed = pack_nibbles((q + 8).astype(np.uint8))
+    return packed.reshape(experts, out_dim, -1), scale.reshape(experts, out_dim, -1)

@@ -61,6 +61,20 @@ ALIASES: dict[str, list[str | PipFile]] = {
     "qwen2.5-7b": ["Qwen/Qwen2.5-7B-Instruct"],
     "mistral-7b": ["mistralai/Mistral-7B-Instruct-v0.3", "mistralai/Mistral-7B-Instruct-v0.2"],
     "vicuna-7b": ["lmsys/vicuna-7b-v1.3", "lmsys/vicuna-7b-v1.5"],  # v1.3 is the Medusa/EAGLE base
+    "qwen3-0.6b": ["Qwen/Qwen3-0.6B"],
+    "qwen3-8b": ["Qwen/Qwen3-8B"],
+    "gemma2-2b": ["google/gemma-2-2b-it"],
+    "gemma3-270m": ["google/gemma-3-270m-it"],
+    "gemma3-1b": ["google/gemma-3-1b-it"],
+    "phi3.5-mini": ["microsoft/Phi-3.5-mini-instruct"],
+    "phi4-mini": ["microsoft/Phi-4-mini-instruct"],
+    "granite3.3-2b": ["ibm-granite/granite-3.3-2b-instruct"],
+    "olmo2-1b": ["allenai/OLMo-2-0425-1B-Instruct", "allenai/OLMo-2-0425-1B"],
+    "olmo3-7b": ["allenai/Olmo-3-7B-Instruct", "allenai/Olmo-3-1025-7B"],
+    "smollm3-3b": ["HuggingFaceTB/SmolLM3-3B"],
+    "mixtral-8x7b": ["mistralai/Mixtral-8x7B-Instruct-v0.1", "mistralai/Mixtral-8x7B-v0.1"],
+    "qwen3-30b-a3b": ["Qwen/Qwen3-30B-A3B-Instruct-2507", "Qwen/Qwen3-30B-A3B"],
+    "gpt-oss-20b": ["openai/gpt-oss-20b"],
 }
 
 def resolve(spec: str, offline: bool | None = None) -> ModelSource:
@@ -183,11 +197,45 @@ def load_model(source: ModelSource):
 
     transformers = _transformers()
     with _load_errors(source):
-        model = transformers.AutoModelForCausalLM.from_pretrained(
-            **_where(source), dtype=torch.float32, local_files_only=True
+        config = transformers.AutoConfig.from_pretrained(**_where(source), local_files_only=True)
+        quantized = (getattr(config, "quantization_config", None) or {})
+        method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+        # MXFP4 experts (GPT-OSS) dequantized at load everywhere: with triton and `kernels` installed transformers
+        # would otherwise keep them for its GPU kernels, fetched from the hub
+        extra = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if method == "mxfp4" else {}
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            **_where(source), dtype=torch.float32, local_files_only=True, output_loading_info=True,
+            ignore_mismatched_sizes=True, **extra
         )
-        tokenizer = transformers.AutoTokenizer.from_pretrained(**_where(source), local_files_only=True)
-    return model.eval(), tokenizer
+        # transformers fills a tensor the checkpoint lacks with random values, and only warns
+        missing = sorted(info.get("missing_keys") or ()) + sorted(info.get("mismatched_keys") or ())
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            name = missing[0] if isinstance(missing[0], str) else missing[0][0]
+            raise UserError(f"{source.path.name}: the checkpoint lacks the weight '{name}'{more} (or has it in "
+                            "another shape): an incomplete or damaged download?")
+    return model.eval(), load_tokenizer(source)
+
+
+def load_tokenizer(source: ModelSource):
+    transformers = _transformers()
+    with _load_errors(source, reads_weights=source.kind == "gguf"):
+        return transformers.AutoTokenizer.from_pretrained(**_where(source), local_files_only=True)
+
+
+def streams(source: ModelSource, config) -> bool:
+    """Whether an export can read this checkpoint a tensor at a time (weights.SafetensorsSource): a folder of
+    safetensors shards with no quantization transformers must undo, whose tensor names and shapes are the family's
+    table (a mixture of experts' per-expert checkpoint tensors, fused by transformers at load, are not yet)."""
+    from specexport.exporter.arch import dims_from_config, spec_for, weight_table
+    from specexport.exporter.weights import SafetensorsSource
+
+    if source.kind == "gguf" or getattr(config, "quantization_config", None) or not SafetensorsSource.usable(source.path):
+        return False
+    dims = dims_from_config(config)
+    with _load_errors(source):
+        shapes = SafetensorsSource(source.path).shapes()
+    return all(shapes.get(hf) == shape for hf, shape, _ in weight_table(spec_for(config.model_type), dims, config).values())
 
 
 @contextmanager
@@ -255,12 +303,22 @@ def save_tokenizer(tokenizer, folder) -> list[str]:
     return saved
 
 
-def save_generation_config(model, folder) -> list[str]:
-    """Write generation_config.json with the token ids the runtime stops on; [] if the model has none."""
+def load_generation_config(source: ModelSource, config):
+    """The model's generation config as from_pretrained sets it, without the weights: its generation_config.json,
+    else the config's token ids."""
+    transformers = _transformers()
+    if source.kind != "gguf" and (source.path / "generation_config.json").is_file():
+        return transformers.GenerationConfig.from_pretrained(str(source.path), local_files_only=True)
+    return transformers.GenerationConfig.from_model_config(config)
+
+
+def save_generation_config(config, generation_config, folder) -> list[str]:
+    """Write generation_config.json with the token ids the runtime stops on (the generation config's, else the
+    model config's); [] if the model has none."""
 
     def token_id(key):
-        value = getattr(getattr(model, "generation_config", None), key, None)
-        return value if value is not None else getattr(model.config, key, None)
+        value = getattr(generation_config, key, None)
+        return value if value is not None else getattr(config, key, None)
 
     ids = {key: token_id(key) for key in ("bos_token_id", "eos_token_id", "pad_token_id")}
     if ids["eos_token_id"] is None:

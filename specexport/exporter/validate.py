@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specexport.exporter.eagle import DraftModule
+from specexport.exporter.layerwise import module_weight
 from specexport.prompts import AGREEMENT_NEW_TOKENS, AGREEMENT_PROMPTS
 from specexport.runtime import tree
 from specexport.runtime.backends.host import GraphSession
@@ -127,14 +128,14 @@ def longrope_reference(model, max_context: int | None):
     import torch
 
     from specexport.exporter.arch import longrope_policy
-    from specexport.exporter.save import model_inv_freq
+    from specexport.exporter.save import rope_inv_freq
 
     rotary = getattr(model.model, "rotary_emb", None)
     if max_context is None or longrope_policy(model.config, max_context) != "long":
         yield
         return
     saved = rotary.original_inv_freq
-    rotary.original_inv_freq = torch.from_numpy(model_inv_freq(model, "default", max_context)[0])
+    rotary.original_inv_freq = torch.from_numpy(rope_inv_freq(rotary, model.config, "default", max_context)[0])
     try:
         yield
     finally:
@@ -150,9 +151,39 @@ def check_graph(model, tokenizer, folder, graph_info: dict, precision: str, agre
     report = {"cases": compare(model, session, chain_only=bool(graph_info.get("chain_only")), max_context=max_context)}
     report["max_abs_diff"] = max(case["max_abs_diff"] for case in report["cases"].values())
     if agreement:
-        sequences = reference_sequences(model, tokenizer, AGREEMENT_PROMPTS, AGREEMENT_NEW_TOKENS)
+        if hasattr(model, "layerwise_weight"):  # a forward reads the whole checkpoint: score the graph's own text
+            sequences = graph_sequences(session, tokenizer, AGREEMENT_PROMPTS, AGREEMENT_NEW_TOKENS)
+            report["agreement_text"] = "the graph's own greedy continuations (a layer-wise reference)"
+        else:
+            sequences = reference_sequences(model, tokenizer, AGREEMENT_PROMPTS, AGREEMENT_NEW_TOKENS)
         report["agreement"] = agreement_on_prompts(model, session, sequences, precision == "int8")
     return report
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A prompt's ids, chat-formatted where the tokenizer has a template."""
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
+def graph_sequences(session, tokenizer, prompts: list[str], new_tokens: int) -> list[tuple[list[int], int]]:
+    """(ids, prompt length): prompts followed by the graph's own greedy continuation (plain decoding)."""
+    sequences = []
+    for prompt in prompts:
+        ids = prompt_ids(tokenizer, prompt)
+        cache = session.new_cache(len(ids) + new_tokens)
+        out, piece = list(ids), list(ids)
+        for _ in range(new_tokens):
+            past, t = cache.length, len(piece)
+            logits = session.forward(cache, np.array([piece]), past + np.arange(t)[None], tree.causal_mask(t),
+                                     np.array([t - 1]))["logits"]
+            cache.advance(t)
+            piece = [int(logits[-1].argmax())]
+            out += piece
+        sequences.append((out, len(ids)))
+    return sequences
 
 
 def reference_sequences(model, tokenizer, prompts: list[str], new_tokens: int) -> list[tuple[list[int], int]]:
@@ -161,11 +192,7 @@ def reference_sequences(model, tokenizer, prompts: list[str], new_tokens: int) -
 
     sequences = []
     for prompt in prompts:
-        if tokenizer.chat_template:
-            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        else:
-            ids = tokenizer(prompt)["input_ids"]
+        ids = prompt_ids(tokenizer, prompt)
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
         sequences.append((out[0].tolist(), len(ids)))
@@ -225,7 +252,7 @@ def medusa_step(model, session, heads_session, heads, seed: int = 0, prefix: int
     vocab = model.config.vocab_size
     prompt = rng.integers(3, vocab, size=prefix)
     tokens = rng.integers(3, vocab, size=len(TREE))
-    lm_head = model.get_output_embeddings().weight.detach().float().numpy()
+    lm_head = module_weight(model, "lm_head.").numpy()
 
     def reference(tokens):
         cache = DynamicCache(config=model.config)
@@ -285,8 +312,8 @@ def eagle(model, session, draft_session, draft, seed: int = 0, prefix: int = 16)
     ids = rng.integers(3, model.config.vocab_size, size=prefix)
     with torch.no_grad():
         states = model.model(input_ids=torch.from_numpy(ids[None]), output_hidden_states=True).hidden_states
-    embed = model.get_input_embeddings().weight.detach().float()
-    module = DraftModule.from_draft(draft, embed, model.get_output_embeddings().weight.detach().float())
+    embed = module_weight(model, "model.embed_tokens.")
+    module = DraftModule.from_draft(draft, embed, module_weight(model, "lm_head."))
     with torch.no_grad():
         if draft.config.version == 3:
             ref_feats = module.start(torch.cat([states[i] for i in draft.config.aux_layers], -1).float())[0].numpy()

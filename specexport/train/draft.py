@@ -162,7 +162,7 @@ def write_model(output: Path, draft, target, tokenizer) -> None:
     shutil.rmtree(temp, ignore_errors=True)
     draft.save_pretrained(temp)
     save_tokenizer(tokenizer, temp)
-    save_generation_config(target, temp)
+    save_generation_config(target.config, target.generation_config, temp)
     for file in temp.iterdir():
         os.replace(file, output / file.name)
     temp.rmdir()

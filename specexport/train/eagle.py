@@ -116,7 +116,7 @@ def init_draft(target, version: int, aux: tuple[int, ...], hot: np.ndarray):
     hd = getattr(cfg, "head_dim", None) or h // heads
     theta = (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
     config = DraftConfig(version=version, hidden=h, intermediate=cfg.intermediate_size, heads=heads, kv_heads=kv,
-                         head_dim=hd, rms_eps=float(cfg.rms_norm_eps), rope_theta=float(theta), vocab=vocab,
+                         head_dim=hd, rms_eps=dims_from_config(cfg).rms_eps, rope_theta=float(theta), vocab=vocab,
                          draft_vocab=len(hot) if version == 3 else vocab, target_hidden=h,
                          aux_layers=aux if version == 3 else (), fc_bias=version == 1)
     rng = np.random.default_rng(0)

@@ -29,6 +29,40 @@ def _none(config) -> dict:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP: the router and the experts as transformers' state dict holds them (v5 fuses a
+    checkpoint's per-expert matrices into one tensor per projection at load), and how tokens are routed.
+
+    - `router`: the router linear's name under the layer (its `.weight` [E, hidden], `.bias` if `router_bias`).
+    - `gate_up` / `down`: the fused expert tensors, [E, 2I, hidden] (gate rows, then up rows) and [E, hidden, I];
+      `transposed`: stored as x @ W, [E, hidden, 2I] and [E, I, hidden] (GPT-OSS); `interleaved`: gate and up
+      alternate along the 2I axis (GPT-OSS); `biases`: `{gate_up,down}_bias` tensors [E, 2I] and [E, hidden].
+    - `count(config)` experts, `top_k(config)` per token, `intermediate(config)` per expert, `renormalize(config)`:
+      the top k's softmax weights rescaled to sum to 1 (Mixtral; Qwen3-MoE by `norm_topk_prob`; GPT-OSS's softmax
+      over the top k logits is the same), `sparse(config)` per layer: MoE or a dense MLP.
+    - `swiglu(config)`: (alpha, beta, limit) of the experts' gate: clamp(g, max=limit) * sigmoid(alpha g) *
+      (clamp(u, +-limit) + beta); (1, 0, 0) is SiLU(g) * u.
+    - `routing`: "softmax" (the top k of the router's softmax) or "sparsemixer" (Phi-MoE: two experts, each weighted
+      by a softmax over the logits within `router_jitter_noise` of it, in eval mode).
+    """
+
+    count: Callable[[object], int]
+    top_k: Callable[[object], int] = lambda config: int(config.num_experts_per_tok)
+    intermediate: Callable[[object], int] = lambda config: int(config.intermediate_size)
+    renormalize: Callable[[object], bool] = lambda config: True
+    sparse: Callable[[object], list] = lambda config: [True] * config.num_hidden_layers
+    swiglu: Callable[[object], tuple] = lambda config: (1.0, 0.0, 0.0)
+    routing: str = "softmax"
+    router: str = "mlp.gate"
+    router_bias: bool = False
+    gate_up: str = "mlp.experts.gate_up_proj"
+    down: str = "mlp.experts.down_proj"
+    transposed: bool = False
+    interleaved: bool = False
+    biases: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     """How one family's graph and checkpoint differ from Llama's.
 
@@ -39,6 +73,11 @@ class Family:
     - `fused_qkv` / `fused_gate_up`: the checkpoint stores one matrix (Phi-3), split on load.
     - `scales(config)`: embed_scale, residual_scale, attn_scale, attn_softcap, final_softcap, logits_scaling (dict).
     - `rope_layers(config)`: per layer, whether it rotates (SmolLM3's NoPE layers); None: every layer.
+    - `layer_norm`: LayerNorm (mean subtracted) instead of RMSNorm, with biases where `norm_bias` (Phi-MoE, Cohere2).
+    - `parallel`: attention and MLP read the same normed input and both add to the stream (Cohere2).
+    - `rope_interleaved`: RoPE rotates adjacent pairs (x0, x1), (x2, x3)... rather than the two halves (Cohere2).
+    - `sinks`: one learned logit per head joins every softmax (GPT-OSS: `self_attn.sinks`).
+    - `experts`: the MoE MLP (`Experts`), on the layers its `sparse` names; None: dense MLPs.
     - `refuse(config)`: a config option this family's export cannot express, as one line; None: none.
     """
 
@@ -52,6 +91,12 @@ class Family:
     fused_gate_up: bool = False
     scales: Callable[[object], dict] = _none
     rope_layers: Callable[[object], list] | None = None
+    layer_norm: bool = False
+    norm_bias: bool = False
+    parallel: bool = False
+    rope_interleaved: bool = False
+    sinks: bool = False
+    experts: Experts | None = None
     refuse: Callable[[object], str | None] = lambda config: None
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specexport.errors import UserError
 from specexport.exporter import families, validate
-from specexport.exporter.arch import dims_from_config, extract_weights, rope_rows, spec_for
+from specexport.exporter.arch import dims_from_config, rope_rows
 from specexport.exporter.eagle import EagleDraft, load_draft
 from specexport.exporter.eagle_graph import (
     EAGLE_TOP_K,
@@ -61,12 +61,12 @@ class EaglePlan(Plan):
         ctx.step(f"building the {'EAGLE-3' if c.version == 3 else 'EAGLE-1/2'} draft graph (draft vocabulary "
                  f"{c.draft_vocab})")
         plain = GraphOptions(precision=ctx.graph.precision, flavour=ctx.graph.flavour)
-        return {"draft": write_draft_graph(ctx.model, self.draft, plain, ctx.max_context, ctx.folder)}
+        return {"draft": write_draft_graph(ctx.checkpoint, self.draft, plain, ctx.max_context, ctx.folder)}
 
     def validate(self, ctx: ExportContext, graphs: dict[str, dict]) -> dict:
         session = GraphSession(ctx.folder / graphs["target"]["file"], graphs["target"])
         draft_session = GraphSession(ctx.folder / graphs["draft"]["file"], graphs["draft"], spin=False)
-        return {"eagle": validate.eagle(ctx.model, session, draft_session, self.draft)}
+        return {"eagle": validate.eagle(ctx.reference, session, draft_session, self.draft)}
 
     def manifest(self) -> dict:
         c = self.draft.config
@@ -81,10 +81,11 @@ class Options:
                                       "trained with specexport train (default: the draft shipped for the model).")
 
 
-def write_draft_graph(model, draft: EagleDraft, graph: GraphOptions, max_context: int, folder: Path) -> dict:
-    """draft.onnx: the draft decoder with its own KV cache (exporter/eagle_graph.py); its manifest entry."""
-    spec, dims = spec_for(model.config.model_type), dims_from_config(model.config)
-    target = extract_weights(spec, dims, model.state_dict(), model.config)
+def write_draft_graph(checkpoint, draft: EagleDraft, graph: GraphOptions, max_context: int, folder: Path) -> dict:
+    """draft.onnx: the draft decoder with its own KV cache (exporter/eagle_graph.py); its manifest entry. It reads
+    the target's embedding and LM head only (save.Checkpoint)."""
+    dims = dims_from_config(checkpoint.config)
+    target = checkpoint.weights()
     ddims = draft_dims(draft, dims)
     builder = DecoderGraphBuilder(families.get("llama"), ddims, draft_weights(draft, target), graph,
                                   rope_for(draft, rope_rows(max_context, graph.flavour, tree_rows=64)))

@@ -43,7 +43,7 @@ class MedusaPlan(Plan):
 
     def write_graphs(self, ctx: ExportContext) -> dict[str, dict]:
         ctx.step(f"building the Medusa heads graph ({self.heads.count} {self.heads.style}-LM-head heads, for sampling)")
-        builder = decoder_builder(ctx.model, self.graph_options(ctx.graph), ctx.max_context)
+        builder = decoder_builder(ctx.checkpoint, self.graph_options(ctx.graph), ctx.max_context)
         proto = build_heads_graph(builder, self.heads, TOP_K)
         return {"medusa_heads": save_graph(proto, "medusa_heads", builder.opt, builder.d, ctx.folder)}
 
@@ -51,7 +51,7 @@ class MedusaPlan(Plan):
         """The fused step (accept + heads) and the heads graph against the PyTorch reference, on three trees."""
         target = GraphSession(ctx.folder / graphs["target"]["file"], graphs["target"])
         alone = GraphSession(ctx.folder / graphs["medusa_heads"]["file"], graphs["medusa_heads"], spin=False)
-        runs = [validate.medusa_step(ctx.model, target, alone.session, self.heads, seed) for seed in range(3)]
+        runs = [validate.medusa_step(ctx.reference, target, alone.session, self.heads, seed) for seed in range(3)]
         return {"medusa": {"runs": runs, "path_match": all(r["path_match"] for r in runs),
                            "bonus_match": all(r["bonus_match"] for r in runs)}}
 

@@ -1,0 +1,137 @@
+"""Weights one tensor at a time, so that an export never holds the whole model.
+
+A source serves checkpoint tensors by name: `SafetensorsSource` reads them from a Hugging Face folder's safetensors
+shards (memory-mapped, converted to fp32 one at a time), `StateDictSource` from a model already in memory (a GGUF or
+MXFP4 checkpoint transformers dequantized, a `self:N` draft, the tests' tiny models). `TableWeights` maps a source
+onto our names (arch.weight_table), strictly, and keeps only the layer being built.
+
+Example: `TableWeights(family, dims, config, SafetensorsSource(folder))["layers.3.q"]` is layer 3's q_proj as an fp32
+[q_size, hidden] array, read from whichever shard holds it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from specexport.errors import UserError
+from specexport.exporter.arch import Dims, weight_table
+from specexport.exporter.families import Family
+
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")  # a buffer some old checkpoints saved
+
+
+class SafetensorsSource:
+    """The tensors of a folder's `*.safetensors` shards, read on demand (headers only at open)."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        self._shard: dict[str, Path] = {}
+        self._shapes: dict[str, tuple] = {}
+        for file in sorted(self.folder.glob("*.safetensors")):
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    self._shard[name] = file
+                    self._shapes[name] = tuple(f.get_slice(name).get_shape())
+
+    @staticmethod
+    def usable(folder: Path) -> bool:
+        """A folder whose weights are safetensors shards (whole: sources checks them at load)."""
+        folder = Path(folder)
+        return folder.is_dir() and any(folder.glob("*.safetensors"))
+
+    def shapes(self) -> dict[str, tuple]:
+        return self._shapes
+
+    def get(self, name: str) -> np.ndarray:
+        """One tensor in fp32. The shard is mapped for this read only: a mapping kept open would keep every page
+        read so far resident (and counted in the process's memory) until the whole checkpoint was."""
+        from safetensors import safe_open
+
+        with safe_open(self._shard[name], framework="pt") as f:  # numpy has no bf16: torch converts
+            return f.get_tensor(name).float().numpy()
+
+
+class StateDictSource:
+    """A model's state dict (torch tensors), served one fp32 array at a time."""
+
+    def __init__(self, state_dict: dict):
+        self.state_dict = state_dict
+
+    def shapes(self) -> dict[str, tuple]:
+        return {name: tuple(t.shape) for name, t in self.state_dict.items()}
+
+    def get(self, name: str) -> np.ndarray:
+        return self.state_dict[name].detach().float().cpu().numpy()
+
+
+def _layer(name: str) -> str | None:
+    match = re.match(r"layers\.(\d+)\.", name)
+    return match.group(0) if match else None
+
+
+class TableWeights(Mapping):
+    """Our weights by our names (arch.weight_table), read from `source` on first use and kept while their layer is
+    being built: asking for another layer's weight drops the last layer's. Checked strictly up front, from the
+    shapes alone: a missing, unexpected or misshapen tensor is one line. Norm weights come with the family's offset
+    folded in (Gemma's 1 + w, in fp32 as transformers computes it); a tied LM head is the embedding."""
+
+    def __init__(self, family: Family, dims: Dims, config, source):
+        self.family, self.source = family, source
+        self.table = weight_table(family, dims, config)
+        if dims.tie_embeddings:
+            self.table["lm_head"] = self.table["embed"]
+        shapes = source.shapes()
+        expected = {hf for hf, _, _ in self.table.values()} | ({"lm_head.weight"} if dims.tie_embeddings else set())
+        unexpected = sorted(k for k in shapes if k not in expected and not _IGNORED.search(k))
+        if unexpected:
+            raise UserError(f"unexpected weights for {family.model_type}: {', '.join(unexpected[:5])}")
+        for hf, shape, _ in self.table.values():
+            if hf not in shapes:
+                raise UserError(f"missing weight '{hf}' for {family.model_type}")
+            if tuple(shapes[hf]) != shape:
+                raise UserError(f"weight '{hf}' has shape {tuple(shapes[hf])}, expected {shape}")
+        self._layer, self._kept = None, {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.table:
+            raise KeyError(name)
+        layer = _layer(name)
+        if layer != self._layer:
+            self._layer, self._kept = layer, {}
+        if name not in self._kept:
+            hf, _, part = self.table[name]
+            array = part.of(self.source.get(hf))
+            if self.family.norm_offset and (name == "norm" or name.endswith("_norm")):
+                array = array + np.float32(self.family.norm_offset)
+            self._kept[name] = array
+        return self._kept[name]
+
+    def __contains__(self, name) -> bool:  # Mapping's would read the tensor
+        return name in self.table
+
+    def __iter__(self):
+        return iter(self.table)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def release(self) -> None:
+        """Drop the weights kept for the last layer asked for."""
+        self._layer, self._kept = None, {}
+
+
+def checkpoint_bytes(folder: Path) -> int:
+    """The size of a folder's weights as stored (for the build's memory and disk estimate)."""
+    index = next(Path(folder).glob("*.safetensors.index.json"), None)
+    if index is not None:
+        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
+        if total:
+            return int(total)
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
