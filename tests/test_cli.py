@@ -427,7 +427,7 @@ def test_interrupted_overwrite_keeps_the_old_bundle(tiny_folder, tmp_path, monke
     out = tmp_path / "out" / "b"
     cli("export", "--model", tiny_folder, "--output", out, "--no-validate")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    monkeypatch.setattr("specexport.exporter.validate.compare", interrupt)  # late: graph and tokenizer written
+    monkeypatch.setattr("specexport.exporter.validate.reference_cases", interrupt)  # late: graph and tokenizer written
     result = cli("export", "--model", tiny_folder, "--output", out, "--overwrite", ok=False)
     assert result.exit_code == 130
     assert [p.name for p in out.parent.iterdir()] == ["b"]

@@ -53,7 +53,8 @@ def numerics_lines(manifest: dict) -> list[str]:
     lines = []
     if "top1_agreement_t1" in n.get("agreement", {}):
         a = n["agreement"]
-        lines.append(f"  generated text       top-1 agreement with fp32: {a['top1_agreement_t1']:.1%} decoding one "
+        text = "prompt text    " if n.get("agreement_text") else "generated text "  # layer-wise: the prompts' tokens
+        lines.append(f"  {text}      top-1 agreement with fp32: {a['top1_agreement_t1']:.1%} decoding one "
                      f"token per step, {a['top1_agreement_t8']:.1%} in steps of 8 ({a['positions']} positions, "
                      "teacher-forced)")
     lines += methods.get(manifest["method"]["name"]).numerics(n)

@@ -110,10 +110,22 @@ def graph_steps(session, steps: list[Step]) -> list[np.ndarray]:
 def compare(model, session, seed: int = 0, chain_only: bool = False, max_context: int | None = None) -> dict[str, dict]:
     """Per case: max abs logit difference and top-1 agreement over all rows (`max_context`: the bundle's, for the
     LongRoPE factors it chose)."""
-    report = {}
+    return compare_with(reference_cases(model, seed, chain_only, max_context), session)
+
+
+def reference_cases(model, seed: int = 0, chain_only: bool = False, max_context: int | None = None) -> dict:
+    """Per case: (its steps, transformers' logits for each step)."""
+    out = {}
     for name, steps in cases(model.config.vocab_size, seed, chain_only).items():
         with longrope_reference(model, max_context):
-            ref = reference_steps(model, steps)
+            out[name] = (steps, reference_steps(model, steps))
+    return out
+
+
+def compare_with(references: dict, session) -> dict[str, dict]:
+    """compare() against references computed before (reference_cases)."""
+    report = {}
+    for name, (steps, ref) in references.items():
         got = graph_steps(session, steps)
         diff = max(float(np.abs(r - g).max()) for r, g in zip(ref, got))
         agree = np.mean(np.concatenate([(r.argmax(-1) == g.argmax(-1)).ravel() for r, g in zip(ref, got)]))
@@ -147,16 +159,21 @@ def check_graph(model, tokenizer, folder, graph_info: dict, precision: str, agre
     """A bundle's step graph against its transformers model: logits on every shape class (`compare`); with
     `agreement`, top-1 agreement with fp32 on generated text (a quantized graph)."""
     model.config._attn_implementation = "eager"  # the literal reference: the bias is added to the scores
-    session = GraphSession(folder / graph_info["file"], graph_info)
-    report = {"cases": compare(model, session, chain_only=bool(graph_info.get("chain_only")), max_context=max_context)}
-    report["max_abs_diff"] = max(case["max_abs_diff"] for case in report["cases"].values())
+    references = reference_cases(model, chain_only=bool(graph_info.get("chain_only")), max_context=max_context)
+    report = {}
     if agreement:
-        if hasattr(model, "layerwise_weight"):  # a forward reads the whole checkpoint: score the graph's own text
-            sequences = graph_sequences(session, tokenizer, AGREEMENT_PROMPTS, AGREEMENT_NEW_TOKENS)
-            report["agreement_text"] = "the graph's own greedy continuations (a layer-wise reference)"
+        if hasattr(model, "layerwise_weight"):  # a forward reads the whole checkpoint: no generation, the prompts
+            sequences = [(prompt_ids(tokenizer, prompt), 1) for prompt in AGREEMENT_PROMPTS]
+            report["agreement_text"] = "the prompts' own tokens (a layer-wise reference: no generated text)"
         else:
             sequences = reference_sequences(model, tokenizer, AGREEMENT_PROMPTS, AGREEMENT_NEW_TOKENS)
-        report["agreement"] = agreement_on_prompts(model, session, sequences, precision == "int8")
+        top1 = reference_top1(model, sequences)
+    # opened once the reference is done: a big model's session and its reference never peak together
+    session = GraphSession(folder / graph_info["file"], graph_info)
+    report["cases"] = compare_with(references, session)
+    report["max_abs_diff"] = max(case["max_abs_diff"] for case in report["cases"].values())
+    if agreement:
+        report["agreement"] = agreement_on_prompts(top1, session, sequences, precision == "int8")
     return report
 
 
@@ -166,24 +183,6 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
         text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(prompt)["input_ids"]
-
-
-def graph_sequences(session, tokenizer, prompts: list[str], new_tokens: int) -> list[tuple[list[int], int]]:
-    """(ids, prompt length): prompts followed by the graph's own greedy continuation (plain decoding)."""
-    sequences = []
-    for prompt in prompts:
-        ids = prompt_ids(tokenizer, prompt)
-        cache = session.new_cache(len(ids) + new_tokens)
-        out, piece = list(ids), list(ids)
-        for _ in range(new_tokens):
-            past, t = cache.length, len(piece)
-            logits = session.forward(cache, np.array([piece]), past + np.arange(t)[None], tree.causal_mask(t),
-                                     np.array([t - 1]))["logits"]
-            cache.advance(t)
-            piece = [int(logits[-1].argmax())]
-            out += piece
-        sequences.append((out, len(ids)))
-    return sequences
 
 
 def reference_sequences(model, tokenizer, prompts: list[str], new_tokens: int) -> list[tuple[list[int], int]]:
@@ -199,19 +198,25 @@ def reference_sequences(model, tokenizer, prompts: list[str], new_tokens: int) -
     return sequences
 
 
-def agreement_on_prompts(model, session, sequences: list[tuple[list[int], int]], prefill_first_alone: bool,
-                         steps: tuple[int, ...] = (1, 8)) -> dict:
-    """Teacher-forced top-1 agreement with the fp32 model at the generated positions.
-
-    The prompt is prefilled the way the runtime does it; the continuation is then fed in steps of
-    T tokens for each T in `steps`: 1 is plain decoding, 8 a verification-sized step.
-    """
+def reference_top1(model, sequences: list[tuple[list[int], int]]) -> list[np.ndarray]:
+    """The fp32 model's top-1 token at every position of each sequence (one forward each)."""
     import torch
 
     refs = []
     for ids, _ in sequences:
         with torch.no_grad():
             refs.append(model(input_ids=torch.tensor([ids])).logits[0].argmax(-1).numpy())
+    return refs
+
+
+def agreement_on_prompts(refs: list[np.ndarray], session, sequences: list[tuple[list[int], int]],
+                         prefill_first_alone: bool, steps: tuple[int, ...] = (1, 8)) -> dict:
+    """Teacher-forced top-1 agreement with the fp32 model's top-1 (`refs`, reference_top1) at the positions from
+    each sequence's prompt length on.
+
+    The prompt is prefilled the way the runtime does it; the continuation is then fed in steps of
+    T tokens for each T in `steps`: 1 is plain decoding, 8 a verification-sized step.
+    """
     result = {}
     for step in steps:
         hits = total = 0
