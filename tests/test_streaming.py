@@ -115,3 +115,21 @@ def test_peak_memory_does_not_grow_with_the_layers(tmp_path):
         peaks[layers] = peak_rss_kb() - base
     weights_kb = 14 * 4 * (4 * 512 * 512 // 4 * 2 + 2 * 512 * 128 + 3 * 512 * 1408) // 1024
     assert peaks[16] - peaks[2] < weights_kb / 4, (peaks, weights_kb)
+
+
+def test_a_self_draft_of_a_streamed_target_is_streamed_too(tmp_path, monkeypatch):
+    """`--draft-model self:1` of a streamed checkpoint: its graph read from the target's first layer's tensors, the
+    same initializers as from the loaded model, validated against the layer-wise draft with the same numbers."""
+    from conftest import method_export
+
+    folder = save_folder(tiny_model("gemma2", **FAMILIES["gemma2"]), tmp_path / "gemma2")
+    options = ExportOptions(graph=GraphOptions(precision="int4"), max_context=128,
+                            **method_export("draft", draft_model="self:1"))
+    loaded = sources.load_model(sources.resolve(str(folder)))
+    whole = export_bundle(str(folder), tmp_path / "whole", options, quiet=True, loaded=loaded)
+    monkeypatch.setattr(save, "WHOLE_REFERENCE_BYTES", 0)
+    streamed = export_bundle(str(folder), tmp_path / "streamed", options, quiet=True)
+    a = initializers(tmp_path / "whole" / whole["graphs"]["draft"]["file"])
+    b = initializers(tmp_path / "streamed" / streamed["graphs"]["draft"]["file"])
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert streamed["numerics"]["draft"]["cases"] == whole["numerics"]["draft"]["cases"]

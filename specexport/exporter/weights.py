@@ -71,6 +71,21 @@ class StateDictSource:
         return self.state_dict[name].detach().float().cpu().numpy()
 
 
+class FirstLayers:
+    """A source's tensors without those of layers `n` and up: a `self:N` draft's (the target's first N layers, its
+    final norm and LM head)."""
+
+    def __init__(self, source, n: int):
+        self.source, self.n = source, n
+
+    def shapes(self) -> dict[str, tuple]:
+        return {k: v for k, v in self.source.shapes().items()
+                if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= self.n)}
+
+    def get(self, name: str) -> np.ndarray:
+        return self.source.get(name)
+
+
 def _layer(name: str) -> str | None:
     match = re.match(r"layers\.(\d+)\.", name)
     return match.group(0) if match else None

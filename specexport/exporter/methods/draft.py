@@ -12,8 +12,10 @@ import torch
 from specexport.errors import UserError
 from specexport.exporter import sources, validate
 from specexport.exporter.graph import GraphOptions
+from specexport.exporter.layerwise import layerwise_model
 from specexport.exporter.methods.plan import ExportMethod, Plan, Target
-from specexport.exporter.save import ExportContext, write_graph
+from specexport.exporter.save import Checkpoint, ExportContext, rotary_module, write_graph
+from specexport.exporter.weights import FirstLayers
 from specexport.options import setting
 from specexport.runtime.methods import draft
 
@@ -36,9 +38,18 @@ class DraftPlan(Plan):
                                 f"{target.dims.vocab} tokens); a draft must share the target's tokenizer")
 
     def write_graphs(self, ctx: ExportContext) -> dict[str, dict]:
+        plain = GraphOptions(precision=ctx.graph.precision, flavour=ctx.graph.flavour)
+        n = parse_self_draft(self.spec, ctx.dims.layers)
+        if n is not None and ctx.loaded is None:  # a streamed target: its first n layers, streamed too
+            config, source = first_layers_config(ctx.checkpoint.config, n), ctx.checkpoint.source
+            ctx.step(f"building the draft graph (self:{n}, {n} layers)")
+            reference = ctx.reference
+            self.model = (layerwise_model(source.folder, config) if hasattr(reference, "layerwise_weight")
+                          else self_draft(reference, n))
+            checkpoint = Checkpoint(config, FirstLayers(source, n), rotary_module(config))
+            return {"draft": write_graph(checkpoint, "draft", plain, ctx.max_context, ctx.folder, ctx.quiet)}
         self.model, name = load_draft_model(self.spec, ctx.model, ctx.tokenizer, ctx.dims.layers)
         ctx.step(f"building the draft graph ({name}, {self.model.config.num_hidden_layers} layers)")
-        plain = GraphOptions(precision=ctx.graph.precision, flavour=ctx.graph.flavour)
         return {"draft": write_graph(self.model, "draft", plain, ctx.max_context, ctx.folder, ctx.quiet)}
 
     def validate(self, ctx: ExportContext, graphs: dict[str, dict]) -> dict:
@@ -73,14 +84,20 @@ def parse_self_draft(spec: str, target_layers: int) -> int | None:
     return n
 
 
-def self_draft(model, n: int):
-    """The target's first n layers + its final norm and LM head, sharing the target's tensors."""
-    config = copy.deepcopy(model.config)
+def first_layers_config(config, n: int):
+    """A copy of a decoder's config with its first n layers: per-layer plans (layer_types, no_rope_layers) cut too."""
+    config = copy.deepcopy(config)
     layers = config.num_hidden_layers
     config.num_hidden_layers = n
-    for key, value in vars(config).items():  # per-layer plans (layer_types, no_rope_layers) cut to the n layers
+    for key, value in vars(config).items():
         if isinstance(value, list) and len(value) == layers and key != "architectures":
             setattr(config, key, value[:n])
+    return config
+
+
+def self_draft(model, n: int):
+    """The target's first n layers + its final norm and LM head, sharing the target's tensors."""
+    config = first_layers_config(model.config, n)
     with torch.device("meta"):
         draft_model = type(model)(config)
     keep = {k: v for k, v in model.state_dict().items()
