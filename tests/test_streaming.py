@@ -133,3 +133,20 @@ def test_a_self_draft_of_a_streamed_target_is_streamed_too(tmp_path, monkeypatch
     b = initializers(tmp_path / "streamed" / streamed["graphs"]["draft"]["file"])
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert streamed["numerics"]["draft"]["cases"] == whole["numerics"]["draft"]["cases"]
+
+
+def test_only_the_shards_transformers_loads_are_read(tmp_path):
+    """A folder beside its model.safetensors holding another *.safetensors (Mistral's consolidated.safetensors, in
+    Mistral's own names) streams the model's file only; an index names the shards."""
+    from safetensors.torch import save_file
+
+    folder = save_folder(tiny_model("llama"), tmp_path / "llama")
+    save_file({"layers.0.attention.wq.weight": torch.zeros(4, 4)}, folder / "consolidated.safetensors")
+    source = SafetensorsSource(folder)
+    assert "layers.0.attention.wq.weight" not in source.shapes()
+    config = sources.load_config(sources.resolve(str(folder)))
+    assert sources.streams(sources.resolve(str(folder)), config)
+    (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {"%s": "model-00001-of-00001.safetensors"}}'
+                                                         % "model.embed_tokens.weight")
+    assert "model.norm.weight" in SafetensorsSource(folder).shapes()

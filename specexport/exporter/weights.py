@@ -11,7 +11,6 @@ Example: `TableWeights(family, dims, config, SafetensorsSource(folder))["layers.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,14 +18,27 @@ from pathlib import Path
 import numpy as np
 
 from specexport.errors import UserError
+from specexport.exporter import hub
 from specexport.exporter.arch import Dims, weight_table
 from specexport.exporter.families import Family
 
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")  # a buffer some old checkpoints saved
 
 
+INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"
+
+
+def shard_files(folder: Path) -> list[Path]:
+    """The weights transformers loads from a folder: the shards its index names, else model.safetensors (not any
+    other *.safetensors there: Mistral's repositories also hold consolidated.safetensors, in Mistral's own names)."""
+    folder = Path(folder)
+    if (folder / INDEX).is_file():
+        return [folder / name for name in hub.index_shards(folder / INDEX)]
+    return [folder / SINGLE] if (folder / SINGLE).is_file() else []
+
+
 class SafetensorsSource:
-    """The tensors of a folder's `*.safetensors` shards, read on demand (headers only at open)."""
+    """The tensors of a folder's safetensors shards (shard_files), read on demand (headers only at open)."""
 
     def __init__(self, folder: Path):
         from safetensors import safe_open
@@ -34,7 +46,7 @@ class SafetensorsSource:
         self.folder = Path(folder)
         self._shard: dict[str, Path] = {}
         self._shapes: dict[str, tuple] = {}
-        for file in sorted(self.folder.glob("*.safetensors")):
+        for file in shard_files(self.folder):
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():
                     self._shard[name] = file
@@ -42,9 +54,9 @@ class SafetensorsSource:
 
     @staticmethod
     def usable(folder: Path) -> bool:
-        """A folder whose weights are safetensors shards (whole: sources checks them at load)."""
-        folder = Path(folder)
-        return folder.is_dir() and any(folder.glob("*.safetensors"))
+        """A folder whose weights are safetensors shards, all there (sources names a missing one at load)."""
+        files = shard_files(folder)
+        return bool(files) and all(f.is_file() for f in files)
 
     def shapes(self) -> dict[str, tuple]:
         return self._shapes
@@ -142,11 +154,3 @@ class TableWeights(Mapping):
         self._layer, self._kept = None, {}
 
 
-def checkpoint_bytes(folder: Path) -> int:
-    """The size of a folder's weights as stored (for the build's memory and disk estimate)."""
-    index = next(Path(folder).glob("*.safetensors.index.json"), None)
-    if index is not None:
-        total = json.loads(index.read_text()).get("metadata", {}).get("total_size")
-        if total:
-            return int(total)
-    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
