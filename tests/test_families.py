@@ -17,6 +17,7 @@ from specexport.exporter import arch, families, validate
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.save import write_graph
 from specexport.exporter.tensorrt.lint import lint_path
+from specexport.exporter.weights import extract_weights
 from specexport.runtime.backends.host import GraphSession
 
 MAX_CONTEXT = 128
@@ -148,13 +149,13 @@ def test_fused_checkpoint_matrices_are_split_strictly():
     m = model("phi3")
     family, dims = families.get("phi3"), arch.dims_from_config(m.config)
     state = m.state_dict()
-    w = arch.extract_weights(family, dims, state, m.config)
+    w = extract_weights(family, dims, state, m.config)
     qkv = state["model.layers.0.self_attn.qkv_proj.weight"].numpy()
     assert np.array_equal(np.concatenate([w["layers.0.q"], w["layers.0.k"], w["layers.0.v"]]), qkv)
     bad = {**state, "model.layers.0.mlp.gate_up_proj.weight": torch.zeros(300, 96)}
     with pytest.raises(UserError, match=r"'model.layers.0.mlp.gate_up_proj.weight' has shape \(300, 96\), expected "
                                         r"\(320, 96\)"):
-        arch.extract_weights(family, dims, bad, m.config)
+        extract_weights(family, dims, bad, m.config)
 
 
 @pytest.mark.parametrize("config, match", [

@@ -1,8 +1,8 @@
 """Every family end to end from the CLI: a tiny random model saved as a Hugging Face folder, built with `specexport
 build` (fp32, validated against transformers), then run: greedy output equals transformers' own `generate` on prompts
-longer than the windows, and n-gram, a draft model (the target's first layer, `self:1`) and an EAGLE-3 draft trained
-briefly on the family's own continuations give plain decoding's tokens alone and batched at 8 through the
-scheduler."""
+longer than the windows, and n-gram, a draft model (the target's first layer, `self:1`), an EAGLE-3 draft and Medusa
+heads trained briefly on the family's own continuations give plain decoding's tokens alone and batched at 8 through
+the scheduler."""
 
 import pytest
 import torch
@@ -42,6 +42,17 @@ def train_eagle3(folder, out, data):
     return out
 
 
+def train_medusa(folder, out, data):
+    """Medusa heads (3) trained for a few seconds on the data's own text (self-distillation on a tiny random Gemma's
+    continuations gave the trainer no rows)."""
+    from specexport.train import medusa
+
+    config = medusa.Config(data=data, heads=3, samples=60, new_tokens=32, prompt_tokens=64, batch=512, lr=1e-2,
+                           threads=1, feature_batch=16, steps=40, self_distill=False)
+    medusa.train(str(folder), out, config, quiet=True)
+    return out
+
+
 def hf_greedy(m, ids, n):
     with torch.no_grad():
         out = m.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
@@ -63,8 +74,9 @@ def test_a_family_built_and_run_from_the_cli(kind, tmp_path, lossless, sharegpt)
             assert expected[prompt] == hf_greedy(m, ids, NEW_TOKENS), prompt
     assert max(len(plain.encode(p, chat=False)) for p in PROMPTS) > 2 * 8
     eagle3 = train_eagle3(folder, tmp_path / "eagle3-draft", sharegpt)
+    heads = train_medusa(folder, tmp_path / "medusa-heads", sharegpt)
     for args in (["--method", "ngram"], ["--method", "draft", "--draft-model", "self:1"],
-                 ["--method", "eagle3", "--draft", str(eagle3)]):
+                 ["--method", "eagle3", "--draft", str(eagle3)], ["--method", "medusa", "--heads", str(heads)]):
         engine = build(folder, tmp_path / args[1], *args)
         lossless(engine, PROMPTS, NEW_TOKENS)  # alone: whole trees and the governor's, equal to plain decoding
         scheduler = Scheduler(engine, max_batch=8, background=False)

@@ -16,6 +16,7 @@ from specexport.errors import UserError
 from specexport.exporter import arch, validate
 from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions
 from specexport.exporter.save import write_graph
+from specexport.exporter.weights import extract_weights
 from specexport.runtime import tree
 from specexport.runtime.backends.host import GraphSession
 
@@ -237,7 +238,7 @@ def test_aux_layer_out_of_range(aux):
 def test_builder_checks_options():
     m = model("llama")
     spec, dims = arch.spec_for("llama"), arch.dims_from_config(m.config)
-    weights = arch.extract_weights(spec, dims, m.state_dict())
+    weights = extract_weights(spec, dims, m.state_dict())
     rope = arch.rope_tables(np.ones(8, np.float32), 1.0, 8)
     for bad, match in [(dict(aux_layers=(3,)), "out of range"), (dict(precision="int3"), "unknown precision 'int3'"),
                        (dict(flavour="tensorrt"), "unknown graph flavour 'tensorrt'"),
@@ -249,7 +250,7 @@ def test_builder_checks_options():
 def test_int4_qdq_needs_whole_blocks():
     m = tiny_model("mistral", intermediate_size=80)  # down_proj's input dim 80 is not a multiple of 32
     spec, dims = arch.spec_for("mistral"), arch.dims_from_config(m.config)
-    weights = arch.extract_weights(spec, dims, m.state_dict())
+    weights = extract_weights(spec, dims, m.state_dict())
     builder = DecoderGraphBuilder(spec, dims, weights, GraphOptions(precision="int4", flavour="onnx"),
                                  arch.rope_tables(np.ones(8, np.float32), 1.0, 8))
     with pytest.raises(UserError, match="int4 needs input dims divisible by 32; layers.0.down has 80"):
@@ -260,15 +261,15 @@ def test_weights_are_loaded_strictly():
     m = model("mistral")
     spec, dims = arch.spec_for("mistral"), arch.dims_from_config(m.config)
     state = dict(m.state_dict())
-    assert set(arch.extract_weights(spec, dims, state)) == set(arch.weight_table(spec, dims, m.config))
+    assert set(extract_weights(spec, dims, state)) == set(arch.weight_table(spec, dims, m.config))
     missing = {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}
     with pytest.raises(UserError, match="missing weight 'model.layers.1.mlp.up_proj.weight' for mistral"):
-        arch.extract_weights(spec, dims, missing)
+        extract_weights(spec, dims, missing)
     with pytest.raises(UserError, match="unexpected weights for mistral: model.layers.0.self_attn.q_proj.bias"):
-        arch.extract_weights(spec, dims, {**state, "model.layers.0.self_attn.q_proj.bias": torch.zeros(64)})
+        extract_weights(spec, dims, {**state, "model.layers.0.self_attn.q_proj.bias": torch.zeros(64)})
     misshapen = {**state, "model.norm.weight": torch.ones(65)}
     with pytest.raises(UserError, match=r"weight 'model.norm.weight' has shape \(65,\), expected \(64,\)"):
-        arch.extract_weights(spec, dims, misshapen)
+        extract_weights(spec, dims, misshapen)
 
 
 # ---- ragged rows: a batched step computes its real rows only --------------------------------------

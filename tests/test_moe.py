@@ -13,6 +13,7 @@ from test_families import ODD, model
 
 from specexport.errors import UserError
 from specexport.exporter import arch, families, quant
+from specexport.exporter.weights import extract_weights
 
 TOKENS, HIDDEN, EXPERTS, TOP_K = 7, 96, 6, 2
 
@@ -73,7 +74,7 @@ def test_experts_map_from_every_stored_layout(kind):
     rows of [E, 2I, hidden]; GPT-OSS stores x @ W [E, hidden, 2I] with gate and up interleaved, and biases."""
     m = model(kind)
     family, dims = families.get(m.config.model_type), arch.dims_from_config(m.config)
-    w = arch.extract_weights(family, dims, m.state_dict(), m.config)
+    w = extract_weights(family, dims, m.state_dict(), m.config)
     experts = m.model.layers[0].mlp.experts
     x = torch.randn(3, dims.hidden)
     for e in (0, dims.experts - 1):
@@ -113,4 +114,4 @@ def test_a_checkpoint_missing_its_experts_is_one_line():
     family, dims = families.get("mixtral"), arch.dims_from_config(m.config)
     state = {k: v for k, v in m.state_dict().items() if not k.endswith("layers.1.mlp.experts.down_proj")}
     with pytest.raises(UserError, match="missing weight 'model.layers.1.mlp.experts.down_proj' for mixtral"):
-        arch.extract_weights(family, dims, state, m.config)
+        extract_weights(family, dims, state, m.config)

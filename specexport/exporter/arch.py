@@ -302,14 +302,6 @@ def weight_table(family: Family, d: Dims, config=None) -> dict[str, tuple[str, t
     return table
 
 
-def extract_weights(family: Family, d: Dims, state_dict: dict, config=None) -> dict[str, np.ndarray]:
-    """All our weights from a PyTorch state dict, checked strictly (weights.TableWeights, which reads them one at a
-    time for a streaming export)."""
-    from specexport.exporter.weights import StateDictSource, TableWeights
-
-    return dict(TableWeights(family, d, config, StateDictSource(state_dict)))
-
-
 POSITION_SLACK = 512  # rotary rows past the context limit (rope_rows)
 
 

@@ -260,14 +260,13 @@ def medusa_step(model, session, heads_session, heads, seed: int = 0, prefix: int
     lm_head = module_weight(model, "lm_head.").numpy()
 
     def reference(tokens):
-        cache = DynamicCache(config=model.config)
+        cache = DynamicCache()  # every layer keeps every row: the bias hides what a window leaves out (reference_steps)
         hidden = []
         for ids, parents, past in ((prompt, tree.chain(prefix).tolist(), 0), (tokens, TREE, prefix)):
-            bias = tree.attention_bias(parents, past)
             with torch.no_grad():
                 out = model.model(input_ids=torch.from_numpy(np.array([ids])),
                                   position_ids=torch.from_numpy((past + tree.depths(parents))[None].copy()),
-                                  attention_mask=torch.from_numpy(bias), cache=cache, use_cache=True)
+                                  attention_mask=reference_bias(model, parents, past, 1), cache=cache, use_cache=True)
             hidden.append(out.last_hidden_state[0].float().numpy())
         return hidden[1]
 

@@ -154,3 +154,8 @@ class TableWeights(Mapping):
         self._layer, self._kept = None, {}
 
 
+
+
+def extract_weights(family: Family, d: Dims, state_dict: dict, config=None) -> dict[str, np.ndarray]:
+    """All our weights from a PyTorch state dict, checked strictly (TableWeights, held whole)."""
+    return dict(TableWeights(family, d, config, StateDictSource(state_dict)))
