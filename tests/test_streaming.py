@@ -13,7 +13,7 @@ from conftest import save_folder, tiny_model
 from onnx import numpy_helper
 from transformers import DynamicCache
 
-from specexport.exporter import layerwise, save, sources
+from specexport.exporter import layerwise, sources
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.layerwise import layerwise_model
@@ -72,7 +72,7 @@ def test_a_build_validated_layerwise_reports_what_the_whole_reference_does(folde
     numbers as against the whole model."""
     options = ExportOptions(graph=GraphOptions(precision="fp32"), max_context=128)
     whole = export_bundle(str(folder), tmp_path / "whole", options, quiet=True)["numerics"]
-    monkeypatch.setattr(save, "WHOLE_REFERENCE_BYTES", 0)
+    monkeypatch.setattr(layerwise, "WHOLE_REFERENCE_BYTES", 0)
     streamed = export_bundle(str(folder), tmp_path / "layerwise", options, quiet=True)["numerics"]
     assert streamed == whole
 
@@ -80,7 +80,7 @@ def test_a_build_validated_layerwise_reports_what_the_whole_reference_does(folde
 def test_int4_agreement_against_the_layerwise_reference(tmp_path, monkeypatch):
     """A quantized build's agreement check, layer-wise: scored on the prompts' own tokens (no generation)."""
     folder = save_folder(tiny_model("llama"), tmp_path / "llama")
-    monkeypatch.setattr(save, "WHOLE_REFERENCE_BYTES", 0)
+    monkeypatch.setattr(layerwise, "WHOLE_REFERENCE_BYTES", 0)
     numerics = export_bundle(str(folder), tmp_path / "b", ExportOptions(graph=GraphOptions(precision="int4"),
                                                                         max_context=128), quiet=True)["numerics"]
     assert numerics["agreement_text"].startswith("the prompts' own tokens")
@@ -127,7 +127,7 @@ def test_a_self_draft_of_a_streamed_target_is_streamed_too(tmp_path, monkeypatch
                             **method_export("draft", draft_model="self:1"))
     loaded = sources.load_model(sources.resolve(str(folder)))
     whole = export_bundle(str(folder), tmp_path / "whole", options, quiet=True, loaded=loaded)
-    monkeypatch.setattr(save, "WHOLE_REFERENCE_BYTES", 0)
+    monkeypatch.setattr(layerwise, "WHOLE_REFERENCE_BYTES", 0)
     streamed = export_bundle(str(folder), tmp_path / "streamed", options, quiet=True)
     a = initializers(tmp_path / "whole" / whole["graphs"]["draft"]["file"])
     b = initializers(tmp_path / "streamed" / streamed["graphs"]["draft"]["file"])

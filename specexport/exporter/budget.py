@@ -48,6 +48,14 @@ def fp32_bytes(d: Dims) -> int:
     return 4 * (embed * (1 if d.tie_embeddings else 2) + sum(_layer_params(d, i) for i in range(d.layers)))
 
 
+def whole_reference(streamed: bool, d: Dims) -> bool:
+    """Whether validation loads the whole fp32 model (else the layer-wise one): always for a checkpoint that was not
+    streamed, else while its fp32 weights stay within layerwise.WHOLE_REFERENCE_BYTES."""
+    from specexport.exporter.layerwise import WHOLE_REFERENCE_BYTES
+
+    return not streamed or fp32_bytes(d) <= WHOLE_REFERENCE_BYTES
+
+
 def estimate(d: Dims, graph, optimize: bool, validate: bool, whole_reference: bool) -> Estimate:
     compute = 2.0 if graph.precision in ("fp16", "bf16") or (graph.flavour == "trt" and graph.precision == "int4") \
         else 4.0

@@ -16,7 +16,6 @@ from specexport.bundle import staged_bundle, write_manifest
 from specexport.errors import UserError
 from specexport.exporter import arch, budget, methods, sources, validate
 from specexport.exporter.graph import GraphOptions
-from specexport.exporter.layerwise import WHOLE_REFERENCE_BYTES
 from specexport.exporter.methods.plan import Target
 from specexport.exporter.save import Checkpoint, ExportContext, write_graph
 from specexport.exporter.tensorrt import build as tensorrt
@@ -83,9 +82,8 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
         max_context = min(max_context, options.profile["limits"]["max_context"])
     plan = method.plan(method_options, settings, Target(source.name, dims))  # bad heads, drafts or trees fail here
     streamed = loaded is None and sources.streams(source, config)
-    whole_reference = not streamed or budget.fp32_bytes(dims) <= WHOLE_REFERENCE_BYTES  # as ExportContext.reference
     need = budget.estimate(dims.within(max_context), options.graph, options.optimize, options.validate,
-                           whole_reference)
+                           budget.whole_reference(streamed, dims))
     free = budget.check_disk(Path(output), need)  # refused here, before any work, when the disk cannot hold it
     # load, build, tokenizer (+ the method's graphs) (+ optimize) (+ validate)
     step = Steps(3 + plan.extra_graphs + options.optimize + options.validate + (options.engines is not None), quiet)

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import onnx
 from onnx import TensorProto
 from tqdm import tqdm
 
+from specexport.exporter import budget
 from specexport.exporter.arch import dims_from_config, longrope_policy, rope_rows, rope_tables, spec_for
 from specexport.exporter.graph import DecoderGraphBuilder, ExternalData, GraphOptions
-from specexport.exporter.layerwise import WHOLE_REFERENCE_BYTES, layerwise_model
+from specexport.exporter.layerwise import layerwise_model
 from specexport.exporter.weights import SafetensorsSource, StateDictSource, TableWeights
 
 
@@ -84,14 +84,13 @@ class ExportContext:
     @property
     def reference(self):
         """Validation's transformers reference: the whole model, or, for a streamed checkpoint whose fp32 weights
-        pass layerwise.WHOLE_REFERENCE_BYTES, the layer-wise one (the same forward, a layer's weights at a time)."""
-        if self.loaded is None and isinstance(self.checkpoint.source, SafetensorsSource):
-            size = 4 * sum(int(np.prod(shape)) for shape in self.checkpoint.source.shapes().values())
-            if size > WHOLE_REFERENCE_BYTES:
-                if self._layerwise is None:
-                    self._layerwise = layerwise_model(self.checkpoint.source.folder, self.checkpoint.config)
-                return self._layerwise
-        return self.model
+        pass layerwise.WHOLE_REFERENCE_BYTES (budget.whole_reference), the layer-wise one (the same forward, a layer's weights at a time)."""
+        streamed = self.loaded is None and isinstance(self.checkpoint.source, SafetensorsSource)
+        if budget.whole_reference(streamed, self.dims):
+            return self.model
+        if self._layerwise is None:
+            self._layerwise = layerwise_model(self.checkpoint.source.folder, self.checkpoint.config)
+        return self._layerwise
 
 
 def decoder_builder(checkpoint: Checkpoint, graph: GraphOptions, max_context: int,
@@ -104,8 +103,7 @@ def decoder_builder(checkpoint: Checkpoint, graph: GraphOptions, max_context: in
     names = {dims.rope(i) for i in range(dims.layers)} - {""} or {"default"}
     rope = {name: rope_tables(*rope_inv_freq(checkpoint.rotary, config, name, max_context), rows)
             for name in sorted(names)}
-    weights = TableWeights(spec, dims, config, checkpoint.source)
-    return DecoderGraphBuilder(spec, dims, weights, graph, rope, store)
+    return DecoderGraphBuilder(spec, dims, checkpoint.weights(), graph, rope, store)
 
 
 def rope_inv_freq(rotary, config, name: str, max_context: int) -> tuple:
