@@ -81,7 +81,8 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
     if options.profile is not None and options.max_context is None:
         max_context = min(max_context, options.profile["limits"]["max_context"])
     plan = method.plan(method_options, settings, Target(source.name, dims))  # bad heads, drafts or trees fail here
-    streamed = loaded is None and sources.streams(source, config)
+    weights = sources.stream_source(source, config) if loaded is None else None
+    streamed = weights is not None
     need = budget.estimate(dims.within(max_context), options.graph, options.optimize, options.validate,
                            budget.whole_reference(streamed, dims))
     free = budget.check_disk(Path(output), need)  # refused here, before any work, when the disk cannot hold it
@@ -93,7 +94,7 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
         if streamed:
             step(f"loading {source.name} ({source.kind}: {source.path}; the weights a layer at a time)")
             model, tokenizer = None, sources.load_tokenizer(source)
-            checkpoint = Checkpoint.of_folder(source.path, config)
+            checkpoint = Checkpoint.of_source(weights, config)
         else:
             step(f"loading {source.name} ({source.kind}: {source.path})")
             model, tokenizer = loaded or sources.load_model(source)

@@ -402,7 +402,7 @@ class DecoderGraphBuilder:
             logits, scale = g.op("Log", [routing]), self._to_compute(scale)
             logits = self._to_compute(logits)
         gate, up, down = w[p + "gate"], w[p + "up"], w[p + "down"]
-        fc1 = np.stack([gate, up], axis=2).reshape(d.experts, 2 * d.expert_dim, d.hidden)
+        fc1 = [np.stack([gate[e], up[e]], axis=1).reshape(2 * d.expert_dim, d.hidden) for e in range(d.experts)]
         fc1_bias = (np.stack([w[p + "gate_bias"], w[p + "up_bias"]], axis=2).reshape(d.experts, -1)
                     if p + "gate_bias" in w else None)
         biases = [g.const(p + "fc1.bias", fc1_bias, compute=True) if fc1_bias is not None else "",
@@ -416,13 +416,13 @@ class DecoderGraphBuilder:
             bits = 4 if self.opt.precision == "int4" else 8
             if bits == 4:
                 attrs["block_size"] = quant.qmoe_block(d.hidden, d.expert_dim)
-            block = attrs.get("block_size", 0)
+            block = attrs.get("block_size", 0)  # quantized an expert at a time: the fp32 transients stay one expert's
             (q1, s1), (q2, s2) = quant.qmoe_experts(fc1, bits, block), quant.qmoe_experts(down, bits, block)
             inputs = [h, logits, g.const(p + "fc1.q", q1), g.const(p + "fc1.scale", s1), biases[0],
                       g.const(p + "fc2.q", q2), g.const(p + "fc2.scale", s2), biases[1]]
             out = g.op("QMoE", inputs, domain="com.microsoft", expert_weight_bits=bits, **attrs)
         else:
-            inputs = [h, logits, g.const(p + "fc1", fc1, compute=True), biases[0],
+            inputs = [h, logits, g.const(p + "fc1", np.stack(fc1), compute=True), biases[0],
                       g.const(p + "fc2", down, compute=True), biases[1]]
             out = g.op("MoE", inputs, domain="com.microsoft", **attrs)
         return out if scale is None else g.op("Mul", [out, scale])

@@ -4,14 +4,12 @@ and drops them when it is done, so a forward holds one layer's fp32 weights at a
 whole model computes. It is slow per forward (it reads the checkpoint each time), so validation asks it for few
 forwards (validate.check_graph).
 
-Example: `model = layerwise_model(folder, config)`; `model(input_ids=ids).logits` as from_pretrained's fp32 model.
+Example: `model = layerwise_model(SafetensorsSource(folder), config)`; `model(input_ids=ids).logits` as from_pretrained's fp32 model.
 """
 
 from __future__ import annotations
 
 import torch
-
-from specexport.exporter.weights import SafetensorsSource
 
 # fp32 reference bytes above which an export validates against the layer-wise model instead of loading it whole
 WHOLE_REFERENCE_BYTES = 2 << 30
@@ -32,14 +30,14 @@ def _drop(module: torch.nn.Module) -> None:
                 sub._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=False)
 
 
-def layerwise_model(folder, config):
-    """The fp32, eval-mode transformers model of `config` over the safetensors checkpoint in `folder`, its weights
+def layerwise_model(source, config):
+    """The fp32, eval-mode transformers model of `config` over a checkpoint read a tensor at a time (`source`, by
+    transformers' names: sources.stream_source), its weights
     read per module per forward (module docstring). Its non-persistent buffers (RoPE, Gemma's embedding scale) are
     computed on the CPU at construction, as from_pretrained computes them."""
     import transformers
     from accelerate import init_empty_weights
 
-    source = SafetensorsSource(folder)
     with init_empty_weights(include_buffers=False):  # parameters on meta, buffers real
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()

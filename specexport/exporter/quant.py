@@ -93,15 +93,19 @@ def qmoe_block(hidden: int, inter: int) -> int:
                     f"and {inter}")
 
 
-def qmoe_experts(w: np.ndarray, bits: int, block: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Experts [E, out, in] in ONNX Runtime's QMoE layout: uint8 with zero point 2^(bits-1) (no zero-point input),
-    row-major [E, out, in * bits / 8], low nibble first; int8 one scale per output row [E, out], int4 symmetric
-    blocks of `block` along `in` [E, out, in / block] (qmoe_block)."""
-    experts, out_dim, in_dim = w.shape
-    rows = w.reshape(-1, in_dim)
-    if bits == 8:
-        q, scale = int8_per_channel(rows)
-        return (q.T.astype(np.int16) + 128).astype(np.uint8).reshape(w.shape), scale.reshape(experts, out_dim)
-    q, scale = int4_symmetric_blocks(rows, block)
-    packed = pack_nibbles((q + 8).astype(np.uint8))
-    return packed.reshape(experts, out_dim, -1), scale.reshape(experts, out_dim, -1)
+def qmoe_experts(experts, bits: int, block: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Experts (each [out, in]: an [E, out, in] array or a list) in ONNX Runtime's QMoE layout, quantized one at a
+    time so that the transients stay one expert's: uint8 with zero point 2^(bits-1) (no zero-point input), row-major
+    [E, out, in * bits / 8], low nibble first; int8 one scale per output row [E, out], int4 symmetric blocks of
+    `block` along `in` [E, out, in / block] (qmoe_block)."""
+    codes, scales = [], []
+    for w in experts:
+        if bits == 8:
+            q, scale = int8_per_channel(w)
+            codes.append((q.T.astype(np.int16) + 128).astype(np.uint8))
+        else:
+            q, scale = int4_symmetric_blocks(w, block)
+            codes.append(pack_nibbles((q + 8).astype(np.uint8)))
+            scale = scale.reshape(w.shape[0], -1)
+        scales.append(scale)
+    return np.stack(codes), np.stack(scales)

@@ -16,7 +16,7 @@ from specexport.exporter import budget
 from specexport.exporter.arch import dims_from_config, longrope_policy, rope_rows, rope_tables, spec_for
 from specexport.exporter.graph import DecoderGraphBuilder, ExternalData, GraphOptions
 from specexport.exporter.layerwise import layerwise_model
-from specexport.exporter.weights import SafetensorsSource, StateDictSource, TableWeights
+from specexport.exporter.weights import StateDictSource, TableWeights
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,9 @@ class Checkpoint:
         return cls(model.config, StateDictSource(model.state_dict()), model.model.rotary_emb)
 
     @classmethod
-    def of_folder(cls, folder: Path, config) -> "Checkpoint":
-        """A Hugging Face folder's safetensors shards, read a tensor at a time."""
-        return cls(config, SafetensorsSource(folder), rotary_module(config))
+    def of_source(cls, source, config) -> "Checkpoint":
+        """A checkpoint read a tensor at a time (sources.stream_source)."""
+        return cls(config, source, rotary_module(config))
 
     def weights(self) -> TableWeights:
         """The target's weights by our names, strictly checked against the checkpoint's names and shapes."""
@@ -85,11 +85,11 @@ class ExportContext:
     def reference(self):
         """Validation's transformers reference: the whole model, or, for a streamed checkpoint whose fp32 weights
         pass layerwise.WHOLE_REFERENCE_BYTES (budget.whole_reference), the layer-wise one (the same forward, a layer's weights at a time)."""
-        streamed = self.loaded is None and isinstance(self.checkpoint.source, SafetensorsSource)
+        streamed = self.loaded is None and not isinstance(self.checkpoint.source, StateDictSource)
         if budget.whole_reference(streamed, self.dims):
             return self.model
         if self._layerwise is None:
-            self._layerwise = layerwise_model(self.checkpoint.source.folder, self.checkpoint.config)
+            self._layerwise = layerwise_model(self.checkpoint.source, self.checkpoint.config)
         return self._layerwise
 
 

@@ -191,6 +191,12 @@ def load_config(source: ModelSource):
         return transformers.AutoConfig.from_pretrained(**_where(source), local_files_only=True)
 
 
+def _quant_method(config) -> str | None:
+    """The checkpoint's quantization ("mxfp4", "gptq", ...), None for plain weights."""
+    quantized = getattr(config, "quantization_config", None) or {}
+    return quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+
+
 def load_model(source: ModelSource):
     """(model, tokenizer): the model in fp32 and eval mode, and its tokenizer."""
     import torch
@@ -198,8 +204,7 @@ def load_model(source: ModelSource):
     transformers = _transformers()
     with _load_errors(source):
         config = transformers.AutoConfig.from_pretrained(**_where(source), local_files_only=True)
-        quantized = (getattr(config, "quantization_config", None) or {})
-        method = quantized.get("quant_method") if isinstance(quantized, dict) else getattr(quantized, "quant_method", None)
+        method = _quant_method(config)
         # MXFP4 experts (GPT-OSS) dequantized at load everywhere: with triton and `kernels` installed transformers
         # would otherwise keep them for its GPU kernels, fetched from the hub
         extra = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if method == "mxfp4" else {}
@@ -223,19 +228,30 @@ def load_tokenizer(source: ModelSource):
         return transformers.AutoTokenizer.from_pretrained(**_where(source), local_files_only=True)
 
 
-def streams(source: ModelSource, config) -> bool:
-    """Whether an export can read this checkpoint a tensor at a time (weights.SafetensorsSource): a folder of
-    safetensors shards with no quantization transformers must undo, whose tensor names and shapes are the family's
-    table (a mixture of experts' per-expert checkpoint tensors, fused by transformers at load, are not yet)."""
+def stream_source(source: ModelSource, config):
+    """The checkpoint's weights a tensor at a time (weights.SafetensorsSource, layouts.ConvertedExperts over it for a
+    mixture of experts, weights.GGUFSource), or None where the export must let transformers load the model whole: a
+    quantization other than MXFP4 experts, a GGUF whose tensors transformers converts together, or names and shapes
+    that are not the family's table (load_model then says which)."""
     from specexport.exporter.arch import dims_from_config, spec_for, weight_table
-    from specexport.exporter.weights import SafetensorsSource
+    from specexport.exporter.layouts import ConvertedExperts
+    from specexport.exporter.weights import GGUFSource, SafetensorsSource
 
-    if source.kind == "gguf" or getattr(config, "quantization_config", None) or not SafetensorsSource.usable(source.path):
-        return False
-    dims = dims_from_config(config)
+    family, dims = spec_for(config.model_type), dims_from_config(config)
+    method = _quant_method(config)
     with _load_errors(source):
-        shapes = SafetensorsSource(source.path).shapes()
-    return all(shapes.get(hf) == shape for hf, shape, _ in weight_table(spec_for(config.model_type), dims, config).values())
+        if source.kind == "gguf":
+            weights = GGUFSource.open(source.path, config)
+        elif (method in (None, "mxfp4")) and SafetensorsSource.usable(source.path):
+            weights = SafetensorsSource(source.path)
+            weights = ConvertedExperts(weights, family, dims) if family.experts else weights
+        else:
+            weights = None
+    if weights is None:
+        return None
+    shapes = weights.shapes()
+    table = weight_table(family, dims, config).values()
+    return weights if all(shapes.get(hf) == shape for hf, shape, _ in table) else None
 
 
 @contextmanager

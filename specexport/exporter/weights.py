@@ -1,8 +1,9 @@
 """Weights one tensor at a time, so that an export never holds the whole model.
 
 A source serves checkpoint tensors by name: `SafetensorsSource` reads them from a Hugging Face folder's safetensors
-shards (memory-mapped, converted to fp32 one at a time), `StateDictSource` from a model already in memory (a GGUF or
-MXFP4 checkpoint transformers dequantized, a `self:N` draft, the tests' tiny models). `TableWeights` maps a source
+shards (memory-mapped, converted to fp32 one at a time), `GGUFSource` from a GGUF file (each tensor dequantized as
+it is read, in transformers' names and layout), `StateDictSource` from a model already in memory (a checkpoint
+transformers had to convert whole, a `self:N` draft, the tests' tiny models). `TableWeights` maps a source
 onto our names (arch.weight_table), strictly, and keeps only the layer being built.
 
 Example: `TableWeights(family, dims, config, SafetensorsSource(folder))["layers.3.q"]` is layer 3's q_proj as an fp32
@@ -68,6 +69,55 @@ class SafetensorsSource:
 
         with safe_open(self._shard[name], framework="pt") as f:  # numpy has no bf16: torch converts
             return f.get_tensor(name).float().numpy()
+
+    def raw(self, name: str) -> np.ndarray:
+        """One tensor as stored (MXFP4's uint8 blocks and scales)."""
+        from safetensors import safe_open
+
+        with safe_open(self._shard[name], framework="np") as f:
+            return f.get_tensor(name)
+
+
+class GGUFSource:
+    """The tensors of a GGUF file under transformers' names, each dequantized to fp32 when read, exactly as
+    transformers' GGUF loader converts it (its name map and its per-architecture tensor processor: Llama's q/k rows
+    un-permuted, Gemma's norms less 1); tensors transformers does not load (Llama 3's rope_freqs) are left out.
+
+    Only architectures whose processor converts one tensor at a time are served (`None` from `open`); a mixture of
+    experts' GGUF, whose processor splits and merges tensors, is converted whole by transformers.
+    """
+
+    def __init__(self, path: Path, reader, processor, names: dict[str, str]):
+        self.path, self._reader, self._processor = Path(path), reader, processor
+        self._tensors = {names[t.name]: t for t in reader.tensors if t.name in names}
+
+    @classmethod
+    def open(cls, path: Path, config) -> "GGUFSource | None":
+        import torch
+        import transformers
+        from gguf import GGUFReader
+        from transformers import modeling_gguf_pytorch_utils as hf_gguf
+
+        reader = GGUFReader(path)
+        architecture = str(hf_gguf.read_field(reader, "general.architecture")[0])
+        kind = hf_gguf.TENSOR_PROCESSORS.get(architecture, hf_gguf.TensorProcessor)
+        if kind not in (hf_gguf.TensorProcessor, hf_gguf.LlamaTensorProcessor, hf_gguf.Gemma2TensorProcessor):
+            return None
+        processor = kind(config=config.to_dict())
+        with torch.device("meta"):
+            skeleton = transformers.AutoModelForCausalLM.from_config(config)
+        return cls(path, reader, processor, hf_gguf.get_gguf_hf_weights_map(skeleton, processor))
+
+    def shapes(self) -> dict[str, tuple]:
+        return {name: tuple(int(n) for n in reversed(t.shape)) for name, t in self._tensors.items()}
+
+    def get(self, name: str) -> np.ndarray:
+        from gguf import dequantize
+
+        tensor = self._tensors[name]
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        weights = self._processor.process(weights=weights, name=tensor.name).weights
+        return np.ascontiguousarray(weights, dtype=np.float32)
 
 
 class StateDictSource:

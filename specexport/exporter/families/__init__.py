@@ -29,6 +29,21 @@ def _none(config) -> dict:
 
 
 @dataclass(frozen=True)
+class ExpertFiles:
+    """How a published checkpoint stores a layer's experts when it stores them one matrix per expert and projection
+    (transformers fuses them at load: layouts.ConvertedExperts does the same a layer at a time): the names under
+    `model.layers.{i}.`, `{e}` the expert, and the router's checkpoint name.
+
+    Example: Mixtral's `ExpertFiles("block_sparse_moe.experts.{e}.w1.weight", ..., router="block_sparse_moe.gate")`.
+    """
+
+    gate: str
+    up: str
+    down: str
+    router: str
+
+
+@dataclass(frozen=True)
 class Experts:
     """A mixture-of-experts MLP: the router and the experts as transformers' state dict holds them (v5 fuses a
     checkpoint's per-expert matrices into one tensor per projection at load), and how tokens are routed.
@@ -44,6 +59,7 @@ class Experts:
       (clamp(u, +-limit) + beta); (1, 0, 0) is SiLU(g) * u.
     - `routing`: "softmax" (the top k of the router's softmax) or "sparsemixer" (Phi-MoE: two experts, each weighted
       by a softmax over the logits within `router_jitter_noise` of it, in eval mode).
+    - `files`: the published per-expert layout (ExpertFiles), where the checkpoint is not stored fused.
     """
 
     count: Callable[[object], int]
@@ -60,6 +76,7 @@ class Experts:
     transposed: bool = False
     interleaved: bool = False
     biases: bool = False
+    files: ExpertFiles | None = None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from specexport.errors import UserError
-from specexport.exporter import sources, validate
+from specexport.exporter import budget, sources, validate
+from specexport.exporter.arch import dims_from_config
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.layerwise import layerwise_model
 from specexport.exporter.methods.plan import ExportMethod, Plan, Target
@@ -44,13 +45,17 @@ class DraftPlan(Plan):
             config, source = first_layers_config(ctx.checkpoint.config, n), ctx.checkpoint.source
             ctx.step(f"building the draft graph (self:{n}, {n} layers)")
             reference = ctx.reference
-            self.model = (layerwise_model(source.folder, config) if hasattr(reference, "layerwise_weight")
+            self.model = (layerwise_model(source, config) if hasattr(reference, "layerwise_weight")
                           else self_draft(reference, n))
             checkpoint = Checkpoint(config, FirstLayers(source, n), rotary_module(config))
             return {"draft": write_graph(checkpoint, "draft", plain, ctx.max_context, ctx.folder, ctx.quiet)}
-        self.model, name = load_draft_model(self.spec, ctx.model, ctx.tokenizer, ctx.dims.layers)
+        if n is not None:
+            self.model, checkpoint, name = self_draft(ctx.model, n), None, f"self:{n}"
+        else:
+            self.model, checkpoint, name = open_draft(self.spec, ctx.tokenizer)
         ctx.step(f"building the draft graph ({name}, {self.model.config.num_hidden_layers} layers)")
-        return {"draft": write_graph(self.model, "draft", plain, ctx.max_context, ctx.folder, ctx.quiet)}
+        return {"draft": write_graph(checkpoint or self.model, "draft", plain, ctx.max_context, ctx.folder,
+                                     ctx.quiet)}
 
     def validate(self, ctx: ExportContext, graphs: dict[str, dict]) -> dict:
         # the draft's quality shows in the accept length; its numerics are checked case by case
@@ -112,18 +117,24 @@ def self_draft(model, n: int):
     return draft_model.eval()
 
 
-def load_draft_model(spec: str, target, target_tokenizer, target_layers: int):
-    """(draft model, description); checks that the vocabularies match."""
-    n = parse_self_draft(spec, target_layers)
-    if n is not None:
-        return self_draft(target, n), f"self:{n}"
+def open_draft(spec: str, target_tokenizer):
+    """(validation's reference, the checkpoint to build from or None for the reference itself, name) of another
+    model as the draft, read as the target is: a tensor at a time where it streams (sources.stream_source), its
+    reference whole while it fits (budget.whole_reference), else layer-wise. The vocabularies must match."""
     source = sources.resolve(spec)
-    model, tokenizer = sources.load_model(source)
-    if model.config.vocab_size != target.config.vocab_size or tokenizer.get_vocab() != target_tokenizer.get_vocab():
+    config, tokenizer = sources.load_config(source), sources.load_tokenizer(source)
+    if tokenizer.get_vocab() != target_tokenizer.get_vocab():
         raise UserError(f"draft model {source.name} has a different vocabulary than the target "
                         f"({len(tokenizer.get_vocab())} vs {len(target_tokenizer.get_vocab())} tokens); "
                         "a draft must share the target's tokenizer")
-    return model, source.name
+    weights = sources.stream_source(source, config)
+    if weights is None:
+        return sources.load_model(source)[0], None, source.name
+    if budget.whole_reference(True, dims_from_config(config)):
+        reference = sources.load_model(source)[0]
+    else:
+        reference = layerwise_model(weights, config)
+    return reference, Checkpoint.of_source(weights, config), source.name
 
 
 METHOD = ExportMethod(Options, draft.METHOD, DraftPlan)
