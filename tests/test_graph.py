@@ -318,7 +318,14 @@ def test_ragged_rows_equal_the_padded_call(kind, tmp_path):
         s.forward(caches[1].rows(n), ids, positions, mask, np.array(rows), want, live=np.array([6, 1, 3, 0]))
 
 
-def test_a_chain_only_graph_takes_no_ragged_rows(tmp_path):
-    """Plain decoding's chain-only graph has no padding to skip (every row is real): no ragged inputs."""
+def test_a_plain_step_is_laid_out_as_two_rows_and_returns_one(tmp_path):
+    """Plain decoding's chain-only graph takes ragged rows too: its one-row steps run as two (the padding row for
+    attention only, host.padded_step), and the caller sees one row's outputs, the cache one row longer."""
     s = session(model("llama"), tmp_path, chain_only=True)
-    assert not s.ragged and "live_rows" not in {i["name"] for i in s.info["inputs"]}
+    assert s.ragged and "live_rows" in {i["name"] for i in s.info["inputs"]}
+    cache = s.new_cache(32)
+    s.forward(cache, np.array([[5, 6, 7]]), np.arange(3)[None], np.tri(3, dtype=bool), np.array([2]))
+    cache.advance(3)
+    out = s.forward(cache, np.array([[8]]), np.array([[3]]), np.ones((1, 1), bool), np.array([0]),
+                    want=("logits", "hidden_states"))
+    assert out["logits"].shape[0] == 1 and out["hidden_states"].shape[:2] == (1, 1)

@@ -740,7 +740,8 @@ def test_the_batched_engine_drafts_from_its_earlier_requests(tiny, name):
 
 def test_requests_in_threads_share_the_store_losslessly(tiny):
     """Generations in two threads on one engine write and read its store at once: each keeps plain decoding's
-    tokens, and the store holds every response."""
+    tokens, and the store holds every response (every step drafts: the drafting governor, which times the steps,
+    could otherwise leave a request on a loaded machine undrafted, and its response unwritten)."""
     import threading
 
     engine = fresh(tiny, "suffix", no_datastore=True)
@@ -751,7 +752,7 @@ def test_requests_in_threads_share_the_store_losslessly(tiny):
     def work(ps):
         try:
             for p in ps:
-                got.append((p, engine.generate(p, max_new_tokens=30, stop_ids=()).tokens))
+                got.append((p, engine.generate(p, max_new_tokens=30, stop_ids=(), budget=False).tokens))
         except BaseException as e:  # noqa: BLE001 (reported by the test's thread)
             errors.append(e)
 

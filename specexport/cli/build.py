@@ -53,6 +53,10 @@ def export_options(f):
     f = click.option("--aux-layers", type=IntList(), default="",
                      help="Also output the inputs of these layers, e.g. 2,15,27.")(f)
     f = click.option("--no-validate", is_flag=True, help="Skip the numerics check against transformers.")(f)
+    f = click.option("--int8-rows", is_flag=True,
+                     help="int8 (ort flavour): quantize activations per row, so that a token's logits do not depend on "
+                          "the other rows of its call: speculative and batched output exactly plain decoding's; "
+                          "slower than one scale per call (docs/precision.md).")(f)
     f = click.option("--fused-accept/--no-fused-accept", default=True, show_default=True,
                      help="Acceptance inside the target graph, greedy and sampling: a step returns the accepted rows "
                           "and the bonus token, not logits.")(f)
@@ -72,7 +76,7 @@ def _print_export(manifest: dict, output: Path) -> None:
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
 @path_option("--output", required=True, help="Bundle folder to write.")
 @export_options
-def export(model_spec, precision, output, max_context, flavour, aux_layers, no_validate, fused_accept,
+def export(model_spec, precision, output, max_context, flavour, aux_layers, no_validate, int8_rows, fused_accept,
            overwrite):
     """Export a model's target graph and manifest into a bundle folder.
 
@@ -82,7 +86,8 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
       specexport export --model ./my-llama --precision int4 --output my-llama-int4
       specexport export --model smollm2-135m --flavour trt --precision fp16 --output smol-trt
     """
-    graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept)
+    graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept,
+                         int8_rows=int8_rows)
     options = ExportOptions(graph=graph, max_context=max_context, validate=not no_validate)
     _print_export(export_bundle(model_spec, output, options, overwrite=overwrite), output)
 
@@ -123,7 +128,7 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
                    "the engine, with the Triton tree acceptance kernel as a TensorRT plugin (triton at build time; "
                    "not yet run on a GPU).")
 def build(model_spec, method, no_probe, backend, precision, profile_spec, serving, output, max_context, flavour,
-          aux_layers, no_validate, fused_accept, overwrite, workspace_gb, timing_cache, hardware_compatible,
+          aux_layers, no_validate, int8_rows, fused_accept, overwrite, workspace_gb, timing_cache, hardware_compatible,
           version_compatible, sampling_accept, **method_kwargs):
     """Export a model and compile it for a backend into a ready-to-run bundle.
 
@@ -191,7 +196,8 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
     precision = precision or DEFAULT_CPU_PRECISION
     if output is None:
         output = Path(f"{sources.resolve(model_spec).name}-{method}-{backend}-{precision}")
-    graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept)
+    graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept,
+                         int8_rows=int8_rows)
     options = ExportOptions(graph=graph, max_context=max_context, optimize=True, validate=not no_validate,
                             method=method, settings=settings, method_options=method_options,
                             profile=None if profile is None else {**profile.as_dict(), **chosen}, engines=engines)

@@ -147,9 +147,11 @@ def _runtime_notes(graph: GraphOptions) -> dict:
     """What the runtime must know about how the graphs were quantized."""
     if graph.precision != "int8":
         return {"prefill_first_token_alone": False}
-    notes = {"prefill_first_token_alone": True}  # its huge activations would set the whole chunk's scale
+    # a call's activation scale: the first token's huge activations would set the whole chunk's (not per row)
+    notes = {"prefill_first_token_alone": not (graph.int8_rows and graph.flavour == "ort")}
     if graph.flavour == "ort":
         notes["int8_weight_bits"] = graph.int8_bits
+        notes["int8_activations"] = "row" if graph.int8_rows else "call"
     return notes
 
 

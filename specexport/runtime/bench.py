@@ -154,7 +154,8 @@ def summary_lines(result: dict) -> list[str]:
                      "numbers, so their outputs are not expected to match; fp32 bundles of both show the method's "
                      "output equal to plain decoding's)")
     elif result["precision"] in ("int8", "int4") and result["identical"] < result["count"]:
-        lines.append(f"  ({result['precision']}: a row verified with others is quantized differently from the same row "
-                     "decoded alone, so outputs part at near-ties; speculation is exact against its own verification "
-                     "call, and fp32 bundles are token-identical)")
+        lines.append(f"  ({result['precision']}: a branching tree's rows off its first path sum their attention in "
+                     "another order than plain decoding (an int8 bundle built without --int8-rows also quantizes a "
+                     "call's rows together), so outputs part at near-ties; speculation is exact against its own "
+                     "verification call, chains are exact, and fp32 bundles are token-identical)")
     return lines

@@ -385,7 +385,7 @@ class Engine:
         ids, allowed = self.request(prompt, max_new_tokens, stop, chat)
         sampler = self.sampler(sampling)
         proposer = self.proposer(sampler, plain)
-        cache = self.target.new_cache(len(ids) + allowed + proposer.max_drafts)
+        cache = self.target.new_cache(len(ids) + allowed + proposer.max_drafts + 1)  # + 1: host.padded_step
         proposer.start(len(ids), cache.capacity)
         stats = Stats(prompt_tokens=len(ids))
         params = sampler.params

@@ -133,7 +133,7 @@ class Scheduler:
         self.engine, self.max_batch, self.prefill_chunk, self.plain = engine, max_batch, prefill_chunk, plain
         self.step_rows = 1 if plain else engine.method.tokens_per_step(engine.settings)
         self.accepting = engine.accepting  # what the graph accepts itself (runtime/verify.Accepting)
-        self.pool = engine.target.new_pool(max_batch, engine.max_context + self.step_rows)
+        self.pool = engine.target.new_pool(max_batch, engine.max_context + self.step_rows + 1)  # host.padded_step
         self.governor = None  # the drafting policy (runtime/governor.py); None: every tree whole
         if budget and self.step_rows > 1:
             widths = grid(self.step_rows)  # at 128 rows of context, or what the model's positions leave

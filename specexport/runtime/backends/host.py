@@ -65,6 +65,7 @@ class GraphSession:
         self.outputs = [o.name for o in self.session.get_outputs()]
         # outputs per batch row ([batch, seq, ...]: hidden states, features) rather than per selected row
         self.batch_outputs = {o.name for o in self.session.get_outputs() if o.shape and o.shape[0] == "batch"}
+        self.seq_outputs = {o.name for o in self.session.get_outputs() if o.shape[:2] == ["batch", "seq"]}
         names = {i.name for i in self.session.get_inputs()}
         self.fused_inputs = "sample_u" in names  # exporter/fused.py
         self.wide_bias = "attention_bias" in names  # bundles exported before the compact tree mask
@@ -93,6 +94,11 @@ class GraphSession:
         b, t = input_ids.shape
         past = cache.past_lengths(b)
         check_step(cache, t, tree_mask, past)
+        padded = pads(self.ragged, t, inputs, past, cache.capacity)
+        if padded:
+            input_ids, position_ids, tree_mask, logits_indices, live = padded_step(input_ids, position_ids, tree_mask,
+                                                                                   logits_indices, live)
+            t += 1
         io, staged = self._binding(cache, want)
         stage = lambda name, value, dtype: self._stage(io, staged, name, value, dtype)  # noqa: E731
         stage("input_ids", input_ids, np.int64)
@@ -124,7 +130,8 @@ class GraphSession:
         values = io._iobinding.get_outputs()
         if len(values) != 2 * self.layers + len(want):
             raise RuntimeError(f"unexpected bound outputs: {len(values)}")
-        return {name: values[2 * self.layers + k].numpy() for k, name in enumerate(want)}
+        return unpadded({name: values[2 * self.layers + k].numpy() for k, name in enumerate(want)},
+                        self.seq_outputs if padded else ())
 
     @staticmethod
     def _stage(io, staged: dict, name: str, value, dtype) -> None:
@@ -183,6 +190,39 @@ def ragged_inputs(b: int, t: int, live: np.ndarray | None = None) -> dict[str, n
     padded = np.zeros(b * t, np.int64)
     padded[real] = np.arange(int(live.sum()))
     return {"live_rows": np.flatnonzero(real), "padded_rows": padded.reshape(b, t)}
+
+
+def pads(ragged: bool, t: int, inputs, past: np.ndarray, capacity: int) -> bool:
+    """Whether a step of T rows runs padded (padded_step): on a ragged-rows graph, where the cache has the room and
+    the step brings no per-row inputs of its own (an EAGLE draft's features)."""
+    return ragged and t % 16 == 1 and not inputs and int(past.max()) + t + 1 <= capacity
+
+
+def unpadded(out: dict[str, np.ndarray], seq_outputs) -> dict[str, np.ndarray]:
+    """A padded step's outputs without its padding rows: those per [batch, seq] lose their last row."""
+    return {name: value[:, :-1] if name in seq_outputs else value for name, value in out.items()}
+
+
+def padded_step(input_ids, position_ids, tree_mask, logits_indices, live) -> tuple:
+    """A step of B x T rows laid out as B x (T + 1): each batch row's rows, then a padding row that repeats its last
+    (its position too), sees only itself and writes the cache row after them, which the next step overwrites. The
+    per-row work stays on the real rows (`live`); only attention runs on the padding row.
+
+    Why: ONNX Runtime's CPU attention multiplies the probabilities by V with a one-row kernel for a single row and
+    for the last row of some calls of 16k + 1 rows (33, 65 and 129 measured), in another float order than every
+    other row gets. Padded, a token's
+    logits are the same bits alone, in a chain, beside other sequences or in a prefill chunk of any size, so
+    speculative and batched decoding is plain decoding's token for token at every precision (docs/precision.md).
+    Example: a plain decoding step [[t]] runs as [[t, t]], its logits those of row 0."""
+    b, t = input_ids.shape
+    mask = tree_mask.reshape((-1,) + tree_mask.shape[-2:])
+    padded = np.zeros(mask.shape[:1] + (t + 1, mask.shape[-1] + 1), bool)
+    padded[:, :t, :-1] = mask
+    padded[:, t, -1] = True
+    indices = np.asarray(logits_indices)
+    return (np.concatenate([input_ids, input_ids[:, -1:]], axis=1),
+            np.concatenate([position_ids, position_ids[:, -1:]], axis=1), padded,
+            indices // t * (t + 1) + indices % t, np.full(b, t, np.int64) if live is None else live)
 
 
 def check_step(cache, t: int, tree_mask: np.ndarray, past: np.ndarray | None = None) -> None:

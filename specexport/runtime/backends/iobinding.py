@@ -29,7 +29,15 @@ import numpy as np
 import onnxruntime as ort
 
 from specexport.errors import UserError
-from specexport.runtime.backends.host import check_step, load_session, ragged_inputs, session_options
+from specexport.runtime.backends.host import (
+    check_step,
+    load_session,
+    padded_step,
+    pads,
+    ragged_inputs,
+    session_options,
+    unpadded,
+)
 from specexport.runtime.kvcache import CacheRows, SlotPool, SlotView
 from specexport.runtime.verify import greedy_inputs
 
@@ -184,6 +192,11 @@ class DeviceSession:
         b, t = input_ids.shape
         past = cache.past_lengths(b)
         check_step(cache, t, tree_mask, past)
+        padded = pads(self.ragged, t, inputs, past, cache.capacity)
+        if padded:  # as the host backend: a row never takes the one-row kernel
+            input_ids, position_ids, tree_mask, logits_indices, live = padded_step(input_ids, position_ids, tree_mask,
+                                                                                   logits_indices, live)
+            t += 1
         io = self._binding(cache, want)
         mask = tree_mask.reshape((-1,) + tree_mask.shape[-2:])
         self._stage(io, "input_ids", input_ids, np.int64)
@@ -208,7 +221,8 @@ class DeviceSession:
         values = io.get_outputs()  # the cache's presents first, then `want` in binding order
         if len(values) != 2 * self.layers + len(want):
             raise RuntimeError(f"unexpected bound outputs: {len(values)}")
-        return {name: self._host(values[2 * self.layers + k]) for k, name in enumerate(want)}
+        seq = {name for name, dims in self.output_dims.items() if dims[:2] == ["batch", "seq"]} if padded else ()
+        return unpadded({name: self._host(values[2 * self.layers + k]) for k, name in enumerate(want)}, seq)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A plain call: every output, by name (for graphs outside the loop's step, e.g. Medusa's heads)."""

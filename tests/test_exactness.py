@@ -1,0 +1,101 @@
+"""Exact at the bundle's own precision: a position's logits are the same bits however the runtime computes it (alone
+in a plain step, in a chain of drafts, in a prefill of any chunk size, after a kept prompt beginning, beside other
+sequences in a batch), so speculative, batched and cached output is plain decoding's token for token in int4 as in
+fp32. Checked the way ONNX Runtime's CPU kernels fail (docs/precision.md): bit for bit, on the
+CPU at hand, whatever its instruction set."""
+
+import numpy as np
+import pytest
+from conftest import method_export
+
+from specexport.exporter.export import ExportOptions, export_bundle
+from specexport.exporter.graph import GraphOptions
+from specexport.runtime.generate import Engine
+from specexport.runtime.scheduler import Scheduler
+
+PRECISIONS = ["fp32", "int4", "int8"]  # int8: activations quantized per row (--int8-rows)
+PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat", "abcabcabcabc",
+           "a much longer prompt that takes several chunks to prefill, " * 2, "def f(x):\n    return x * 2\n" * 2,
+           "one two three one two three one two", "zz", "Lorem ipsum dolor sit amet, consectetur adipiscing"]
+NEW = 40
+
+
+@pytest.fixture(scope="module", params=PRECISIONS)
+def bundles(request, tiny_folder, tmp_path_factory):
+    """(precision, {"none": plain decoding's chain-only bundle, "ngram": a bundle verifying draft chains})."""
+    root = tmp_path_factory.mktemp(f"exact-{request.param}")
+
+    def build(name, **given):
+        graph = GraphOptions(precision=request.param, int8_rows=True)
+        options = ExportOptions(graph=graph, max_context=256, validate=False,
+                                **method_export(name, **given))
+        export_bundle(str(tiny_folder), root / name, options, quiet=True)
+        return Engine.load(root / name, threads=2)
+
+    return request.param, {"none": build("none"), "ngram": build("ngram", draft_length=4, max_matches=1)}
+
+
+def logits_alone(engine, ids, q):
+    """Position q's logits from a plain step: the first q tokens prefilled, then token q alone."""
+    cache = engine.target.new_cache(256)
+    engine.forward_chain(cache, ids[:q])
+    return engine.forward_chain(cache, [ids[q]])["logits"][0]
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+def test_a_position_is_the_same_bits_however_it_is_computed(bundles, method):
+    """Alone, in a chain after it, every row of a prefill, in prefill chunks of 1, 3, 7, 17 and 33 (a call of 33
+    rows takes the one-row kernel for its last row unless padded): the same bits."""
+    _, engines = bundles
+    engine = engines[method]
+    for prompt in PROMPTS[:5]:
+        ids = engine.encode(prompt, chat=False)
+        p = len(ids) - 6
+        alone = np.stack([logits_alone(engine, ids, q) for q in range(p, len(ids))])
+        cache = engine.target.new_cache(256)
+        engine.forward_chain(cache, ids[:p])
+        chain = engine.forward_chain(cache, ids[p:], every_row=True)["logits"]
+        prefill = engine.forward_chain(engine.target.new_cache(256), ids, every_row=True)["logits"][p:]
+        assert np.array_equal(chain, alone) and np.array_equal(prefill, alone)
+        for size in (1, 3, 7, 17, 33):
+            cache, rows = engine.target.new_cache(256), []
+            for start in range(0, len(ids), size):
+                rows.append(engine.forward_chain(cache, ids[start:start + size], every_row=True)["logits"])
+            assert np.array_equal(np.concatenate(rows)[p:], alone), size
+
+
+def test_speculative_batched_and_cached_output_is_plain_decodings(bundles):
+    """Plain decoding alone (the chain-only bundle) is the reference: the speculative bundle alone, the same again
+    with the prompts' beginnings kept, both batched eight at a time with prompts fed in chunks of 5, emit it."""
+    precision, engines = bundles
+    want = [engines["none"].generate(p, max_new_tokens=NEW, stop_ids=()).tokens for p in PROMPTS]
+    for name, engine in engines.items():
+        for attempt in ("alone", "cached"):
+            got = [engine.generate(p, max_new_tokens=NEW, stop_ids=()).tokens for p in PROMPTS]
+            assert got == want, (precision, name, attempt)
+        scheduler = Scheduler(engine, max_batch=8, prefill_chunk=5, background=False)
+        requests = [scheduler.submit(p, max_new_tokens=NEW, stop_ids=()) for p in PROMPTS]
+        scheduler.run_until_idle()
+        assert [r.result(timeout=0).tokens for r in requests] == want, (precision, name, "batched")
+
+
+def test_int8_rows_from_the_cli(tiny_folder, tmp_path):
+    """`build --precision int8 --int8-rows`: activations quantized per row (no DynamicQuantizeMatMul), recorded in
+    the manifest, and the prompt's first token prefilled with the rest (a row's scale is its own)."""
+    import json
+
+    import onnx
+    from click.testing import CliRunner
+
+    from specexport.cli import main
+
+    result = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--method", "none", "--precision", "int8",
+                                       "--int8-rows", "--no-validate", "--profile", "off", "--max-context", "128",
+                                       "--output", str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["runtime"]["int8_activations"] == "row"
+    assert manifest["runtime"]["prefill_first_token_alone"] is False
+    graph = tmp_path / "b" / manifest["graphs"]["target"]["file"]
+    ops = {n.op_type for n in onnx.load(str(graph), load_external_data=False).graph.node}
+    assert "MatMulIntegerToFloat" in ops and "DynamicQuantizeMatMul" not in ops
