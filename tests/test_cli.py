@@ -705,16 +705,21 @@ def test_the_help_quick_start_runs_as_printed(tmp_path, monkeypatch):
 
 
 def test_bench_compares_outputs_only_where_they_must_match():
-    """A method's tokens must equal plain decoding's when both are fp32, not across precisions nor in a quantized
-    precision: only then does a prompt's line say OUTPUT DIFFERS, and the summary says once why the others differ."""
+    """A method's tokens must equal plain decoding's in the same precision, computed row by row: fp32, int4 on
+    graphs laid out in lanes, int8 with per-row scales; not across precisions, not in the default int8 (one scale
+    per call), not on bundles from before the lanes. Only then does a prompt's line say OUTPUT DIFFERS, and the
+    summary says once why the others differ."""
     from types import SimpleNamespace
 
     from specexport.runtime.bench import comparable_outputs, summary_lines
 
-    def engine(precision):
-        return SimpleNamespace(bundle=SimpleNamespace(manifest={"precision": precision}))
+    def engine(precision, lanes=True, rows=False):
+        manifest = {"precision": precision, "runtime": {"int8_activations": "row" if rows else "call"}}
+        return SimpleNamespace(bundle=SimpleNamespace(manifest=manifest), target=SimpleNamespace(lanes=lanes))
 
-    assert comparable_outputs(engine("fp32"), engine("fp32")) and not comparable_outputs(engine("int4"), engine("int4"))
+    assert comparable_outputs(engine("fp32"), engine("fp32")) and comparable_outputs(engine("int4"), engine("int4"))
+    assert comparable_outputs(engine("int8", rows=True), engine("int8", rows=True))
+    assert not comparable_outputs(engine("int4", lanes=False), engine("int4"))
     assert not comparable_outputs(engine("int8"), engine("int8")) and not comparable_outputs(engine("int8"), engine("fp32"))
     result = {"model": "m", "precision": "int8", "method": "suffix", "count": 40, "tokens_per_s": 2.0, "tau": 2.0,
               "accepted": 1, "drafted": 2, "baseline_tokens_per_s": 1.0, "speedup": 2.0, "identical": 0,

@@ -10,8 +10,10 @@ from conftest import method_export
 
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
+from specexport.runtime import tree
 from specexport.runtime.generate import Engine
 from specexport.runtime.scheduler import Scheduler
+from specexport.runtime.tree import DraftTree
 
 PRECISIONS = ["fp32", "int4", "int8"]  # int8: activations quantized per row (--int8-rows)
 PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat", "abcabcabcabc",
@@ -32,7 +34,8 @@ def bundles(request, tiny_folder, tmp_path_factory):
         export_bundle(str(tiny_folder), root / name, options, quiet=True)
         return Engine.load(root / name, threads=2)
 
-    return request.param, {"none": build("none"), "ngram": build("ngram", draft_length=4, max_matches=1)}
+    return request.param, {"none": build("none"), "ngram": build("ngram", draft_length=4, max_matches=1),
+                           "suffix": build("suffix", total_tokens=12, min_prob=0.0)}
 
 
 def logits_alone(engine, ids, q):
@@ -64,6 +67,41 @@ def test_a_position_is_the_same_bits_however_it_is_computed(bundles, method):
             assert np.array_equal(np.concatenate(rows)[p:], alone), size
 
 
+# a root with four children, paths of depth 4 and leaves on every level: 20 nodes, laid out over 50 rows
+WIDE = [-1, 0, 0, 0, 0, 1, 1, 2, 3, 5, 5, 6, 7, 8, 9, 9, 10, 11, 12, 4]
+
+
+@pytest.mark.parametrize("parents", [WIDE, [-1, 0, 0], [-1, 0, 1, 1, 2, 3, 0]], ids=["wide", "fork", "late-fork"])
+def test_a_branching_trees_rows_are_their_paths_bits(bundles, parents):
+    """Every node of a branching tree verified in one call (runtime/backends/layout.py lays it out in lanes) has
+    the logits of its path decoded one token at a time, to the bit, after pasts of several lengths (the lanes of
+    the past differ), and the committed path leaves the cache as plain decoding leaves it."""
+    _, engines = bundles
+    engine = engines["suffix"]
+    assert engine.target.lanes
+    rng = np.random.default_rng(len(parents))
+    for prompt in PROMPTS[:4]:
+        ids = engine.encode(prompt, chat=False)
+        tokens = [ids[-1]] + rng.integers(0, 200, len(parents) - 1).tolist()
+        cache = engine.target.new_cache(256)
+        engine.forward_chain(cache, ids[:-1])
+        got = engine.verify(cache, DraftTree(tokens, parents), want=("logits",))["logits"]
+        paths = tree.path_tokens(tokens, parents)
+        for node, path in enumerate(paths):
+            seq = ids + path
+            assert np.array_equal(got[node], logits_alone(engine, seq, len(seq) - 1)), (prompt, node)
+        deepest = max(range(len(parents)), key=lambda n: len(paths[n]))
+        keep = [n for n in range(len(parents)) if tree.ancestor_mask(parents)[deepest, n]]
+        cache.commit(keep)
+        plain = engine.target.new_cache(256)
+        engine.forward_chain(plain, ids + paths[deepest])
+        assert cache.length == plain.length
+        for ours, theirs in zip(cache.buffers, plain.buffers):
+            assert np.array_equal(ours[0, :, :cache.length], theirs[0, :, :plain.length])
+        x = int(rng.integers(0, 200))
+        assert np.array_equal(engine.forward_chain(cache, [x])["logits"], engine.forward_chain(plain, [x])["logits"])
+
+
 def test_speculative_batched_and_cached_output_is_plain_decodings(bundles):
     """Plain decoding alone (the chain-only bundle) is the reference: the speculative bundle alone, the same again
     with the prompts' beginnings kept, both batched eight at a time with prompts fed in chunks of 5, emit it."""
@@ -80,8 +118,9 @@ def test_speculative_batched_and_cached_output_is_plain_decodings(bundles):
 
 
 def test_int8_rows_from_the_cli(tiny_folder, tmp_path):
-    """`build --precision int8 --int8-rows`: activations quantized per row (no DynamicQuantizeMatMul), recorded in
-    the manifest, and the prompt's first token prefilled with the rest (a row's scale is its own)."""
+    """`build --precision int8 --int8-rows`: 8-bit MatMulNBits, activations quantized per row (no
+    DynamicQuantizeMatMul), recorded in the manifest, and the prompt's first token prefilled with the rest (a row's
+    scale is its own)."""
     import json
 
     import onnx
@@ -97,5 +136,39 @@ def test_int8_rows_from_the_cli(tiny_folder, tmp_path):
     assert manifest["runtime"]["int8_activations"] == "row"
     assert manifest["runtime"]["prefill_first_token_alone"] is False
     graph = tmp_path / "b" / manifest["graphs"]["target"]["file"]
-    ops = {n.op_type for n in onnx.load(str(graph), load_external_data=False).graph.node}
-    assert "MatMulIntegerToFloat" in ops and "DynamicQuantizeMatMul" not in ops
+    nodes = onnx.load(str(graph), load_external_data=False).graph.node
+    assert "DynamicQuantizeMatMul" not in {n.op_type for n in nodes}
+    nbits = [n for n in nodes if n.op_type == "MatMulNBits"]
+    assert nbits and all(onnx.helper.get_attribute_value(a) == 8 for n in nbits for a in n.attribute if a.name == "bits")
+
+
+def test_near_the_end_of_a_run_of_keys_a_tree_keeps_the_nodes_that_stay_exact(real_smol_ngram):
+    """SmolLM2's 64-wide heads: probs x V sums the keys in runs of 256, so a node laid out past key 256 whose depth
+    falls before it would sum in another order. The loop verifies the tree without such nodes (Engine.exact:
+    scored trees keep an ancestor-closed subset, unscored ones a prefix); every node it keeps has its path's bits,
+    with pasts on both sides of key 256, and far from it the whole tree stays."""
+    bundle, prompts, _ = real_smol_ngram
+    engine = Engine.load(bundle, threads=2)
+    assert engine.target.lanes
+    ids = engine.encode(" ".join(prompts), chat=False)
+    ids = (ids * (1 + 300 // len(ids)))[:300]
+    depth = tree.depths(WIDE)
+    kept = {}
+    for past in (150, 238, 247, 255, 262):
+        cache = engine.target.new_cache(1024)
+        engine.forward_chain(cache, ids[:past])
+        rows = cache.rows_at(0, past)
+        tokens = ids[past:past + len(WIDE)]
+        for scores in (None, (-depth).tolist()):
+            draft = engine.exact(DraftTree(tokens, WIDE, scores=scores), cache)
+            kept[past, scores is None] = len(draft)
+            got = engine.verify(cache, draft)["logits"]
+            for node, path in enumerate(tree.path_tokens(draft.tokens, draft.parents)):
+                alone = engine.target.new_cache(1024)
+                alone.put_rows(0, rows)
+                alone.length = past
+                want = engine.forward_chain(alone, [tokens[0]] + path)["logits"][0]
+                assert np.array_equal(got[node], want), (past, node)
+            cache.rewind(past)
+    assert kept[150, False] == kept[150, True] == len(WIDE)  # slots up to 68: inside the run
+    assert kept[247, True] < kept[247, False] < len(WIDE) and kept[262, False] == len(WIDE)

@@ -109,7 +109,7 @@ def test_fp32_matches_transformers(kind, flavour, tmp_path):
             GraphOptions(flavour="trt").check(arch.dims_from_config(model(kind).config))
         return
     s = session(kind, tmp_path / "g", flavour=flavour)
-    # fp32 rounding: a decode row's attention takes the many-row kernel (runtime/backends/host.padded_step), whose
+    # fp32 rounding: a decode row's attention takes the many-row kernel (runtime/backends/layout.py), whose
     # order differs from transformers' by up to ~1.1e-4 on Gemma 3's scaled logits
     check_report(validate.compare(model(kind), s, max_context=MAX_CONTEXT), max_diff=2e-4, min_top1=1.0)
     if flavour == "trt":  # the lint finds nothing TensorRT cannot parse (fp32 is a warning: not what trt is for)

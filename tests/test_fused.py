@@ -12,6 +12,7 @@ from specexport.exporter import fused
 from specexport.exporter.fused import INPUTS, _argmax_rows, _process, add_accept, add_batch_accept
 from specexport.exporter.graph import _Graph, make_model
 from specexport.runtime import tree
+from specexport.runtime.backends.layout import lay_out
 from specexport.runtime.sampling import SamplingParams, probabilities
 from specexport.runtime.verify import accept_greedy, accept_tree, uniforms_shape
 
@@ -23,11 +24,11 @@ def session(request):
     """The acceptance alone, fed the logits directly (in the target graph they come from the LM head); with the
     vocabulary given at export (the ort flavour) its greedy argmax runs in blocks."""
     g = _Graph(TensorProto.FLOAT)
-    seq = g.op("Gather", [g.op("Shape", ["input_ids"]), g.const("one_i64", np.array(1, np.int64))], axis=0)
-    add_accept(g, "logits", seq, vocab_size=request.param)
+    add_accept(g, "logits", vocab_size=request.param)
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, ["batch", "seq", "seq"]),
               helper.make_tensor_value_info("past_len", TensorProto.INT32, ["batch"]),
+              helper.make_tensor_value_info("logits_indices", TensorProto.INT64, ["rows"]),
               helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["rows", V])]
     inputs += [helper.make_tensor_value_info(name, t, shape) for name, t, shape in INPUTS]
     outputs = [helper.make_tensor_value_info("accept_rows", TensorProto.INT64, ["accepted"]),
@@ -37,10 +38,16 @@ def session(request):
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
 
 
-def run(session, tokens, parents, logits, past, u, q, params, without=False):
-    feeds = {"input_ids": np.array([tokens], np.int64),
-             "tree_mask": tree.ancestor_mask(parents)[None],
+def run(session, tokens, parents, logits, past, u, q, params, without=False, lanes=False):
+    """The graph's (accepted rows, bonus token); `lanes`: the step laid out in lanes (runtime/backends/layout.py),
+    the tree's rows among padding rows, the logits those of the rows `logits_indices` selects."""
+    ids, mask, selected = np.array([tokens], np.int64), tree.ancestor_mask(parents)[None], np.arange(len(tokens))
+    layout = lay_out(ids, np.zeros_like(ids), mask, selected, None, True, 100) if lanes else None
+    if layout is not None:
+        ids, mask, selected = layout.input_ids, layout.tree_mask, layout.logits_indices
+    feeds = {"input_ids": ids, "tree_mask": mask,
              "past_len": np.array([past], np.int32), "logits": logits.astype(np.float32),
+             "logits_indices": selected,
              "sample_u": u.astype(np.float32),
              "sample_q": np.zeros((0, 0), np.float32) if q is None else q.astype(np.float32),
              "sample_params": np.array([params.temperature, params.top_k, params.top_p, without], np.float32)}
@@ -63,8 +70,9 @@ def guesses(rng, parents: list[int], scores: np.ndarray, right: float) -> np.nda
     return tokens
 
 
+@pytest.mark.parametrize("lanes", [False, True], ids=["in-order", "in-lanes"])
 @pytest.mark.parametrize("mode", MODES)
-def test_the_graph_accepts_as_the_pure_rule(session, mode):
+def test_the_graph_accepts_as_the_pure_rule(session, mode, lanes):
     rng = np.random.default_rng(MODES.index(mode))
     lengths = set()
     for trial in range(80):
@@ -84,7 +92,7 @@ def test_the_graph_accepts_as_the_pure_rule(session, mode):
             u = np.zeros((t, 1))  # what the runtime passes when greedy
         else:
             ref = accept_tree(tokens.tolist(), parents, p, q, u, mode)
-        got = run(session, tokens.tolist(), parents, logits, past, u, q, params, mode == "without_replacement")
+        got = run(session, tokens.tolist(), parents, logits, past, u, q, params, mode == "without_replacement", lanes)
         assert got == (ref.path, ref.tokens[-1]), (trial, parents, tokens.tolist())
         lengths.add(len(ref.path))
     assert max(lengths) >= 3  # accepted paths two drafts deep were exercised, not only rejections
@@ -103,7 +111,8 @@ def test_a_batched_greedy_call_skips_the_one_sequence_tree(session):
     alone = run(session, tokens, parents, logits[4:], 3, np.zeros((4, 1)), None, params)
     assert alone == (ref.path, ref.tokens[-1]) and len(ref.path) == 3
     feeds = {"input_ids": np.array([tokens] * 2, np.int64), "tree_mask": np.stack([tree.ancestor_mask(parents)] * 2),
-             "past_len": np.array([3, 7], np.int32), "logits": logits, "sample_u": np.zeros((8, 1), np.float32),
+             "past_len": np.array([3, 7], np.int32), "logits": logits, "logits_indices": np.arange(8),
+             "sample_u": np.zeros((8, 1), np.float32),
              "sample_q": np.zeros((0, 0), np.float32), "sample_params": np.array([0, 0, 1, 0], np.float32)}
     rows, bonus = session.run(None, feeds)
     assert rows.tolist() == [0] and bonus.tolist() == [int(top[-1])]
@@ -145,8 +154,7 @@ def test_the_batched_greedy_acceptance_is_the_pure_rule_for_every_sequence(vocab
     """add_batch_accept: B sequences' trees padded to the widest (a padded row sees only itself and is not
     selected by logits_indices), each accepted as accept_greedy accepts it alone, in both flavours' argmax."""
     g = _Graph(TensorProto.FLOAT)
-    seq = g.op("Gather", [g.op("Shape", ["input_ids"]), g.const("one_i64", np.array(1, np.int64))], axis=0)
-    add_batch_accept(g, add_accept(g, "logits", seq, sampling=False, vocab_size=vocab)[3])
+    add_batch_accept(g, add_accept(g, "logits", sampling=False, vocab_size=vocab)[3])
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "seq"]),
               helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, ["batch", "seq", "seq"]),
               helper.make_tensor_value_info("logits_indices", TensorProto.INT64, ["rows"]),

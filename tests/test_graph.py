@@ -320,7 +320,7 @@ def test_ragged_rows_equal_the_padded_call(kind, tmp_path):
 
 def test_a_plain_step_is_laid_out_as_two_rows_and_returns_one(tmp_path):
     """Plain decoding's chain-only graph takes ragged rows too: its one-row steps run as two (the padding row for
-    attention only, host.padded_step), and the caller sees one row's outputs, the cache one row longer."""
+    attention only, runtime/backends/layout.py), and the caller sees one row's outputs, the cache one row longer."""
     s = session(model("llama"), tmp_path, chain_only=True)
     assert s.ragged and "live_rows" in {i["name"] for i in s.info["inputs"]}
     cache = s.new_cache(32)

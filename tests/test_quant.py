@@ -84,13 +84,13 @@ def test_matmul_nbits_layout():
     np.testing.assert_array_equal(packed["zero_points"].reshape(6, 2), pack_nibbles(zero))
 
 
-def _matmul_nbits_session(k, n, packed, accuracy_level):
+def _matmul_nbits_session(k, n, packed, accuracy_level, bits=4):
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
     inits = [numpy_helper.from_array(v, name) for name, v in packed.items()]
     node = helper.make_node("MatMulNBits", ["A", "B", "scales", "zero_points"], ["Y"], domain="com.microsoft",
-                            K=k, N=n, bits=4, block_size=INT4_BLOCK, accuracy_level=accuracy_level)
+                            K=k, N=n, bits=bits, block_size=INT4_BLOCK, accuracy_level=accuracy_level)
     graph = helper.make_graph([node], "nbits", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", n])], initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
@@ -112,3 +112,20 @@ def test_matmul_nbits_in_onnxruntime(k, n):
     np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4)
     # and it is int4: far from the float weights, relative to the quantized result's own error
     assert np.abs(y - x @ w.T).max() > 1e-2
+
+
+@pytest.mark.parametrize("k, n", [(64, 48), (96, 40)])
+def test_8_bit_matmul_nbits_in_onnxruntime(k, n):
+    """`--int8-rows`' layout: 8-bit blocks of 32 with zero points, one byte each; the node computes
+    x @ dequantized(W).T, within 8 bits' error of the float weights."""
+    w = weights(n, k, seed=4)
+    x = np.random.default_rng(5).standard_normal((5, k)).astype(np.float32)
+    packed = matmul_nbits(w, bits=8)
+    blocks = k // INT4_BLOCK
+    assert packed["B"].shape == (n, blocks, INT4_BLOCK) and packed["zero_points"].shape == (n * blocks,)
+    q, scale, zero = int4_blocks(w, bits=8)
+    assert q.max() > 15 and q.max() <= 255
+    expected = x @ dequantize_int4(q, scale, zero, k).T
+    y = _matmul_nbits_session(k, n, packed, accuracy_level=0, bits=8).run(None, {"A": x})[0]
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4)
+    assert np.abs(y - x @ w.T).max() < np.abs(expected).max() * 0.02

@@ -249,6 +249,28 @@ BAD = [  # (what, method, path, body, headers, status, param)
 ]
 
 
+def test_a_client_that_writes_its_whole_body_first_reads_the_413(server):
+    """Python's urllib sends the whole body before reading: a body over the limit (4 MiB), declared or chunked, is
+    read and dropped, so that it reads the 413 in OpenAI's shape rather than a reset connection; the server then
+    answers the next request."""
+    import urllib.error
+    import urllib.request
+
+    def chunks():
+        for _ in range(12):
+            yield b"a" * (1 << 20)
+
+    for body in (b'{"prompt": "' + b"a" * (12 << 20) + b'"}', chunks()):
+        request = urllib.request.Request(server.url + "/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=60)
+        assert refused.value.code == 413
+        assert json.loads(refused.value.read())["error"]["code"] == "request_too_large"
+    status, _, _ = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 200
+
+
 def test_bad_input_gets_its_status_and_openais_error_shape(server):
     before = len(server.access_log())
     for what, method, path, body, headers, status, param in BAD:

@@ -54,9 +54,9 @@ def export_options(f):
                      help="Also output the inputs of these layers, e.g. 2,15,27.")(f)
     f = click.option("--no-validate", is_flag=True, help="Skip the numerics check against transformers.")(f)
     f = click.option("--int8-rows", is_flag=True,
-                     help="int8 (ort flavour): quantize activations per row, so that a token's logits do not depend on "
-                          "the other rows of its call: speculative and batched output exactly plain decoding's; "
-                          "slower than one scale per call (docs/precision.md).")(f)
+                     help="int8 (ort flavour): weights in blocks of 32 and activations quantized per row "
+                          "(MatMulNBits), so that a token's logits do not depend on the other rows of its call: "
+                          "speculative and batched output exactly plain decoding's (docs/precision.md).")(f)
     f = click.option("--fused-accept/--no-fused-accept", default=True, show_default=True,
                      help="Acceptance inside the target graph, greedy and sampling: a step returns the accepted rows "
                           "and the bonus token, not logits.")(f)

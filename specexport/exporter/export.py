@@ -21,6 +21,7 @@ from specexport.exporter.save import Checkpoint, ExportContext, write_graph
 from specexport.exporter.tensorrt import build as tensorrt
 from specexport.options import with_given
 from specexport.runtime.backends.host import session_options
+from specexport.runtime.backends.layout import LANES
 
 
 @dataclass
@@ -103,6 +104,8 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
         target_options = plan.graph_options(options.graph)
         graphs = {"target": write_graph(checkpoint, "target", target_options, max_context, tmp, quiet,
                                         plan.extensions())}
+        if graphs["target"]["flavour"] == "ort":  # its trees are laid out in lanes (runtime/backends/layout.py)
+            graphs["target"]["tree_lanes"] = LANES
         ctx = ExportContext(source, dims, checkpoint, tokenizer, tmp, options.graph, max_context, quiet, step, model)
         graphs.update(plan.write_graphs(ctx))
         step("saving the tokenizer")

@@ -11,9 +11,10 @@ them: a few integers per step instead of T x vocab logits. The rules are `runtim
     sample_params  [4] float      temperature (0 = greedy), top_k (0 = off), top_p (1 = off), and
                                   1 when sampled drafts were drawn without replacement
 
-The target's distribution is `runtime.sampling.probabilities` (temperature, top-k, top-p). Batch 1,
-and `logits_indices` must select every row of the step; the nodes also run on other calls
-(prefill, decode), where they see the last selected rows as a tree and their outputs are ignored.
+The target's distribution is `runtime.sampling.probabilities` (temperature, top-k, top-p). Batch 1; the
+tree is the rows `logits_indices` selects, in its order (a step laid out in lanes has padding rows between
+them: runtime/backends/layout.py); the nodes also run on other calls (prefill, decode), where they see the
+selected rows as a tree and their outputs are ignored.
 `add_batch_accept` adds the greedy rule for every sequence of a batched step at once (the batched engine's).
 
 At temperature 0 (greedy decoding, the common case) an If takes the greedy rule on one ArgMax per row (computed
@@ -50,26 +51,30 @@ ACCEPTED_ROW = "accepted_row"  # the step row of the last accepted node, named s
 INPUTS = (("sample_u", F, ["rows", "slots"]), ("sample_q", F, ["draft_rows", "vocab"]), ("sample_params", F, [4]))
 
 
-def add_accept(g, logits: str, seq_len: str, sampling: bool = True, vocab_size: int | None = None
+def add_accept(g, logits: str, sampling: bool = True, vocab_size: int | None = None
                ) -> tuple[str, str, str, str]:
     """Append the acceptance to graph `g` (`sampling` False: greedy only); returns (accept_rows [k] int64,
     bonus_token [1] int64, the step row of the last accepted node [1] int64: the row whose hidden state comes
     next, and the argmax of every selected row [rows] int64, which add_batch_accept shares). `vocab_size`, the
     logits' width when known at export, makes the argmax run in blocks (`_argmax_rows`)."""
     c = _consts(g)
-    seq = g.op("Reshape", [seq_len, c("one", [1])])
-    n = g.op("Min", [g.op("Shape", [logits], end=1), seq])  # the tree: the last n tokens of the step
-    first = g.op("Sub", [seq, n])
-    batch0 = c("batch0", 0)
-    ids = g.op("Slice", [g.op("Gather", ["input_ids", batch0], axis=0), first, seq, c("zero", [0])])
     rows = g.op("Shape", [logits], end=1)
-    target = g.op("Slice", [logits, g.op("Sub", [rows, n]), rows, c("zero", [0])])  # [n, V]
+    n = rows  # the tree: the selected rows, in the order `logits_indices` gives them
+    width = g.op("Shape", ["input_ids"], start=1, end=2)
+    ids = g.op("Gather", [g.op("Reshape", ["input_ids", c("flat", [-1])]), "logits_indices"], axis=0)
+    # the selected rows' rows and columns of the tree mask: anc[i, j] = selected row j is i or an ancestor of i
+    # (rows of another batch row than the first are read as if they were its own: in range, and ignored)
+    cols = g.op("Shape", ["tree_mask"], start=2, end=3)
+    at = g.op("Add", [g.op("Mod", ["logits_indices", width]), g.op("Sub", [cols, width])])
+    flat_mask = g.op("Reshape", ["tree_mask", g.op("Concat", [c("minus_one", [-1]), cols], axis=0)])
+    anc = g.op("Cast", [g.op("Gather", [g.op("Gather", [flat_mask, "logits_indices"], axis=0), at], axis=1)], to=F)
+    target = logits  # [n, V]
     # the argmax of every selected row, once: the greedy rules read it (an If's branches see the outer graph)
     top_all = _argmax_rows(g, logits, vocab_size) if vocab_size else g.op("ArgMax", [logits], axis=1, keepdims=0)
-    top = g.op("Slice", [top_all, g.op("Sub", [rows, n]), rows, c("zero", [0])])  # [n] the target's token per row
+    top = top_all
 
     if not sampling:
-        rows_out, best, bonus = _accept(g, target, ids, n, first, seq, top)
+        rows_out, best, bonus = _accept(g, target, ids, n, anc, top)
     else:  # greedy, a single row (plain decoding) or a batch (add_batch_accept's) skips the tree: the last argmax
         temperature = g.op("Gather", ["sample_params", c("zero_s", 0)], axis=0)
         greedy = g.op("LessOrEqual", [temperature, c("0f", 0.0, np.float32)])
@@ -78,11 +83,11 @@ def add_accept(g, logits: str, seq_len: str, sampling: bool = True, vocab_size: 
                             g.op("Greater", [batch, c("one_s", 1)])])
         rows_out, best, bonus = _if(g, "tree", g.op("And", [alone, greedy]),
                                     lambda b: [_consts(b)("zero", [0]), _consts(b)("zero", [0]), _last(b, top)],
-                                    lambda b: list(_accept(b, target, ids, n, first, seq, top, (temperature, greedy))),
+                                    lambda b: list(_accept(b, target, ids, n, anc, top, (temperature, greedy))),
                                     [I64, I64, I64])
     rows_out = g.op("Identity", [rows_out], outputs=["accept_rows"])
     bonus = g.op("Reshape", [bonus, c("one", [1])], outputs=["bonus_token"])
-    return rows_out, bonus, g.op("Add", [first, best], outputs=[ACCEPTED_ROW]), top_all
+    return rows_out, bonus, g.op("Gather", ["logits_indices", best], axis=0, outputs=[ACCEPTED_ROW]), top_all
 
 
 def _last(g, values: str) -> str:
@@ -91,18 +96,13 @@ def _last(g, values: str) -> str:
     return g.op("Slice", [values, c("minus_one", [-1]), c("end", [np.iinfo(np.int64).max]), c("zero", [0])])
 
 
-def _accept(g, target: str, ids: str, n: str, first: str, seq: str, top: str, sampling: tuple[str, str] | None = None
+def _accept(g, target: str, ids: str, n: str, anc: str, top: str, sampling: tuple[str, str] | None = None
             ) -> tuple[str, str, str]:
     """The tree's acceptance into graph (or If branch) `g`: (accepted rows [k], the deepest accepted row [1], the
-    bonus token [1]). `top`: the target's argmax at each of the tree's rows [n]. `sampling`: the step's temperature
+    bonus token [1]), rows counted among the selected ones. `anc` [n, n] float: 1 where selected row j is row i or
+    an ancestor of it; `top`: the target's argmax at each of the tree's rows [n]. `sampling`: the step's temperature
     and whether it is greedy, from the graph's sample_params (None: greedy only, no sampling inputs)."""
     c = _consts(g)
-    batch0 = c("batch0", 0)
-    # the tree from the last n rows and columns of the tree mask (batch 0): anc[i, j] = j is i or an ancestor of i
-    cols = g.op("Shape", ["tree_mask"], start=2, end=3)
-    block = g.op("Slice", ["tree_mask", g.op("Concat", [first, g.op("Sub", [cols, n])], axis=0),
-                           g.op("Concat", [seq, cols], axis=0), c("axes12", [1, 2])])
-    anc = g.op("Cast", [g.op("Gather", [block, batch0], axis=0)], to=F)  # [n, n]
     depth = g.op("Sub", [g.op("ReduceSum", [anc, c("one", [1])], keepdims=0), c("1f", 1.0, np.float32)])
     node = g.op("Range", [c("zero_s", 0), g.op("Squeeze", [n, c("zero", [0])]), c("one_s", 1)])  # [n] 0..n-1
     col, row_of = g.op("Unsqueeze", [node, c("zero", [0])]), g.op("Unsqueeze", [node, c("one", [1])])

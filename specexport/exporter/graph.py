@@ -69,8 +69,8 @@ class GraphOptions:
     chain_only: bool = False
     # int8 weights of the ort flavour: 7 bits where this CPU's int8 kernels saturate (runtime/cpu.py)
     int8_bits: int = field(default_factory=cpu.int8_weight_bits)
-    # int8 activations of the ort flavour quantized per row (exact: a row's logits do not depend on the other rows of
-    # its call), else per call (DynamicQuantizeMatMul: faster, docs/precision.md)
+    # int8 of the ort flavour with activations quantized per row (MatMulNBits, 8-bit blocks: a row's logits do not
+    # depend on the other rows of its call), else per call (DynamicQuantizeMatMul, docs/precision.md)
     int8_rows: bool = False
 
     def check(self, d: Dims) -> None:
@@ -254,7 +254,6 @@ class DecoderGraphBuilder:
         self.capacity = next(iter(self.rope.values()))[0].shape[0]  # the trt flavour's static S_max
         self.biases: dict[int, str] = {}  # window (0: full) -> the step's attention bias (step_attention)
         self.ragged = False  # build(): the step graph's real rows only (module docstring); other graphs' blocks pad
-        self._int8_rows: dict[str, tuple[str, str]] = {}  # an activation's per-row int8 codes and scales
 
     # -- building blocks -------------------------------------------------------------------
     def linear(self, x: str, name: str, w: np.ndarray, bias: np.ndarray | None = None) -> str:
@@ -263,15 +262,15 @@ class DecoderGraphBuilder:
         out_dim, in_dim = w.shape
         b = g.const(f"{name}.bias", bias, compute=True) if bias is not None else ""
         if p == "int8":
+            if self.ort and self.opt.int8_rows:  # blocks of 32; a row's activations quantized alone, in the kernel
+                packed = quant.matmul_nbits(w, bits=8)
+                inputs = [x] + [g.const(f"{name}.{k}", v) for k, v in packed.items()] + ["", b]
+                return g.op("MatMulNBits", inputs, domain="com.microsoft", K=in_dim, N=out_dim, bits=8,
+                            block_size=quant.INT4_BLOCK, accuracy_level=4)
             q, scale = quant.int8_per_channel(w, self.opt.int8_bits if self.ort else 8)
-            if self.ort and not self.opt.int8_rows:
+            if self.ort:
                 return g.op("DynamicQuantizeMatMul", [x, g.const(f"{name}.qweight", q), g.const(f"{name}.scale", scale),
                                                       "", b], domain="com.microsoft")
-            if self.ort:
-                xq, x_scale = self._rows_int8(x)
-                y = g.op("MatMulIntegerToFloat", [xq, g.const(f"{name}.qweight", q), x_scale,
-                                                  g.const(f"{name}.scale", scale), "int8.zero"], domain="com.microsoft")
-                return g.op("Add", [y, b]) if b else y
             wd = g.op("DequantizeLinear", [g.const(f"{name}.qweight", q), g.const(f"{name}.scale", scale)], axis=1)
             y = g.op("MatMul", [x, wd])
         elif p == "int4":
@@ -284,27 +283,6 @@ class DecoderGraphBuilder:
         else:
             y = g.op("MatMul", [x, g.const(f"{name}.weight", np.ascontiguousarray(w.T), compute=True)])
         return g.op("Add", [y, b]) if b else y
-
-    def _rows_int8(self, x: str) -> tuple[str, str]:
-        """x quantized for an int8 projection, each row with its own scale (max |x| / 127, uint8 about 128): (x_q,
-        scale [.., 1]), made once per tensor (q/k/v's and gate/up's inputs are shared).
-
-        Why per row: ONNX Runtime's DynamicQuantizeMatMul takes one scale for the whole call, so a row's result
-        would depend on the other rows of its step (its batch, its tree, its prefill chunk). Example: rows [1, -2]
-        and [0.5, 0.25] get scales 2/127 and 0.5/127, whatever else is in the call."""
-        if x in self._int8_rows:
-            return self._int8_rows[x]
-        g = self.g
-        if not g.has("int8.zero"):
-            g.add(numpy_helper.from_array(np.array(128, np.uint8), "int8.zero"))
-            for name, value in (("levels", 127), ("offset", 128), ("tiny", 1e-30)):
-                g.const(f"int8.{name}", np.array(value, np.float32))
-            g.const("int8.last", np.array([-1], np.int64))
-        top = g.op("ReduceMax", [g.op("Abs", [x]), "int8.last"], keepdims=1)
-        scale = g.op("Div", [g.op("Max", [top, "int8.tiny"]), "int8.levels"])  # a zero row stays zero
-        codes = g.op("Add", [g.op("Round", [g.op("Div", [x, scale])]), "int8.offset"])  # 1..255: no clipping
-        self._int8_rows[x] = (g.op("Cast", [codes], to=TensorProto.UINT8), scale)
-        return self._int8_rows[x]
 
     def _qdq_int4(self, name: str, w: np.ndarray) -> str:
         """Blockwise int4 DequantizeLinear (opset 21+) -> float [in, out]: TensorRT's weight-only int4."""
@@ -524,7 +502,6 @@ class DecoderGraphBuilder:
         outputs[2:2] = [helper.make_tensor_value_info(f"layer_input.{i}", et, ["batch", "seq", d.hidden])
                         for i in self.opt.aux_layers]
         attn_args = self.step_attention()
-        seq_len = attn_args["seq"]
         self.ragged = self.ort  # ragged rows: per-row ops on the R real rows only
         if self.ragged:
             inputs[5:5] = [helper.make_tensor_value_info("live_rows", TensorProto.INT64, ["live"]),
@@ -564,7 +541,7 @@ class DecoderGraphBuilder:
         if self.opt.fused_accept:  # greedy only for TensorRT: the runtime accepts sampling (exporter/fused.py)
             if not self.trt:
                 inputs += [helper.make_tensor_value_info(name, t, shape) for name, t, shape in ACCEPT_INPUTS]
-            _, _, row, top = add_accept(g, "logits", seq_len, sampling=not self.trt,
+            _, _, row, top = add_accept(g, "logits", sampling=not self.trt,
                                         vocab_size=None if self.trt else d.vocab)
             outputs += [helper.make_tensor_value_info("accept_rows", TensorProto.INT64, ["accepted"]),
                         helper.make_tensor_value_info("bonus_token", TensorProto.INT64, [1])]

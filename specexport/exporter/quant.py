@@ -26,20 +26,21 @@ def int8_per_channel(w: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarr
     return np.ascontiguousarray(q.T), scale
 
 
-def int4_blocks(w: np.ndarray, block: int = INT4_BLOCK) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Asymmetric uint4 in blocks of `block` along the input dim.
+def int4_blocks(w: np.ndarray, block: int = INT4_BLOCK, bits: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric unsigned ints of `bits` (4: uint4) in blocks of `block` along the input dim.
 
-    Returns (q [out, in_padded] uint8 values 0..15, scale [out, blocks] fp32, zero [out, blocks] uint8);
+    Returns (q [out, in_padded] uint8 values 0..2^bits - 1, scale [out, blocks] fp32, zero [out, blocks] uint8);
     w ~= (q - zero) * scale blockwise.
     """
     out_dim, in_dim = w.shape
+    top = 2 ** bits - 1
     pad = (-in_dim) % block
     wp = np.pad(w, ((0, 0), (0, pad))).reshape(out_dim, -1, block)
     lo = np.minimum(wp.min(axis=2), 0.0)
     hi = np.maximum(wp.max(axis=2), 0.0)
-    scale = np.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(np.float32)
-    zero = np.clip(np.rint(-lo / scale), 0, 15).astype(np.uint8)
-    q = np.clip(np.rint(wp / scale[..., None]) + zero[..., None], 0, 15).astype(np.uint8)
+    scale = np.where(hi > lo, (hi - lo) / top, 1.0).astype(np.float32)
+    zero = np.clip(np.rint(-lo / scale), 0, top).astype(np.uint8)
+    q = np.clip(np.rint(wp / scale[..., None]) + zero[..., None], 0, top).astype(np.uint8)
     return q.reshape(out_dim, -1), scale, zero
 
 
@@ -64,10 +65,12 @@ def pack_nibbles(values: np.ndarray) -> np.ndarray:
     return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
 
 
-def matmul_nbits(w: np.ndarray, block: int = INT4_BLOCK) -> dict[str, np.ndarray]:
-    """Inputs of com.microsoft::MatMulNBits (bits=4): B [N, blocks, block/2], scales, zero_points."""
-    q, scale, zero = int4_blocks(w, block)
+def matmul_nbits(w: np.ndarray, block: int = INT4_BLOCK, bits: int = 4) -> dict[str, np.ndarray]:
+    """Inputs of com.microsoft::MatMulNBits (bits 4 or 8): B [N, blocks, block * bits / 8], scales, zero_points."""
+    q, scale, zero = int4_blocks(w, block, bits)
     out_dim = w.shape[0]
+    if bits == 8:
+        return {"B": q.reshape(out_dim, -1, block), "scales": scale.reshape(-1), "zero_points": zero.reshape(-1)}
     return {
         "B": pack_nibbles(q).reshape(out_dim, -1, block // 2),
         "scales": scale.reshape(-1),

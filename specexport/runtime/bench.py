@@ -90,12 +90,15 @@ def run_bench(engine: Engine, prompts: list[dict], max_new_tokens: int = 128, pr
 
 
 def comparable_outputs(engine: Engine, plain: Engine) -> bool:
-    """Whether the method's greedy tokens must equal plain decoding's: both fp32. Quantized activations round a tiny
-    difference into a visible one: a row verified with other rows (attention over several query rows) differs from
-    the same row decoded alone in the last bits, and int8's one scale per call or int4's per-block rounding makes
-    that a different logit, so the outputs part at near-ties (measured: suffix int4 3/10 prompts identical to plain
-    int4)."""
-    return engine.bundle.manifest["precision"] == plain.bundle.manifest["precision"] == "fp32"
+    """Whether the method's greedy tokens must equal plain decoding's: the same precision, computed row by row (int8
+    only with per-row activation scales, `--int8-rows`: the default quantizes a call's rows with one scale), on
+    graphs whose trees the runtime lays out in lanes (docs/precision.md; bundles built before it part at near-ties)."""
+    manifests = [e.bundle.manifest for e in (engine, plain)]
+    if manifests[0]["precision"] != manifests[1]["precision"]:
+        return False
+    rows = all(m.get("runtime", {}).get("int8_activations") == "row" for m in manifests)
+    lanes = getattr(engine.target, "lanes", False) or engine.bundle.manifest["precision"] == "fp32"
+    return lanes and (manifests[0]["precision"] != "int8" or rows)
 
 
 def _totals(engine: Engine, rows: list[dict]) -> dict:
@@ -153,9 +156,7 @@ def summary_lines(result: dict) -> list[str]:
         lines.append(f"  ({result['precision']} against plain {baseline}: different precisions compute different "
                      "numbers, so their outputs are not expected to match; fp32 bundles of both show the method's "
                      "output equal to plain decoding's)")
-    elif result["precision"] in ("int8", "int4") and result["identical"] < result["count"]:
-        lines.append(f"  ({result['precision']}: a branching tree's rows off its first path sum their attention in "
-                     "another order than plain decoding (an int8 bundle built without --int8-rows also quantizes a "
-                     "call's rows together), so outputs part at near-ties; speculation is exact against its own "
-                     "verification call, chains are exact, and fp32 bundles are token-identical)")
+    elif result["precision"] == "int8" and result["identical"] < result["count"]:
+        lines.append("  (int8 built without --int8-rows quantizes a call's rows with one scale, so a row's logits depend "
+                     "on the rows beside it and outputs part at near-ties; --int8-rows bundles are token-identical)")
     return lines

@@ -18,6 +18,7 @@ from specexport.bundle import Bundle, load_bundle
 from specexport.errors import UserError
 from specexport.runtime import cpu, methods, tree
 from specexport.runtime.backends import open_graph
+from specexport.runtime.backends.layout import MARGIN, exact_nodes
 from specexport.runtime.backends.protocol import Backend, Cache, pools
 from specexport.runtime.budget import BatchLatency, grid
 from specexport.runtime.governor import WHOLE, Governor, profiled_latency
@@ -315,6 +316,16 @@ class Engine:
         cache.advance(t)
         return out
 
+    def exact(self, draft: DraftTree, cache: Cache, k: int = 0) -> DraftTree:
+        """The tree without the nodes that a step on batch row k of `cache` cannot lay out in lanes exactly, where
+        the target lays trees out so (runtime/backends/layout.py); an unscored tree keeps a prefix of its nodes (a
+        draft model reads its own numbering)."""
+        if not getattr(self.target, "lanes", False) or len(draft) < 3:
+            return draft
+        past = int(cache.past_lengths(cache.batch)[k])
+        nodes = exact_nodes(draft.parents, past, self.target.info["head_dim"], prefix=draft.scores is None)
+        return draft.truncated(nodes) if draft.scores is None else draft.kept(nodes)
+
     def verify(self, cache: Cache, draft: DraftTree, want=("logits",), accept: dict | None = None) -> dict:
         """One target call over the tree, every row selected; logits are [T, vocab]. `accept`: the fused
         acceptance's inputs (`verify.fused_inputs`), greedy when not given."""
@@ -342,7 +353,7 @@ class Engine:
             if governor is not None and len(draft) > 1:
                 with governor.lock:
                     draft = governor.cut(plan, [draft], [seeded], [not sampler.params.greedy])[0]
-            draft = pruned(draft, sampler)
+            draft = self.exact(pruned(draft, sampler), cache)
         else:
             draft = DraftTree.root_only(history[-1])
         proposed = time.perf_counter()
@@ -385,7 +396,7 @@ class Engine:
         ids, allowed = self.request(prompt, max_new_tokens, stop, chat)
         sampler = self.sampler(sampling)
         proposer = self.proposer(sampler, plain)
-        cache = self.target.new_cache(len(ids) + allowed + proposer.max_drafts + 1)  # + 1: host.padded_step
+        cache = self.target.new_cache(len(ids) + allowed + proposer.max_drafts + MARGIN)  # backends/layout.py
         proposer.start(len(ids), cache.capacity)
         stats = Stats(prompt_tokens=len(ids))
         params = sampler.params

@@ -1,8 +1,9 @@
 """The KV cache: one preallocated buffer per layer and kind, written in place by the graph.
 
-The graph writes the K/V of the T new tokens at rows [length, length + T). After verification the
-caller either keeps all of them (`advance`), keeps an accepted subset (`commit`, which copies the
-accepted rows down so they are contiguous), or drops rows (`rewind`). No call copies the cache.
+The graph writes the K/V of the T new tokens at rows [length, length + T), or, for a step the backend laid out
+in lanes (runtime/backends/layout.py), where it `place`d them. After verification the caller either keeps all of
+them (`advance`), keeps an accepted subset (`commit`, which copies the accepted rows down so they are
+contiguous), or drops rows (`rewind`), by their rows in the step. No call copies the cache.
 """
 
 from __future__ import annotations
@@ -31,12 +32,41 @@ class CacheRows(ABC):
     def room(self) -> int:
         return self.capacity - self.length
 
+    @property
+    def places_rows(self) -> bool:
+        """Whether a step's rows may be written out of order (`place`): each batch row commits on its own."""
+        return self.batch == 1
+
+    def place(self, k: int, slots: np.ndarray | None) -> None:
+        """Where the last step wrote batch row k's rows: row i at offset slots[i] from its length (None: in order),
+        read by the next commit or advance of that row."""
+        placed = self._placed()
+        if slots is None:
+            placed.pop(self._slot_key(k), None)
+        else:
+            placed[self._slot_key(k)] = slots
+
+    def _placed(self) -> dict:
+        if "placed" not in self.__dict__:
+            self.placed = {}
+        return self.placed
+
+    def _slot_key(self, k: int) -> int:
+        return k
+
+    def _where(self, rows):
+        """The step's rows `rows` as written (`place`)."""
+        slots = self._placed().pop(self._slot_key(0), None)
+        return rows if slots is None else slots[np.asarray(rows, np.int64)]
+
     def past_lengths(self, batch: int) -> np.ndarray:
         """Each batch row's committed length, what a step's `past_len` takes (one cache: the same for all)."""
         return np.full(batch, self.length, np.int64)
 
     def advance(self, n: int) -> None:
         """Keep all n rows written by the last step."""
+        if self._placed().get(self._slot_key(0)) is not None:
+            return self.commit(np.arange(n))
         if self.length + n > self.capacity:
             raise ValueError(f"KV cache overflow: {self.length} + {n} > capacity {self.capacity}")
         self.length += n
@@ -44,6 +74,7 @@ class CacheRows(ABC):
     def commit(self, rows) -> None:
         """Keep the new rows at these offsets (relative to `length`, ascending), in order: a prefix (most steps'
         path) stays where it is, any other path is copied down."""
+        rows = self._where(rows)
         if not (isinstance(rows, list) and rows == list(range(len(rows)))):  # given as a list, a prefix is quick
             rows = np.asarray(rows, dtype=np.int64)
             if rows.size and (rows.min() < 0 or self.length + rows.max() >= self.capacity):
@@ -62,6 +93,7 @@ class CacheRows(ABC):
         """Forget everything after `length` rows (the buffer is not cleared; rows are overwritten later)."""
         if not 0 <= length <= self.length:
             raise ValueError(f"cannot rewind to {length} (cache holds {self.length})")
+        self._placed().pop(self._slot_key(0), None)
         self.length = length
 
 
@@ -112,7 +144,14 @@ class SlotPool(ABC):
     def __init__(self, slots: int, capacity: int):
         self.slots, self.capacity = slots, capacity
         self.lengths = np.zeros(slots, np.int64)
+        self.placed: dict[int, np.ndarray] = {}  # slot -> where its last step's rows are (CacheRows.place)
         self._views: dict[tuple[int, int], SlotView] = {}
+
+    def empty(self, slot: int | None = None) -> None:
+        """Forget slot `slot`'s rows (None: every slot's)."""
+        for j in range(self.slots) if slot is None else (slot,):
+            self.lengths[j] = 0
+            self.placed.pop(j, None)
 
     def rows(self, n: int) -> "SlotView":
         """Slots 0..n-1 as one cache (a batched call's); made once per n and kept with its binding."""
@@ -167,6 +206,16 @@ class SlotView(CacheRows):
             raise ValueError(f"a step of batch {batch} on {self.batch} slots")
         return self.pool.lengths[self.start:self.stop]
 
+    @property
+    def places_rows(self) -> bool:
+        return True
+
+    def _placed(self) -> dict:
+        return self.pool.placed
+
+    def _slot_key(self, k: int) -> int:
+        return self.start + k
+
     def commit_slot(self, k: int, rows) -> None:
         """Keep the new rows of slot start + k at these offsets from its length (ascending), in order."""
         self.pool.slot(self.start + k).commit(rows)
@@ -193,6 +242,7 @@ class KVPool(SlotPool):
         for buf in self.buffers:
             buf[dst, :, :n] = buf[src, :, :n]
         self.lengths[dst] = n
+        self.placed.pop(dst, None)
 
 
 class SlotRows(SlotView, HostRows):

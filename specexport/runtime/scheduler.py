@@ -49,6 +49,7 @@ import numpy as np
 
 from specexport.errors import UserError
 from specexport.runtime import drafting, tree
+from specexport.runtime.backends.layout import MARGIN
 from specexport.runtime.batch import Entry, PaddedBatch
 from specexport.runtime.budget import BatchLatency, grid
 from specexport.runtime.drafting import DraftingProposer
@@ -133,7 +134,7 @@ class Scheduler:
         self.engine, self.max_batch, self.prefill_chunk, self.plain = engine, max_batch, prefill_chunk, plain
         self.step_rows = 1 if plain else engine.method.tokens_per_step(engine.settings)
         self.accepting = engine.accepting  # what the graph accepts itself (runtime/verify.Accepting)
-        self.pool = engine.target.new_pool(max_batch, engine.max_context + self.step_rows + 1)  # host.padded_step
+        self.pool = engine.target.new_pool(max_batch, engine.max_context + self.step_rows + MARGIN)  # backends/layout.py
         self.governor = None  # the drafting policy (runtime/governor.py); None: every tree whole
         if budget and self.step_rows > 1:
             widths = grid(self.step_rows)  # at 128 rows of context, or what the model's positions leave
@@ -238,9 +239,9 @@ class Scheduler:
         """End every admitted request with `message` and free the pool (the waiting ones are untouched)."""
         seqs = self.running + self.prefilling
         self.running, self.prefilling = [], []
-        self.pool.lengths[:] = 0
+        self.pool.empty()
         if self.draft_pool is not None:
-            self.draft_pool.lengths[:] = 0
+            self.draft_pool.empty()
         for seq in seqs:
             if not seq.request.done:
                 self._end(seq, message)
@@ -278,7 +279,7 @@ class Scheduler:
                     return
                 seq = self.waiting.popleft()
             seq.slot = len(self.running) + len(self.prefilling)
-            self.pool.lengths[seq.slot] = 0
+            self.pool.empty(seq.slot)
             self.engine.prefixes.asked(len(seq.ids))
             try:
                 seq.proposer.start(len(seq.ids), seq.capacity, self._draft_cache(seq))
@@ -295,7 +296,7 @@ class Scheduler:
         if self.draft_pool is None:
             capacity = self.pool.capacity + proposer.extra_rows + self.draft_limit  # the limit: a batched call's padding
             self.draft_pool = proposer.session.new_pool(self.max_batch, capacity)
-        self.draft_pool.lengths[seq.slot] = 0
+        self.draft_pool.empty(seq.slot)
         return self.draft_pool.slot(seq.slot)
 
     def _prefill(self) -> None:
@@ -412,6 +413,7 @@ class Scheduler:
                 # seeded sampling keeps its tree: its tokens must not depend on the batch
                 trees = self.governor.cut(plan, trees, [_seeded(s) for s in seqs],
                                           [not s.sampler.params.greedy for s in seqs])
+            trees = [self.engine.exact(t, self.pool.slot(s.slot)) for s, t in zip(seqs, trees)]
             out, batch, call = self._verify(seqs, trees)
             verified = time.perf_counter()
             accepted, sampled_s = self._accept_all(seqs, trees, out, batch)

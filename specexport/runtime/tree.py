@@ -85,10 +85,16 @@ class DraftTree:
         if self.scores is None:
             q = None if self.q is None else self.q[:n]
             return DraftTree(self.tokens[:n], self.parents[:n], self.mode, q, self.candidates)
-        keep = sorted(self.best_first()[:n])
+        return self.kept(sorted(self.best_first()[:n]))
+
+    def kept(self, keep: list[int]) -> "DraftTree":
+        """The nodes `keep` (ascending, ancestor-closed, the root included), renumbered: still a tree."""
+        if len(keep) == len(self.tokens):
+            return self
         tokens, parents = subtree(self.tokens, self.parents, keep)
         q = None if self.q is None else self.q[keep]
-        return DraftTree(tokens, parents, self.mode, q, self.candidates, [self.scores[i] for i in keep])
+        scores = None if self.scores is None else [self.scores[i] for i in keep]
+        return DraftTree(tokens, parents, self.mode, q, self.candidates, scores)
 
 
 def by_score(scores, nodes) -> list[int]:

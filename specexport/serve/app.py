@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from specexport import __version__
 from specexport.errors import UserError, first_line
@@ -251,16 +252,36 @@ def _unknown_model(model: str) -> ApiError:
 async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
+        await _drain(request.stream())
         raise ApiError(413, f"the body has {int(declared)} bytes; this server takes at most {limit}",
                        code="request_too_large")
-    chunks, size = [], 0
-    async for piece in request.stream():
+    chunks, size, pieces = [], 0, request.stream()
+    async for piece in pieces:
         size += len(piece)
         if size > limit:
+            await _drain(pieces)
             raise ApiError(413, f"the body is larger than this server's limit of {limit} bytes",
                            code="request_too_large")
         chunks.append(piece)
     return b"".join(chunks)
+
+
+DRAIN_BYTES, DRAIN_SECONDS = 64 << 20, 10.0
+
+
+async def _drain(pieces) -> None:
+    """Read and drop the rest of a refused body, up to DRAIN_BYTES and DRAIN_SECONDS: a client that writes its whole
+    body before reading (Python's urllib, `requests`) then reads the 413; answered with the body unread, the
+    connection closes under it and it sees a reset instead."""
+    async def read() -> None:
+        drained = 0
+        async for piece in pieces:
+            drained += len(piece)
+            if drained > DRAIN_BYTES:
+                return
+
+    with contextlib.suppress(asyncio.TimeoutError, ClientDisconnect):
+        await asyncio.wait_for(read(), DRAIN_SECONDS)
 
 
 async def _generate(request: Request, state: ServerState, parse) -> Response:

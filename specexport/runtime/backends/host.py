@@ -13,6 +13,7 @@ import onnxruntime as ort
 
 from specexport.errors import UserError
 from specexport.runtime import tree
+from specexport.runtime.backends.layout import check_live, lay_out
 from specexport.runtime.kvcache import KVCache, KVPool
 from specexport.runtime.verify import greedy_inputs
 
@@ -70,6 +71,8 @@ class GraphSession:
         self.fused_inputs = "sample_u" in names  # exporter/fused.py
         self.wide_bias = "attention_bias" in names  # bundles exported before the compact tree mask
         self.ragged = "live_rows" in names  # computes a batched step's real rows only (exporter/graph.py)
+        self.lays_out = self.ragged and on_cpu(self.session)  # the CPU kernels' layout (backends/layout.py)
+        self.lanes = self.lays_out and bool(graph_info.get("tree_lanes"))
         self.calls, self.seconds = 0, 0.0  # forward calls so far and their time (for `specexport profile`)
 
     def new_cache(self, capacity: int, batch: int = 1) -> KVCache:
@@ -94,11 +97,12 @@ class GraphSession:
         b, t = input_ids.shape
         past = cache.past_lengths(b)
         check_step(cache, t, tree_mask, past)
-        padded = pads(self.ragged, t, inputs, past, cache.capacity)
-        if padded:
-            input_ids, position_ids, tree_mask, logits_indices, live = padded_step(input_ids, position_ids, tree_mask,
-                                                                                   logits_indices, live)
-            t += 1
+        layout = laid_out(self, cache, input_ids, position_ids, tree_mask, logits_indices, live, inputs, past)
+        real = None
+        if layout is not None:
+            input_ids, position_ids, tree_mask, logits_indices = (layout.input_ids, layout.position_ids,
+                                                                  layout.tree_mask, layout.logits_indices)
+            t, real = input_ids.shape[1], layout.real
         io, staged = self._binding(cache, want)
         stage = lambda name, value, dtype: self._stage(io, staged, name, value, dtype)  # noqa: E731
         stage("input_ids", input_ids, np.int64)
@@ -113,7 +117,7 @@ class GraphSession:
         stage("past_len", past, np.int32)
         stage("logits_indices", logits_indices, np.int64)
         if self.ragged:
-            for name, value in ragged_inputs(b, t, live).items():
+            for name, value in ragged_inputs(b, t, live, real).items():
                 stage(name, value, np.int64)
         for name, value in (inputs or {}).items():
             stage(name, value, self.dtype)
@@ -130,8 +134,8 @@ class GraphSession:
         values = io._iobinding.get_outputs()
         if len(values) != 2 * self.layers + len(want):
             raise RuntimeError(f"unexpected bound outputs: {len(values)}")
-        return unpadded({name: values[2 * self.layers + k].numpy() for k, name in enumerate(want)},
-                        self.seq_outputs if padded else ())
+        out = {name: values[2 * self.layers + k].numpy() for k, name in enumerate(want)}
+        return out if layout is None else layout.outputs(out, self.seq_outputs)
 
     @staticmethod
     def _stage(io, staged: dict, name: str, value, dtype) -> None:
@@ -167,6 +171,11 @@ class GraphSession:
         return bound
 
 
+def on_cpu(session: ort.InferenceSession) -> bool:
+    """Whether the session runs on ONNX Runtime's CPU kernels, whose float order the step layouts are made for."""
+    return session.get_providers()[0] == "CPUExecutionProvider"
+
+
 def load_session(graph_path: Path, threads: int | None, device: str, spin: bool) -> ort.InferenceSession:
     try:
         return ort.InferenceSession(str(graph_path), session_options(threads, spin=spin), providers=providers(device))
@@ -176,53 +185,37 @@ def load_session(graph_path: Path, threads: int | None, device: str, spin: bool)
         raise UserError(f"cannot load graph {graph_path.name}: {str(e).splitlines()[0]}") from None
 
 
-def ragged_inputs(b: int, t: int, live: np.ndarray | None = None) -> dict[str, np.ndarray]:
+def ragged_inputs(b: int, t: int, live: np.ndarray | None = None, real: np.ndarray | None = None
+                  ) -> dict[str, np.ndarray]:
     """A ragged-rows graph's `live_rows` [R] (each real row as b * T + t) and `padded_rows` [B, T] (the real row each
     position of the padded layout takes: its own, or for padding the first real row) for a step of B x T rows whose
-    batch row b holds live[b] real rows first (None: all T)."""
-    if live is None:
+    batch row b holds live[b] real rows first (None: all T), or whose real rows are `real` [B, T] (a layout's)."""
+    if live is None and real is None:
         every = np.arange(b * t)
         return {"live_rows": every, "padded_rows": every.reshape(b, t)}
-    live = np.asarray(live, np.int64)
-    if live.shape != (b,) or live.min(initial=0) < 0 or live.max(initial=0) > t or not live.sum():
-        raise ValueError(f"live rows {live.tolist()} do not fit a step of {b} x {t} rows")
-    real = (np.arange(t) < live[:, None]).reshape(-1)  # [B * T]
+    if real is None:
+        real = np.arange(t) < check_live(b, t, live)[:, None]
+    real = real.reshape(-1)  # [B * T]
     padded = np.zeros(b * t, np.int64)
-    padded[real] = np.arange(int(live.sum()))
+    padded[real] = np.arange(int(real.sum()))
     return {"live_rows": np.flatnonzero(real), "padded_rows": padded.reshape(b, t)}
 
 
-def pads(ragged: bool, t: int, inputs, past: np.ndarray, capacity: int) -> bool:
-    """Whether a step of T rows runs padded (padded_step): on a ragged-rows graph, where the cache has the room and
-    the step brings no per-row inputs of its own (an EAGLE draft's features)."""
-    return ragged and t % 16 == 1 and not inputs and int(past.max()) + t + 1 <= capacity
-
-
-def unpadded(out: dict[str, np.ndarray], seq_outputs) -> dict[str, np.ndarray]:
-    """A padded step's outputs without its padding rows: those per [batch, seq] lose their last row."""
-    return {name: value[:, :-1] if name in seq_outputs else value for name, value in out.items()}
-
-
-def padded_step(input_ids, position_ids, tree_mask, logits_indices, live) -> tuple:
-    """A step of B x T rows laid out as B x (T + 1): each batch row's rows, then a padding row that repeats its last
-    (its position too), sees only itself and writes the cache row after them, which the next step overwrites. The
-    per-row work stays on the real rows (`live`); only attention runs on the padding row.
-
-    Why: ONNX Runtime's CPU attention multiplies the probabilities by V with a one-row kernel for a single row and
-    for the last row of some calls of 16k + 1 rows (33, 65 and 129 measured), in another float order than every
-    other row gets. Padded, a token's
-    logits are the same bits alone, in a chain, beside other sequences or in a prefill chunk of any size, so
-    speculative and batched decoding is plain decoding's token for token at every precision (docs/precision.md).
-    Example: a plain decoding step [[t]] runs as [[t, t]], its logits those of row 0."""
-    b, t = input_ids.shape
-    mask = tree_mask.reshape((-1,) + tree_mask.shape[-2:])
-    padded = np.zeros(mask.shape[:1] + (t + 1, mask.shape[-1] + 1), bool)
-    padded[:, :t, :-1] = mask
-    padded[:, t, -1] = True
-    indices = np.asarray(logits_indices)
-    return (np.concatenate([input_ids, input_ids[:, -1:]], axis=1),
-            np.concatenate([position_ids, position_ids[:, -1:]], axis=1), padded,
-            indices // t * (t + 1) + indices % t, np.full(b, t, np.int64) if live is None else live)
+def laid_out(session, cache, input_ids, position_ids, tree_mask, logits_indices, live, inputs, past):
+    """The step's layout on `session`'s graph (runtime/backends/layout.py), or None: a ragged graph's step on the CPU
+    with no per-row inputs of its own (an EAGLE draft's features) is laid out, branching trees in lanes where the
+    graph takes them (`tree_lanes`) and the cache can place rows; the cache learns where each batch row's rows went. (A
+    fused acceptance exported before `tree_lanes` reads the tree from the step's last rows: only its one-row steps,
+    whose tree is that row, are padded.)"""
+    t = input_ids.shape[1]
+    layout = None
+    if session.lays_out and not inputs and (session.lanes or not session.fused_inputs or t == 1):
+        layout = lay_out(input_ids, position_ids, tree_mask, logits_indices, live,
+                         session.lanes and cache.places_rows, cache.capacity - int(past.max()) - t)
+    if cache.places_rows:
+        for k in range(len(input_ids)):
+            cache.place(k, None if layout is None else layout.moved[k])
+    return layout
 
 
 def check_step(cache, t: int, tree_mask: np.ndarray, past: np.ndarray | None = None) -> None:

@@ -29,15 +29,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specexport.errors import UserError
-from specexport.runtime.backends.host import (
-    check_step,
-    load_session,
-    padded_step,
-    pads,
-    ragged_inputs,
-    session_options,
-    unpadded,
-)
+from specexport.runtime.backends.host import check_step, laid_out, load_session, on_cpu, ragged_inputs, session_options
 from specexport.runtime.kvcache import CacheRows, SlotPool, SlotView
 from specexport.runtime.verify import greedy_inputs
 
@@ -118,6 +110,7 @@ class DevicePool(SlotPool):
     def move_slot(self, src: int, dst: int) -> None:
         self.owner.copy_slot(self, src, dst)  # every row of the slot: as cheap on the device
         self.lengths[dst] = self.lengths[src]
+        self.placed.pop(dst, None)
 
 
 class DeviceSlots(_DeviceRowsAt, SlotView):
@@ -167,6 +160,9 @@ class DeviceSession:
                             f"tree mask: re-export the bundle to run it on a device")
         self.fused_inputs = "sample_u" in names  # exporter/fused.py
         self.ragged = "live_rows" in names  # exporter/graph.py
+        self.lays_out = self.ragged and on_cpu(self.session)  # runtime/backends/layout.py
+        self.lanes = self.lays_out and bool(graph_info.get("tree_lanes"))
+        self.seq_outputs = {name for name, dims in self.output_dims.items() if dims[:2] == ["batch", "seq"]}
         self.calls, self.seconds = 0, 0.0
         self.staged: dict[tuple, ort.OrtValue] = {}  # (input name, shape) -> its device buffer
         self.results: dict[str, ort.OrtValue] = {}  # output name -> its device buffer, grown to the largest step
@@ -192,11 +188,12 @@ class DeviceSession:
         b, t = input_ids.shape
         past = cache.past_lengths(b)
         check_step(cache, t, tree_mask, past)
-        padded = pads(self.ragged, t, inputs, past, cache.capacity)
-        if padded:  # as the host backend: a row never takes the one-row kernel
-            input_ids, position_ids, tree_mask, logits_indices, live = padded_step(input_ids, position_ids, tree_mask,
-                                                                                   logits_indices, live)
-            t += 1
+        layout = laid_out(self, cache, input_ids, position_ids, tree_mask, logits_indices, live, inputs, past)
+        real = None
+        if layout is not None:  # as the host backend's
+            input_ids, position_ids, tree_mask, logits_indices = (layout.input_ids, layout.position_ids,
+                                                                  layout.tree_mask, layout.logits_indices)
+            t, real = input_ids.shape[1], layout.real
         io = self._binding(cache, want)
         mask = tree_mask.reshape((-1,) + tree_mask.shape[-2:])
         self._stage(io, "input_ids", input_ids, np.int64)
@@ -205,7 +202,7 @@ class DeviceSession:
         self._stage(io, "past_len", past, np.int32)
         self._stage(io, "logits_indices", logits_indices, np.int64)
         if self.ragged:
-            for name, value in ragged_inputs(b, t, live).items():
+            for name, value in ragged_inputs(b, t, live, real).items():
                 self._stage(io, name, value, np.int64)
         for name, value in (inputs or {}).items():
             self._stage(io, name, value, self.dtype)
@@ -221,8 +218,8 @@ class DeviceSession:
         values = io.get_outputs()  # the cache's presents first, then `want` in binding order
         if len(values) != 2 * self.layers + len(want):
             raise RuntimeError(f"unexpected bound outputs: {len(values)}")
-        seq = {name for name, dims in self.output_dims.items() if dims[:2] == ["batch", "seq"]} if padded else ()
-        return unpadded({name: self._host(values[2 * self.layers + k]) for k, name in enumerate(want)}, seq)
+        out = {name: self._host(values[2 * self.layers + k]) for k, name in enumerate(want)}
+        return out if layout is None else layout.outputs(out, self.seq_outputs)
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A plain call: every output, by name (for graphs outside the loop's step, e.g. Medusa's heads)."""
