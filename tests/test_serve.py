@@ -260,6 +260,7 @@ def test_a_client_that_writes_its_whole_body_first_reads_the_413(server):
         for _ in range(12):
             yield b"a" * (1 << 20)
 
+    before = len(server.access_log())
     for body in (b'{"prompt": "' + b"a" * (12 << 20) + b'"}', chunks()):
         request = urllib.request.Request(server.url + "/v1/completions", data=body, method="POST",
                                          headers={"Content-Type": "application/json"})
@@ -269,6 +270,9 @@ def test_a_client_that_writes_its_whole_body_first_reads_the_413(server):
         assert json.loads(refused.value.read())["error"]["code"] == "request_too_large"
     status, _, _ = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert status == 200
+    lines = wait_for(lambda: len(server.access_log()) >= before + 3 and server.access_log()[before:],
+                     "an access-log line for each request")  # read before the next test counts its own
+    assert [line["status"] for line in lines] == [413, 413, 200]
 
 
 def test_bad_input_gets_its_status_and_openais_error_shape(server):
@@ -427,7 +431,8 @@ def test_load_queue_limit_disconnects_and_metrics(bundle, tmp_path):
         generated = grew("specexport:generation_tokens_total")
         assert seen + 3 * len(left) <= generated <= seen + 200 * len(left)
         assert grew("specexport:e2e_request_latency_seconds_count") == len(completed) + len(left)
-        assert grew("specexport:spec_decode_num_draft_tokens_total") >= grew("specexport:spec_decode_num_accepted_tokens_total") > 0
+        # the drafting governor may stop drafting on a machine where it does not pay: the counts agree, not their size
+        assert grew("specexport:spec_decode_num_draft_tokens_total") >= grew("specexport:spec_decode_num_accepted_tokens_total") >= 0
         per_pos = sum(v for k, v in after.items() if k.startswith("specexport:spec_decode_num_accepted_tokens_per_pos")) - \
             sum(v for k, v in base.items() if k.startswith("specexport:spec_decode_num_accepted_tokens_per_pos"))
         assert per_pos == grew("specexport:spec_decode_num_accepted_tokens_total")
