@@ -65,3 +65,16 @@ def check_prefix_copied(engine, new_tokens: int = 12) -> None:
         assert engine.prefixes.hits - hits >= 2 * start
     finally:
         engine.prefixes = saved
+
+
+TRAIN = dict(samples=48, new_tokens=32, prompt_tokens=64, batch=8, lr=3e-3, threads=1, feature_batch=16, ttt_steps=3,
+             self_share=1.0)  # the tiny random model: its own continuations are what is learnable
+
+
+def train_tiny_eagle(folder, output, data, method="eagle3", resume=False, **settings):
+    """An EAGLE draft (`method` eagle3 or eagle) for a tiny model at `folder`, with TRAIN's settings and these."""
+    import specexport.train as trainers
+
+    trainer = trainers.get(method)
+    config = trainer.Config(data=data, **{**TRAIN, **settings})
+    return trainer.train(str(folder), output, config, resume=resume, quiet=True)

@@ -11,11 +11,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import TINY, TOKENIZER_VOCAB, method_export
-from helpers import check_prefix_copied
+from helpers import TRAIN, check_prefix_copied, train_tiny_eagle
 
 from specexport.cli import main
 from specexport.errors import UserError
-from specexport.exporter.eagle import DraftConfig, DraftModule, EagleDraft, load_draft, save_draft
+from specexport.exporter.drafts import load_draft
+from specexport.exporter.eagle import DraftConfig, DraftModule, EagleDraft, save_draft
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
 from specexport.runtime import rank_tree, tree
@@ -96,12 +97,12 @@ def tiny_config(version=3, draft_vocab=V, aux=AUX):
 
 
 def random_draft(version=3, draft_vocab=V, seed=0, scale=1.0):
-    from specexport.exporter.eagle import expected_shapes
+    from specexport.exporter.eagle import shapes
 
     rng = np.random.default_rng(seed)
     c = tiny_config(version, draft_vocab)
     w = {}
-    for name, (_, shape) in expected_shapes(c).items():
+    for name, shape in shapes(c).items():
         if name == "d2t":
             hot = np.sort(rng.choice(V, draft_vocab, replace=False))
             w[name] = hot - np.arange(draft_vocab)
@@ -227,18 +228,13 @@ def test_training_time_test_equals_drafting_a_chain(version):
 # ------------------------------------------------------------------------------------------------ training
 
 
-TRAIN = dict(samples=48, new_tokens=32, prompt_tokens=64, batch=8, lr=3e-3, threads=1, feature_batch=16, ttt_steps=3,
-             self_share=1.0)  # the tiny random model: its own continuations are what is learnable
 EAGLE3 = dict(draft_vocab=128, aux_layers=AUX)
 
 
 def train_eagle(folder, output, data, method="eagle3", resume=False, **settings):
     """An EAGLE draft (`method` eagle3 or eagle) for the tiny model at `folder`, with TRAIN's settings and these."""
-    import specexport.train as trainers
-
-    trainer = trainers.get(method)
-    config = trainer.Config(data=data, **{**TRAIN, **(EAGLE3 if method == "eagle3" else {}), **settings})
-    return trainer.train(str(folder), output, config, resume=resume, quiet=True)
+    return train_tiny_eagle(folder, output, data, method, resume, **{**(EAGLE3 if method == "eagle3" else {}),
+                                                                     **settings})
 
 
 @pytest.fixture(scope="module")
@@ -386,7 +382,7 @@ def test_eagle3_with_layers0_keys_loads(tmp_path):
     tensors = load_file(tmp_path / "model.safetensors")
     save_file({k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}, tmp_path / "model.safetensors")
     again = load_draft(tmp_path)
-    assert again.config.version == 3 and again.config.prefix == "layers.0."
+    assert again.config.version == 3 and again.config.producer == "specexport"
     np.testing.assert_array_equal(again.weights["hidden_norm"], draft.weights["hidden_norm"])
 
 
@@ -395,12 +391,12 @@ def test_half_precision_drafts_load(tmp_path):
 
     draft = random_draft(3, 64)
     save_draft(draft, tmp_path / "fp16", half=True)
-    np.testing.assert_allclose(load_draft(tmp_path / "fp16").weights["q"], draft.weights["q"], rtol=1e-3, atol=1e-3)
+    np.testing.assert_allclose(load_draft(tmp_path / "fp16").weights["layers.0.q"], draft.weights["layers.0.q"], rtol=1e-3, atol=1e-3)
     save_draft(draft, tmp_path / "bf16")
     tensors = load_file(tmp_path / "bf16" / "model.safetensors")
     save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in tensors.items()},
               tmp_path / "bf16" / "model.safetensors")
-    np.testing.assert_allclose(load_draft(tmp_path / "bf16").weights["q"], draft.weights["q"], rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(load_draft(tmp_path / "bf16").weights["layers.0.q"], draft.weights["layers.0.q"], rtol=1e-2, atol=1e-2)
 
 
 # ---------------------------------------------------------------------------------------------- profile
@@ -501,7 +497,7 @@ def test_each_checkpoint_leaves_an_fp16_draft_to_carry_on_from(trained):
     summary, folder = trained
     latest = load_draft(folder / "latest")
     assert latest.config.version == 3 and latest.meta["training"]["token_passes"] == summary["training"]["token_passes"]
-    np.testing.assert_allclose(latest.weights["q"], load_draft(folder).weights["q"], atol=2e-3)
+    np.testing.assert_allclose(latest.weights["layers.0.q"], load_draft(folder).weights["layers.0.q"], atol=2e-3)
 
 
 @pytest.mark.parametrize("settings", [{}, {"tree": "eagle1_25"}])

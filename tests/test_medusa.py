@@ -171,20 +171,26 @@ def test_presets_and_files(tmp_path):
 # ---------------------------------------------------------------------------------------- graph and loop
 
 
+def fused_sessions(model, heads, folder):
+    """(the target graph with the heads fused at the accepted row, the heads' graph alone), built into `folder`."""
+    import onnxruntime as ort
+
+    options = GraphOptions(fused_accept=True)
+    info = write_graph(model, "target", options, 128, folder, True, (HeadsAtAcceptedRow(heads, 10),))
+    builder = decoder_builder(Checkpoint.of_model(model), options, 128)
+    alone = save_graph(build_heads_graph(builder, heads, 10), "medusa_heads", options, builder.d, folder)
+    return (GraphSession(folder / info["file"], info, threads=1),
+            ort.InferenceSession(str(folder / alone["file"]), providers=["CPUExecutionProvider"]))
+
+
 @pytest.mark.parametrize("own, subset", [(False, False), (True, False), (False, True), (True, True)])
 def test_fused_step_equals_the_pytorch_reference(tmp_path, own, subset):
-    import onnxruntime as ort
 
     model = tiny_model("llama")
     heads = random_heads(own=own, scale=1.0)
     if subset:  # the heads propose from 100 of the 259 tokens
         heads.vocab_subset = np.sort(np.random.default_rng(3).choice(V, 100, replace=False))
-    options = GraphOptions(fused_accept=True)
-    info = write_graph(model, "target", options, 128, tmp_path, True, (HeadsAtAcceptedRow(heads, 10),))
-    builder = decoder_builder(Checkpoint.of_model(model), options, 128)
-    alone = save_graph(build_heads_graph(builder, heads, 10), "medusa_heads", options, builder.d, tmp_path)
-    session = GraphSession(tmp_path / info["file"], info, threads=1)
-    heads_session = ort.InferenceSession(str(tmp_path / alone["file"]), providers=["CPUExecutionProvider"])
+    session, heads_session = fused_sessions(model, heads, tmp_path)
     accepted = []
     for seed in range(6):
         run = validate.medusa_step(model, session, heads_session, heads, seed)
@@ -369,3 +375,120 @@ def test_kept_prompt_beginning_copied_with_what_the_proposer_read(medusa_engine)
     """Medusa reads the target's outputs at the prompt's rows: a copied beginning gives it the kept ones, and every
     prompt emits what it emits with the beginning computed (tests/helpers.check_prefix_copied)."""
     check_prefix_copied(medusa_engine)
+
+
+# ---------------------------------------------------------------------------------------------- vLLM's layout
+
+
+def vllm_reference(tensors: dict, config: dict, hidden: np.ndarray) -> np.ndarray:
+    """vLLM's Medusa forward (vllm/model_executor/models/medusa.py): per head, ResidualBlocks x + SiLU(W x (+ b)),
+    its LM head (the one `lm_heads.0` for all with original_lm_head) times logit_scale, the truncated vocabulary's
+    logits scattered to their token ids (token_map) over -inf."""
+    t = {k.removeprefix("medusa_heads."): v.astype(np.float32) if v.dtype != np.int64 else v for k, v in tensors.items()}
+    out = []
+    for h in range(config["num_heads"]):
+        x = hidden
+        for j in range(config["num_hidden_layers"]):
+            z = x @ t[f"blocks.{h}.layers.{j}.weight"].T + (t[f"blocks.{h}.layers.{j}.bias"]
+                                                            if config.get("medusa_fc_bias") else 0)
+            x = x + z / (1 + np.exp(-z))
+        head = t["lm_heads.0.weight" if config.get("original_lm_head") else f"lm_heads.{h}.weight"]
+        logits = (x @ head.T) * config.get("logit_scale", 1.0)
+        if "token_map" in t:
+            full = np.full((len(x), config["vocab_size"]), -np.inf, np.float32)
+            full[:, t["token_map"]] = logits
+            logits = full
+        out.append(logits)
+    return np.stack(out)
+
+
+def write_vllm(folder, rng, *, bias=True, shared=False, truncated=None, prefix="", scale=1.0, layers=2):
+    folder.mkdir(parents=True)
+    rows = truncated or V
+    tensors = {}
+    for h in range(3):
+        for j in range(layers):
+            tensors[f"{prefix}blocks.{h}.layers.{j}.weight"] = rng.normal(0, 0.5 / H**0.5, (H, H)).astype(np.float32)
+            if bias:
+                tensors[f"{prefix}blocks.{h}.layers.{j}.bias"] = rng.normal(0, 0.1, H).astype(np.float32)
+        if h == 0 or not shared:
+            tensors[f"{prefix}lm_heads.{h}.weight"] = rng.normal(0, 1, (rows, H)).astype(np.float32)
+    config = {"model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": 3, "num_hidden_layers": layers,
+              "hidden_size": H, "vocab_size": V, "truncated_vocab_size": rows, "medusa_fc_bias": bias,
+              "original_lm_head": shared, "logit_scale": scale}
+    if truncated:
+        tensors[f"{prefix}token_map"] = rng.choice(V, truncated, replace=False).astype(np.int64)  # in any order
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder, tensors, config
+
+
+@pytest.mark.parametrize("bias, shared, truncated, prefix, scale", [
+    (True, False, None, "", 1.0), (False, False, None, "medusa_heads.", 1.0), (True, True, None, "", 2.0),
+    (False, False, 100, "", 0.5)])
+def test_vllm_layout_reads_as_vllm_computes(tmp_path, bias, shared, truncated, prefix, scale):
+    folder, tensors, config = write_vllm(tmp_path / "vllm", np.random.default_rng(7), bias=bias, shared=shared,
+                                         truncated=truncated, prefix=prefix, scale=scale)
+    heads = load_heads(folder)
+    heads.check(H, V, "x")
+    assert (heads.count, heads.layers, heads.style) == (3, 2, "own")
+    hidden = np.random.default_rng(1).normal(size=(5, H)).astype(np.float32)
+    want, got = vllm_reference(tensors, config, hidden), heads.numpy_forward(hidden, np.eye(V, H, dtype=np.float32))
+    assert np.array_equal(np.isinf(want), np.isinf(got))
+    np.testing.assert_allclose(got[np.isfinite(got)], want[np.isfinite(want)], rtol=1e-5, atol=1e-4)
+
+
+def test_vllm_layout_fused_step_equals_its_reference(tmp_path):
+
+    model = tiny_model("llama")
+    folder, _, _ = write_vllm(tmp_path / "vllm", np.random.default_rng(3), truncated=120, layers=1)
+    heads = load_heads(folder)
+    session, heads_session = fused_sessions(model, heads, tmp_path)
+    for seed in range(3):
+        run = validate.medusa_step(model, session, heads_session, heads, seed)
+        assert run["fused_top10_match"] == 1.0 and run["heads_graph_top10_match"] == 1.0, run
+
+
+def test_trained_heads_in_vllms_layout_run_as_ours(tiny_folder, trained, medusa_engine, tmp_path, lossless):
+    """Our trained heads rewritten as vLLM writes heads that share the base's LM head (original_lm_head) over a
+    truncated vocabulary (token_map): built with `build`, the same tokens and acceptance as our own files, batched
+    equal to alone, sampling as plain sampling."""
+    from specexport.runtime.scheduler import Scheduler
+
+    ours = load_heads(trained[1])
+    lm_head = tiny_model("llama").lm_head.weight.detach().numpy()
+    subset = ours.vocab_subset if ours.vocab_subset is not None else np.arange(V)
+    tensors = {"token_map": subset.astype(np.int64)[::-1].copy(), "lm_heads.0.weight": lm_head[subset[::-1]].copy()}
+    for h, blocks in enumerate(ours.blocks):
+        for j, (w, b) in enumerate(blocks):
+            tensors[f"blocks.{h}.layers.{j}.weight"], tensors[f"blocks.{h}.layers.{j}.bias"] = w, b
+    folder = tmp_path / "vllm"
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": ours.count,
+        "num_hidden_layers": ours.layers, "hidden_size": H, "vocab_size": V, "truncated_vocab_size": len(subset),
+        "medusa_fc_bias": True, "original_lm_head": True}))
+    out, shape = tmp_path / "bundle", tmp_path / "tree.json"
+    shape.write_text(json.dumps([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1]]))
+    result = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--method", "medusa", "--heads",
+                                       str(folder), "--tree", str(shape), "--precision", "fp32", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    engine = Engine.load(out, threads=1)
+    prompts = ["The sea wind over blue waves.", "A ship and calm night stars.", "x", "Far away quiet water."]
+    runs = lossless(engine, prompts, 40)
+    medusa_engine.configure(tree=str(shape))
+    try:
+        want = [medusa_engine.generate(p, max_new_tokens=40, stop_ids=(), budget=False) for p in prompts]
+    finally:
+        medusa_engine.configure()
+    assert [r.tokens for r in runs] == [w.tokens for w in want]
+    assert [r.stats.accepted for r in runs] == [w.stats.accepted for w in want]
+    scheduler = Scheduler(engine, max_batch=3, prefill_chunk=5, budget=False, background=False)
+    requests = [scheduler.submit(p, max_new_tokens=40, stop_ids=()) for p in prompts]
+    scheduler.run_until_idle()
+    assert [r.result().tokens for r in requests] == [w.tokens for w in want]
+    spec, lengths = chisquare.sampled_counts(engine, "the cat", False, 1200, 0, temperature=0.4)
+    plain, _ = chisquare.sampled_counts(engine, "the cat", True, 1200, 100_000, temperature=0.4)
+    stat, dof = chisquare.two_sample(spec, plain)
+    assert sum(lengths) - len(lengths) > 50 and dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)

@@ -81,7 +81,7 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
     max_context = _max_context(options.max_context, dims)
     if options.profile is not None and options.max_context is None:
         max_context = min(max_context, options.profile["limits"]["max_context"])
-    plan = method.plan(method_options, settings, Target(source.name, dims))  # bad heads, drafts or trees fail here
+    plan = method.plan(method_options, settings, Target(source.name, dims, source, config))  # bad heads, drafts or trees fail here
     weights = sources.stream_source(source, config) if loaded is None else None
     streamed = weights is not None
     need = budget.estimate(dims.within(max_context), options.graph, options.optimize, options.validate,

@@ -528,7 +528,8 @@ class DecoderGraphBuilder:
             ffn = self.block_output(ffn, p + "mlp_post_norm")
             branch = g.op("Add", [branch, ffn]) if d.parallel else ffn
             on_layer(i)
-        final, _ = self.norm(branch, stream, w["norm"], "norm")
+        final, last = self.norm(branch, stream, w["norm"], "norm")
+        self.last_stream = lambda: padded(last)  # the last layer's output before the final norm (MTP's feature)
         final = padded(final)  # a ragged graph's Gather names its output; others' norm keeps its own name
         final = g.name(final, "hidden_states") if self.ragged else g.op("Identity", [final], outputs=["hidden_states"])
         flat = g.op("Reshape", [final, g.const("flat_hidden", np.array([-1, d.hidden], np.int64))])

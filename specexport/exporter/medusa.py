@@ -10,7 +10,12 @@ for the v0.1 checkpoints):
 - v0.1 `medusa_lm_head.pt` / our own `medusa_lm_head.safetensors`: `{i}.{j}.linear.weight|bias`,
   optionally `{i}.{n}.weight` (own LM head);
 - Medusa-2 full models: the same under `medusa_head.`, in the model's safetensors or .bin shards;
-- TGI safetensors: `medusa_heads.{i}.medusa_layers.{j}.linear.*`, `medusa_heads.{i}.lm_head.weight`.
+- TGI safetensors: `medusa_heads.{i}.medusa_layers.{j}.linear.*`, `medusa_heads.{i}.lm_head.weight`;
+- vLLM's (vllm/model_executor/models/medusa.py, its config in transformers_utils/configs/medusa.py):
+  `blocks.{i}.layers.{j}.weight` (+ `.bias` with `medusa_fc_bias`, else none), `lm_heads.{i}.weight` (one,
+  `lm_heads.0`, shared by every head with `original_lm_head`), optionally a `medusa_heads.` prefix, and with a
+  `truncated_vocab_size` below the vocabulary a `token_map` (the token id of each LM head row); config.json's
+  `logit_scale` multiplies the heads' logits.
 `.pt`/`.bin` files go through `torch.load(weights_only=True)` only: a pickle that would run code is refused.
 Our own format is `medusa_lm_head.safetensors` (v0.1 keys, plus an optional `vocab_subset`: the sorted token
 ids the heads may propose, the trainer's most frequent labels) and `config.json` (`version: "specexport-1"`)
@@ -37,7 +42,11 @@ _KEY_PATTERNS = tuple(re.compile(p) for p in (  # a ResBlock has `param`; an own
     r"^(?:medusa_head\.)?(?P<head>\d+)\.(?P<layer>\d+)\.weight$",
     r"^medusa_heads\.(?P<head>\d+)\.medusa_layers\.(?P<layer>\d+)\.linear\.(?P<param>weight|bias)$",
     r"^medusa_heads\.(?P<head>\d+)\.lm_head\.weight$",
+    r"^(?:medusa_heads\.)?blocks\.(?P<head>\d+)\.layers\.(?P<layer>\d+)\.(?P<param>weight|bias)$",
+    r"^(?:medusa_heads\.)?lm_heads\.(?P<head>\d+)\.weight$",
 ))
+_VLLM = re.compile(r"^(?:medusa_heads\.)?(?:blocks|lm_heads)\.")
+_INDEX_KEYS = ("vocab_subset", "token_map", "medusa_heads.token_map")
 _SINGLE_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt", "medusa_heads.safetensors")
 
 
@@ -49,6 +58,7 @@ class MedusaHeads:
     lm_heads: list[np.ndarray] | None
     meta: dict = field(default_factory=dict)  # config.json of our format (accuracies, training), else {}
     vocab_subset: np.ndarray | None = None  # sorted token ids the heads project onto (None: the whole vocabulary)
+    token_map: np.ndarray | None = None  # own LM heads of a truncated vocabulary (vLLM): each row's token id
 
     @property
     def count(self) -> int:
@@ -69,7 +79,11 @@ class MedusaHeads:
     def check(self, hidden: int, vocab: int, where: str) -> None:
         if self.hidden != hidden:
             raise UserError(f"{where}: Medusa heads of hidden size {self.hidden} do not fit a target of hidden size {hidden}")
-        if self.lm_heads is not None and self.lm_heads[0].shape[0] != vocab:
+        rows = vocab if self.token_map is None else len(self.token_map)
+        if self.token_map is not None and (self.token_map.ndim != 1 or len(np.unique(self.token_map)) != rows
+                                           or self.token_map.min() < 0 or self.token_map.max() >= vocab):
+            raise UserError(f"{where}: the heads' token_map must hold distinct token ids in 0..{vocab - 1}")
+        if self.lm_heads is not None and self.lm_heads[0].shape[0] != rows:
             raise UserError(f"{where}: Medusa heads with a {self.lm_heads[0].shape[0]}-token vocabulary do not fit "
                             f"a target with {vocab} tokens")
         subset = self.vocab_subset
@@ -104,6 +118,10 @@ class MedusaHeads:
                 x = x + z / (1 + np.exp(-z))
             out.append(x @ (lm_head if self.lm_heads is None else self.lm_heads[i]).T)
         logits = np.stack(out)
+        if self.token_map is not None:
+            full = np.full((*logits.shape[:-1], lm_head.shape[0]), -np.inf, np.float32)
+            full[..., self.token_map] = logits
+            logits = full
         if self.vocab_subset is not None:
             outside = np.ones(logits.shape[-1], bool)
             outside[self.vocab_subset] = False
@@ -132,25 +150,28 @@ def load_heads(path: str | Path) -> MedusaHeads:
     path = Path(path)
     if not path.exists():
         raise UserError(f"Medusa heads {path} not found")
-    tensors, meta = _read(path)
-    return _assemble(tensors, meta, path)
+    tensors, meta, config = _read(path)
+    return _assemble(tensors, meta, path, config)
 
 
-def _read(path: Path) -> tuple[dict[str, np.ndarray], dict]:
+def _read(path: Path) -> tuple[dict[str, np.ndarray], dict, dict]:
+    """(the heads' tensors, our format's config, the folder's config.json whatever its producer)."""
     files = [path] if path.is_file() else _files_in(path)
-    meta = {}
+    meta, loaded = {}, {}
     config = (path if path.is_dir() else path.parent) / "config.json"
     if config.is_file():
         try:
             loaded = json.loads(config.read_text())
         except (OSError, ValueError) as e:
             raise UserError(f"{config}: not valid JSON ({e})") from None
-        if isinstance(loaded, dict) and loaded.get("version") == FORMAT_VERSION:
+        if not isinstance(loaded, dict):
+            loaded = {}
+        if loaded.get("version") == FORMAT_VERSION:
             meta = loaded
     tensors = {}
     for file in files:
         tensors.update(_read_file(file))
-    return tensors, meta
+    return tensors, meta, loaded
 
 
 def _files_in(folder: Path) -> list[Path]:
@@ -165,7 +186,7 @@ def _files_in(folder: Path) -> list[Path]:
 
 
 def _is_medusa_key(key: str) -> bool:
-    return key == "vocab_subset" or any(p.match(key) for p in _KEY_PATTERNS)
+    return key in _INDEX_KEYS or any(p.match(key) for p in _KEY_PATTERNS)
 
 
 def _read_file(file: Path) -> dict[str, np.ndarray]:
@@ -195,11 +216,13 @@ def _read_file(file: Path) -> dict[str, np.ndarray]:
 
 
 def _numpy(tensor, key: str) -> np.ndarray:
-    return tensor.long().numpy() if key == "vocab_subset" else tensor.float().numpy()
+    return tensor.long().numpy() if key in _INDEX_KEYS else tensor.float().numpy()
 
 
-def _assemble(tensors: dict[str, np.ndarray], meta: dict, where: Path) -> MedusaHeads:
+def _assemble(tensors: dict[str, np.ndarray], meta: dict, where: Path, config: dict) -> MedusaHeads:
     subset = tensors.pop("vocab_subset", None)
+    token_map = tensors.pop("token_map", tensors.pop("medusa_heads.token_map", None))
+    vllm = any(_VLLM.match(k) for k in tensors)
     if not tensors:
         raise UserError(f"{where}: no Medusa head tensors found")
     layers: dict[int, dict[int, dict[str, np.ndarray]]] = {}
@@ -222,6 +245,8 @@ def _assemble(tensors: dict[str, np.ndarray], meta: dict, where: Path) -> Medusa
         head = []
         for j in range(count):
             part = layers[i][j]
+            if vllm and set(part) == {"weight"}:  # vLLM's blocks have a bias only with medusa_fc_bias
+                part = {**part, "bias": np.zeros(part["weight"].shape[0], np.float32)}
             if set(part) != {"weight", "bias"}:
                 raise UserError(f"{where}: head {i} ResBlock {j} lacks its {'bias' if 'weight' in part else 'weight'}")
             w, b = part["weight"], part["bias"]
@@ -232,6 +257,8 @@ def _assemble(tensors: dict[str, np.ndarray], meta: dict, where: Path) -> Medusa
             head.append((w, b))
         blocks.append(head)
     lm_heads = None
+    if vllm and config.get("original_lm_head") and sorted(lm) == [0]:  # one LM head for every head
+        lm = {i: lm[0] for i in heads}
     if lm:
         if sorted(lm) != heads:
             raise UserError(f"{where}: only heads {sorted(lm)} of {heads} have their own LM head")
@@ -244,5 +271,12 @@ def _assemble(tensors: dict[str, np.ndarray], meta: dict, where: Path) -> Medusa
             if w.ndim != 2 or w.shape[1] != hidden or (lm_heads and w.shape != lm_heads[0].shape):
                 raise UserError(f"{where}: head {i}'s LM head has shape {list(w.shape)}; expected [vocab, {hidden}]")
             lm_heads.append(w)
-    return MedusaHeads(blocks, lm_heads, meta, subset)
+    scale = config.get("logit_scale", 1.0) if vllm else 1.0
+    if lm_heads is not None and scale != 1.0:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0:
+            raise UserError(f"{where}: logit_scale must be a positive number, got {scale!r:.40}")
+        lm_heads = [w * np.float32(scale) for w in lm_heads]
+    if token_map is not None and (lm_heads is None or subset is not None):
+        raise UserError(f"{where}: a token_map needs the heads' own LM heads and no vocab_subset")
+    return MedusaHeads(blocks, lm_heads, meta, subset, token_map)
 

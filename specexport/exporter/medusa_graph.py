@@ -62,8 +62,9 @@ def add_medusa_heads(builder, heads: MedusaHeads, top_k: int, hidden: str, outpu
                                                                           g.const("medusa.s2", np.array([2], np.int64))]),
                                                            g.const("medusa.v", np.array([-1], np.int64))], axis=0)])
     _, index = g.op("TopK", [stacked, g.const("medusa.k", np.array([top_k], np.int64))], outputs=2, axis=-1)
-    if subset is not None:  # positions in the subset -> token ids
-        index = g.op("Gather", [g.const("medusa.vocab_subset", subset.astype(np.int64)), index], axis=0)
+    ids = subset if subset is not None else heads.token_map
+    if ids is not None:  # positions in the subset (or rows of a truncated vocabulary) -> token ids
+        index = g.op("Gather", [g.const("medusa.vocab_subset", ids.astype(np.int64)), index], axis=0)
     return g.op("Identity", [index], outputs=[output])
 
 

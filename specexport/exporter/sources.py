@@ -184,11 +184,34 @@ def _where(source: ModelSource) -> dict:
     return {"pretrained_model_name_or_path": str(source.path)}
 
 
+# remote-code architectures whose decoder is a transformers family as is, read as that family (never running the
+# checkpoint's code); the rest of their checkpoint is read by the method that uses it: MiMo is Qwen2 with MTP layers
+TWINS = {"mimo": "qwen2"}
+
+
 def load_config(source: ModelSource):
     """The model's transformers config, read without loading weights (to check the architecture early)."""
     transformers = _transformers()
     with _load_errors(source, reads_weights=source.kind == "gguf"):  # a GGUF's config is in its weights file
-        return transformers.AutoConfig.from_pretrained(**_where(source), local_files_only=True)
+        twin = _twin_config(source)
+        return twin or transformers.AutoConfig.from_pretrained(**_where(source), local_files_only=True)
+
+
+def _twin_config(source: ModelSource):
+    """The config of a TWINS architecture as its transformers family's (its extra keys kept), else None."""
+    if source.kind == "gguf" or not (source.path / "config.json").is_file():
+        return None
+    try:
+        raw = json.loads((source.path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # transformers' own read says what is wrong
+    twin = TWINS.get(raw.get("model_type")) if isinstance(raw, dict) else None
+    if twin is None:
+        return None
+    config = _transformers().AutoConfig.for_model(twin, **{k: v for k, v in raw.items()
+                                                           if k not in ("model_type", "auto_map", "architectures")})
+    config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
+    return config
 
 
 def _quant_method(config) -> str | None:
@@ -203,14 +226,15 @@ def load_model(source: ModelSource):
 
     transformers = _transformers()
     with _load_errors(source):
-        config = transformers.AutoConfig.from_pretrained(**_where(source), local_files_only=True)
+        twin = _twin_config(source)
+        config = twin or transformers.AutoConfig.from_pretrained(**_where(source), local_files_only=True)
         method = _quant_method(config)
         # MXFP4 experts (GPT-OSS) dequantized at load everywhere: with triton and `kernels` installed transformers
         # would otherwise keep them for its GPU kernels, fetched from the hub
         extra = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if method == "mxfp4" else {}
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             **_where(source), dtype=torch.float32, local_files_only=True, output_loading_info=True,
-            ignore_mismatched_sizes=True, **extra
+            ignore_mismatched_sizes=True, **({"config": twin} if twin else {}), **extra
         )
         # transformers fills a tensor the checkpoint lacks with random values, and only warns
         missing = sorted(info.get("missing_keys") or ()) + sorted(info.get("mismatched_keys") or ())
@@ -225,7 +249,9 @@ def load_model(source: ModelSource):
 def load_tokenizer(source: ModelSource):
     transformers = _transformers()
     with _load_errors(source, reads_weights=source.kind == "gguf"):
-        return transformers.AutoTokenizer.from_pretrained(**_where(source), local_files_only=True)
+        twin = _twin_config(source)  # its own config names code of the checkpoint's, never run
+        return transformers.AutoTokenizer.from_pretrained(**_where(source), local_files_only=True,
+                                                          **({"config": twin} if twin else {}))
 
 
 def stream_source(source: ModelSource, config):

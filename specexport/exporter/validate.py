@@ -314,15 +314,21 @@ def eagle(model, session, draft_session, draft, seed: int = 0, prefix: int = 16)
 
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, model.config.vocab_size, size=prefix)
-    with torch.no_grad():
-        states = model.model(input_ids=torch.from_numpy(ids[None]), output_hidden_states=True).hidden_states
+    last = []  # the last layer's output before the final norm (an MTP draft's feature)
+    hook = model.model.layers[-1].register_forward_hook(lambda m, i, out: last.append(out[0] if isinstance(out, tuple)
+                                                                                        else out))
+    try:
+        with torch.no_grad():
+            states = model.model(input_ids=torch.from_numpy(ids[None]), output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
     embed = module_weight(model, "model.embed_tokens.")
     module = DraftModule.from_draft(draft, embed, module_weight(model, "lm_head."))
     with torch.no_grad():
         if draft.config.version == 3:
             ref_feats = module.start(torch.cat([states[i] for i in draft.config.aux_layers], -1).float())[0].numpy()
         else:
-            ref_feats = states[-1][0].float().numpy()
+            ref_feats = (last[-1] if draft.config.prenorm_feature else states[-1])[0].float().numpy()
     cache = session.new_cache(prefix + 4)
     feats = session.forward(cache, ids[None], np.arange(prefix)[None], tree.causal_mask(prefix), np.array([prefix - 1]),
                             want=("eagle_features",))["eagle_features"][0].astype(np.float32)

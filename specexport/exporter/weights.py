@@ -23,7 +23,8 @@ from specexport.exporter import hub
 from specexport.exporter.arch import Dims, weight_table
 from specexport.exporter.families import Family
 
-_IGNORED = re.compile(r"rotary_emb\.inv_freq$")  # a buffer some old checkpoints saved
+# a buffer some old checkpoints saved; MTP layers (MiMo's, Qwen3-Next's), which --method mtp reads (drafts/mtp.py)
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$|^(model\.mtp_layers|mtp)\.")
 
 
 INDEX, SINGLE = "model.safetensors.index.json", "model.safetensors"

@@ -33,7 +33,8 @@ import numpy as np
 
 from specexport.errors import UserError
 from specexport.exporter.arch import dims_from_config
-from specexport.exporter.eagle import DraftConfig, DraftModule, EagleDraft, default_aux_layers, load_draft, save_draft
+from specexport.exporter.drafts import load_draft
+from specexport.exporter.eagle import DraftConfig, DraftModule, EagleDraft, default_aux_layers, save_draft
 from specexport.exporter.sources import load_config, resolve
 from specexport.options import setting
 from specexport.train import loop
@@ -125,9 +126,10 @@ def init_draft(target, version: int, aux: tuple[int, ...], hot: np.ndarray):
     def normal(*shape):
         return (rng.standard_normal(shape) * 0.02).astype(np.float32)
 
-    w = {"q": normal(heads * hd, width), "k": normal(kv * hd, width), "v": normal(kv * hd, width),
-         "o": normal(h, heads * hd), "post_norm": np.ones(h, np.float32), "gate": normal(cfg.intermediate_size, h),
-         "up": normal(cfg.intermediate_size, h), "down": normal(h, cfg.intermediate_size)}
+    layer = {"q": normal(heads * hd, width), "k": normal(kv * hd, width), "v": normal(kv * hd, width),
+             "o": normal(h, heads * hd), "post_norm": np.ones(h, np.float32), "gate": normal(cfg.intermediate_size, h),
+             "up": normal(cfg.intermediate_size, h), "down": normal(h, cfg.intermediate_size)}
+    w = {f"layers.0.{k}": v for k, v in layer.items()}
     if version == 3:
         fc = normal(h, h * len(aux))
         fc[:, -h:] += np.eye(h, dtype=np.float32)
@@ -348,6 +350,11 @@ def _initial_draft(c: Config, version: int, dims, aux: tuple[int, ...]) -> Eagle
     draft = load_draft(c.init, dims.layers)
     if draft.config.version != version:
         raise UserError(f"--init {c.init} is an EAGLE-{draft.config.version} draft, not EAGLE-{version}")
+    d = draft.config
+    if d.layers != 1 or d.norm_output or d.norm_before_residual or d.feature_norm or not d.hidden_norm \
+            or not d.final_norm:
+        raise UserError(f"--init {c.init}: training carries on one-layer drafts of the EAGLE reference's shape; this "
+                        f"{d.producer} draft has {d.layers} layer(s) or EAGLE 3.1 norms")
     draft.check(dims, str(c.init))
     given = getattr(c, "aux_layers", None)
     if given and tuple(given) != tuple(draft.config.aux_layers):

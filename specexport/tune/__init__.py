@@ -48,7 +48,7 @@ class PlainTuner:
 
 
 TUNERS = {"none": PlainTuner(), "ngram": chain.TUNER, "draft": chain.TUNER, "medusa": medusa.TUNER,
-          "eagle": eagle.TUNER, "eagle3": eagle.TUNER, "suffix": suffix.TUNER, "hybrid": suffix.TUNER}
+          "eagle": eagle.TUNER, "eagle3": eagle.TUNER, "mtp": eagle.TUNER, "suffix": suffix.TUNER, "hybrid": suffix.TUNER}
 
 
 @dataclass

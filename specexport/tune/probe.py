@@ -32,6 +32,7 @@ import onnxruntime as ort
 
 from specexport.errors import UserError
 from specexport.exporter import arch, methods, sources
+from specexport.exporter.drafts.mtp import mtp_layers
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
 from specexport.profiles import Profile, dump, load_profile, merge
@@ -47,6 +48,7 @@ PROMPTS = 4  # built-in prompts each candidate runs
 NEW_TOKENS = 64
 ROUNDS = 2
 MAX_CONTEXT = 1024  # the probe's bundles hold the prompts and their tokens, no more
+MTP = "mtp"  # the method of a checkpoint's own MTP layers: a candidate wherever the checkpoint has them
 
 
 def cache_dir() -> Path:
@@ -93,6 +95,8 @@ def probe(model_spec: str, base: Profile, say=lambda text: None) -> Profile:
     found = detect()
     source = sources.resolve(model_spec)
     names = candidates(base)
+    if mtp_layers(sources.load_config(source)) and MTP not in names:  # the checkpoint carries its own draft
+        names.append(MTP)
     say(f"probing {', '.join(names)} in {' and '.join(PRECISIONS)} on this CPU ({found.describe()}): no profile was "
         "measured on its features")
     with tempfile.TemporaryDirectory(prefix="specexport-probe-") as tmp:

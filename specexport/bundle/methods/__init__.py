@@ -11,7 +11,7 @@ from specexport.bundle.methods import draft, eagle, hybrid, medusa, ngram, none,
 from specexport.errors import UserError
 
 SECTIONS = {"none": none, "ngram": ngram, "draft": draft, "medusa": medusa, "eagle": eagle, "eagle3": eagle,
-            "suffix": suffix, "hybrid": hybrid}
+            "mtp": eagle, "suffix": suffix, "hybrid": hybrid}
 
 
 def get(name):

@@ -9,7 +9,8 @@ SCHEMA = {"depth": COUNT, "top_k": COUNT, "total_tokens": COUNT, "graph_top_k": 
 def describe(section: dict) -> list[str]:
     version = "EAGLE-3" if section["version"] == 3 else "EAGLE-1/2"
     aux = f", features from the inputs of layers {section['aux_layers']}" if section.get("aux_layers") else ""
-    return [f"draft        {version} from {section.get('draft', '?')}: draft vocabulary "
+    producer = f" ({section['producer']} layout)" if section.get("producer") else ""
+    return [f"draft        {version} from {section.get('draft', '?')}{producer}: draft vocabulary "
             f"{section.get('draft_vocab', '?')}{aux}",
             f"tree         {section.get('tree', 'dynamic')}: depth {section['depth']}, top-k {section['top_k']}, "
             f"{section['total_tokens']} tokens per step (up to {section['graph_top_k']} candidates per node in the "

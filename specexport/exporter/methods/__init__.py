@@ -20,6 +20,7 @@ METHODS: dict[str, ExportMethod] = {
     "medusa": medusa.METHOD,
     "eagle": eagle.EAGLE1,
     "eagle3": eagle.EAGLE3,
+    "mtp": eagle.MTP,
     "suffix": suffix.METHOD,
     "hybrid": hybrid.METHOD,
 }

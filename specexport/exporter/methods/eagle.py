@@ -11,7 +11,9 @@ from pathlib import Path
 from specexport.errors import UserError
 from specexport.exporter import families, validate
 from specexport.exporter.arch import dims_from_config, rope_rows
-from specexport.exporter.eagle import EagleDraft, load_draft
+from specexport.exporter.drafts import load_draft
+from specexport.exporter.drafts.mtp import load_mtp
+from specexport.exporter.eagle import EagleDraft
 from specexport.exporter.eagle_graph import (
     EAGLE_TOP_K,
     TargetFeatures,
@@ -21,7 +23,7 @@ from specexport.exporter.eagle_graph import (
     rope_for,
 )
 from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions
-from specexport.exporter.methods.plan import ASSETS, ExportMethod, Plan, Target, settings_dict
+from specexport.exporter.methods.plan import ASSETS, ExportMethod, NoOptions, Plan, Target, settings_dict
 from specexport.exporter.save import ExportContext, save_graph
 from specexport.options import setting
 from specexport.runtime.backends.host import GraphSession
@@ -72,7 +74,20 @@ class EaglePlan(Plan):
         c = self.draft.config
         return {**settings_dict(self.settings), "graph_top_k": EAGLE_TOP_K, "draft": self.where.resolve().name,
                 "version": c.version, "draft_vocab": c.draft_vocab, "aux_layers": list(c.aux_layers),
-                "accuracy": self.draft.meta.get("accuracy")}
+                "producer": c.producer, "draft_layers": c.layers,
+                "accuracy": self.draft.meta.get("accuracy"),
+                **{k: self.draft.meta[k] for k in ("verifier", "speculative_tokens") if k in self.draft.meta}}
+
+
+class MtpPlan(EaglePlan):
+    """The target's own MTP layers as the draft (exporter/drafts/mtp.py): no --draft, nothing to download."""
+
+    def __init__(self, options, settings: eagle.Settings, target: Target):
+        Plan.__init__(self, options, settings, target)
+        eagle.EagleMethod.static_tree(settings, EAGLE_TOP_K)
+        self.where = target.source.path
+        self.draft = load_mtp(target.source, target.config)
+        self.draft.check(target.dims, target.source.name)
 
 
 @dataclass(frozen=True)
@@ -95,3 +110,4 @@ def write_draft_graph(checkpoint, draft: EagleDraft, graph: GraphOptions, max_co
 METHOD_OF_VERSION = {1: "eagle", 3: "eagle3"}  # the draft architectures (EAGLE-2 runs EAGLE-1's drafts)
 EAGLE1 = ExportMethod(Options, eagle.EAGLE1, partial(EaglePlan, "eagle", 1))
 EAGLE3 = ExportMethod(Options, eagle.EAGLE3, partial(EaglePlan, "eagle3", 3))
+MTP = ExportMethod(NoOptions, eagle.MTP, MtpPlan)

@@ -17,10 +17,13 @@ ASSETS = Path(__file__).parent.parent / "assets"  # proposers shipped for known 
 
 @dataclass(frozen=True)
 class Target:
-    """The target as known before loading it: its short name (for shipped assets) and dims."""
+    """The target as known before loading it: its short name (for shipped assets), dims, and where its checkpoint is
+    (the MTP layers inside it are read from there)."""
 
     name: str
     dims: object  # arch.Dims
+    source: object = None  # sources.ModelSource
+    config: object = None  # its transformers config
 
 
 class Plan:

@@ -28,7 +28,7 @@ class RuntimeMethod(Protocol):
 
 METHODS: dict[str, RuntimeMethod] = {"none": none.METHOD, "ngram": ngram.METHOD, "draft": draft.METHOD,
                                      "medusa": medusa.METHOD, "eagle": eagle.EAGLE1, "eagle3": eagle.EAGLE3,
-                                     "suffix": suffix.METHOD, "hybrid": hybrid.METHOD}
+                                     "mtp": eagle.MTP, "suffix": suffix.METHOD, "hybrid": hybrid.METHOD}
 PLAIN_NAME = "none"  # plain decoding: the baseline every method is measured against
 PLAIN = METHODS[PLAIN_NAME]
 

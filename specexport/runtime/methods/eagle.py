@@ -211,3 +211,4 @@ class EagleMethod:
 
 
 EAGLE1, EAGLE3 = EagleMethod(1), EagleMethod(3)
+MTP = EagleMethod(1)  # the target's own MTP layers: EAGLE-1's draft graph, read from the target's checkpoint
