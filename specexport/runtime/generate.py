@@ -316,14 +316,13 @@ class Engine:
         cache.advance(t)
         return out
 
-    def exact(self, draft: DraftTree, cache: Cache, k: int = 0) -> DraftTree:
-        """The tree without the nodes that a step on batch row k of `cache` cannot lay out in lanes exactly, where
-        the target lays trees out so (runtime/backends/layout.py); an unscored tree keeps a prefix of its nodes (a
+    def exact(self, draft: DraftTree, cache: Cache) -> DraftTree:
+        """The tree without the nodes that a step after `cache`'s rows cannot lay out in lanes exactly, where the
+        target lays trees out so (runtime/backends/layout.py); an unscored tree keeps a prefix of its nodes (a
         draft model reads its own numbering)."""
         if not getattr(self.target, "lanes", False) or len(draft) < 3:
             return draft
-        past = int(cache.past_lengths(cache.batch)[k])
-        nodes = exact_nodes(draft.parents, past, self.target.info["head_dim"], prefix=draft.scores is None)
+        nodes = exact_nodes(draft.parents, cache.length, self.target.info["head_dim"], prefix=draft.scores is None)
         return draft.truncated(nodes) if draft.scores is None else draft.kept(nodes)
 
     def verify(self, cache: Cache, draft: DraftTree, want=("logits",), accept: dict | None = None) -> dict:
@@ -338,9 +337,8 @@ class Engine:
              governor: Governor | None = None, context: Context | None = None) -> StepRecord:
         """One speculative step: propose, verify, accept, commit. history[-1] is the root; `context`: what the rows
         follow, for the settings that depend on it (the penalties, min_tokens: runtime/sampling.conditioned). With
-        a `governor`
-        (runtime/governor.py) the step may skip proposing (the root verified alone) or verify part of the tree;
-        a request sampled with a seed keeps its whole tree."""
+        a `governor` (runtime/governor.py) the step may skip proposing (the root verified alone) or verify part of
+        the tree; a request sampled with a seed keeps its whole tree."""
         start, inside = time.perf_counter(), self.target.seconds
         seeded = not sampler.params.greedy and sampler.params.seed is not None
         if governor is None:
