@@ -78,3 +78,20 @@ def train_tiny_eagle(folder, output, data, method="eagle3", resume=False, **sett
     trainer = trainers.get(method)
     config = trainer.Config(data=data, **{**TRAIN, **settings})
     return trainer.train(str(folder), output, config, resume=resume, quiet=True)
+
+
+def check_batched_and_sampled(engine, prompts, new_tokens: int, want: list[list[int]], temperature: float) -> None:
+    """Batched equals alone (3 slots, prefill chunks of 5: `want` holds each prompt's tokens alone), and sampled
+    output follows plain sampling (a chi-square test over 1200 draws each, the speculative path exercised)."""
+    import chisquare
+
+    from specexport.runtime.scheduler import Scheduler
+
+    scheduler = Scheduler(engine, max_batch=3, prefill_chunk=5, budget=False, background=False)
+    requests = [scheduler.submit(p, max_new_tokens=new_tokens, stop_ids=()) for p in prompts]
+    scheduler.run_until_idle()
+    assert [r.result().tokens for r in requests] == want
+    spec, lengths = chisquare.sampled_counts(engine, "the cat", False, 1200, 0, temperature=temperature)
+    plain, _ = chisquare.sampled_counts(engine, "the cat", True, 1200, 100_000, temperature=temperature)
+    stat, dof = chisquare.two_sample(spec, plain)
+    assert sum(lengths) - len(lengths) > 50 and dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)

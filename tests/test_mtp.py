@@ -7,12 +7,12 @@ plain decoding, batched equals alone, sampling follows plain sampling."""
 
 import json
 
-import chisquare
 import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 from conftest import save_folder, tiny_model
+from helpers import check_batched_and_sampled
 from safetensors.torch import load_file, save_file
 
 from specexport.cli import main
@@ -157,20 +157,10 @@ def test_graphs_equal_the_reference(mimo, bundle):
 
 
 def test_mtp_is_lossless_batched_and_samples_as_plain(bundle, lossless):
-    from specexport.runtime.scheduler import Scheduler
-
     engine = Engine.load(bundle, threads=1)
     runs = lossless(engine, PROMPTS, 32)
     assert max(r.stats.tau for r in runs) > 1.3  # the trained MTP layer's drafts are accepted
-    want = [r.tokens for r in runs]
-    scheduler = Scheduler(engine, max_batch=3, prefill_chunk=5, budget=False, background=False)
-    requests = [scheduler.submit(p, max_new_tokens=32, stop_ids=()) for p in PROMPTS]
-    scheduler.run_until_idle()
-    assert [r.result().tokens for r in requests] == want
-    spec, lengths = chisquare.sampled_counts(engine, "the cat", False, 1200, 0, temperature=0.5)
-    plain, _ = chisquare.sampled_counts(engine, "the cat", True, 1200, 100_000, temperature=0.5)
-    stat, dof = chisquare.two_sample(spec, plain)
-    assert sum(lengths) - len(lengths) > 50 and dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)
+    check_batched_and_sampled(engine, PROMPTS, 32, [r.tokens for r in runs], temperature=0.5)
 
 
 def test_a_model_without_mtp_layers_is_one_line(tiny_folder, mimo, tmp_path):

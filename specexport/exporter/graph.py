@@ -729,12 +729,19 @@ class DecoderGraphBuilder:
         bias = g.op("Concat", [column, g.op("Add", [bias, heads])], axis=-1)
         return keys, values, bias, (g.op("Add", [kv_len, one]) if kv_len else None)
 
-    def attention(self, i: int, h: str, lengths: dict[str, str]) -> str:
+    def attention(self, i: int, h: str, lengths: dict[str, str], kv_source: str | None = None) -> str:
+        """Layer i's attention of rows `h`; `kv_source`: the rows its keys and values are projected from, where not
+        `h` (a DFlash draft's context rows)."""
         d, g, w = self.d, self.g, self.w
         p = f"layers.{i}."
-        qkv_w = np.concatenate([w[p + "q"], w[p + "k"], w[p + "v"]])
         qkv_b = np.concatenate([w[p + "q_bias"], w[p + "k_bias"], w[p + "v_bias"]]) if p + "q_bias" in w else None
-        qkv = self.linear(h, p + "qkv", qkv_w, qkv_b)
+        if kv_source is None:
+            qkv = self.linear(h, p + "qkv", np.concatenate([w[p + "q"], w[p + "k"], w[p + "v"]]), qkv_b)
+        else:
+            q_b, kv_b = (None, None) if qkv_b is None else (qkv_b[:d.q_size], qkv_b[d.q_size:])
+            qkv = g.op("Concat", [self.linear(h, p + "q", w[p + "q"], q_b),
+                                  self.linear(kv_source, p + "kv", np.concatenate([w[p + "k"], w[p + "v"]]), kv_b)],
+                       axis=-1)
         if self.ragged:  # attention in the step's padded layout [B, T, qkv] (a padding row repeats a real row)
             qkv = g.op("Gather", [qkv, "padded_rows"], axis=0)
         past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"

@@ -361,3 +361,44 @@ def eagle(model, session, draft_session, draft, seed: int = 0, prefix: int = 16)
         parents, positions = TREE, prefix - 1 + tree.depths(TREE)
     report.update(draft_max_abs_diff=max(diffs), draft_topk_match=min(matches))
     return report
+
+
+def dflash(model, session, draft_session, draft, seed: int = 0, prefix: int = 16) -> dict:
+    """DFlash's two graphs against PyTorch: the target's `dflash_context` on a prompt vs hidden_norm(fc(...)) of
+    transformers' hidden states; then the draft graph vs `DFlashModule.block`, twice: the prompt's context rows and
+    a block after them, then a few more context rows and the next block (the first call's context rows cached)."""
+    import torch
+
+    from specexport.exporter.dflash import DFlashModule
+
+    c = draft.config
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(3, model.config.vocab_size, size=prefix)
+    with torch.no_grad():
+        states = model.model(input_ids=torch.from_numpy(ids[None]), output_hidden_states=True).hidden_states
+    module = DFlashModule(draft, module_weight(model, "model.embed_tokens."), module_weight(model, "lm_head."))
+    with torch.no_grad():
+        ref_ctx = module.context(torch.cat([states[i] for i in c.target_layers], -1).float())[0]
+    cache = session.new_cache(prefix + 4)
+    got_ctx = session.forward(cache, ids[None], np.arange(prefix)[None], tree.causal_mask(prefix), np.array([prefix - 1]),
+                              want=("dflash_context",))["dflash_context"][0].astype(np.float32)
+    report = {"context_max_abs_diff": float(np.abs(got_ctx - ref_ctx.numpy()).max())}
+    dcache = draft_session.new_cache(prefix + 2 * c.block)
+    diffs, matches, fed = [], [], 0
+    for upto in (prefix - 4, prefix - 1):  # context rows fed so far; the block's first row is token `upto`
+        m, b = upto - fed, c.block
+        block = [int(ids[upto])] + [c.mask_token] * (b - 1)
+        mask = np.tril(np.ones((m + b, m + b), bool))
+        mask[m:] = True
+        context = np.concatenate([got_ctx[fed:upto], np.zeros((b, c.hidden), np.float32)])[None]
+        got = draft_session.forward(dcache, np.array([list(ids[fed:upto]) + block]), (fed + np.arange(m + b))[None],
+                                    mask, np.arange(m + 1, m + b), want=("draft_logp", "draft_tokens"),
+                                    inputs={"context": context, "context_rows": (np.arange(m + b) < m)[None]})
+        dcache.advance(m)
+        fed = upto
+        with torch.no_grad():
+            top = module.block(torch.from_numpy(got_ctx[:upto]), block, upto).topk(got["draft_tokens"].shape[1], -1)
+        diffs.append(float(np.abs(got["draft_logp"] - top.values.numpy()).max()))
+        matches.append(float((got["draft_tokens"] == top.indices.numpy()).mean()))
+    report.update(draft_max_abs_diff=max(diffs), draft_topk_match=min(matches))
+    return report

@@ -33,7 +33,7 @@ from specexport.profiles.schema import Measurements
 from specexport.prompts import AGREEMENT_PROMPTS
 from specexport.runtime.budget import grid
 from specexport.runtime.generate import Engine
-from specexport.tune import chain, eagle, measure, medusa, suffix
+from specexport.tune import chain, dflash, eagle, measure, medusa, suffix
 
 
 class PlainTuner:
@@ -48,7 +48,7 @@ class PlainTuner:
 
 
 TUNERS = {"none": PlainTuner(), "ngram": chain.TUNER, "draft": chain.TUNER, "medusa": medusa.TUNER,
-          "eagle": eagle.TUNER, "eagle3": eagle.TUNER, "mtp": eagle.TUNER, "suffix": suffix.TUNER, "hybrid": suffix.TUNER}
+          "eagle": eagle.TUNER, "eagle3": eagle.TUNER, "mtp": eagle.TUNER, "dflash": dflash.TUNER, "suffix": suffix.TUNER, "hybrid": suffix.TUNER}
 
 
 @dataclass

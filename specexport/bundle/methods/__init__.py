@@ -7,11 +7,11 @@ One module per method; SECTIONS is the registry (EAGLE-1/2 and EAGLE-3 share one
 
 from __future__ import annotations
 
-from specexport.bundle.methods import draft, eagle, hybrid, medusa, ngram, none, suffix
+from specexport.bundle.methods import dflash, draft, eagle, hybrid, medusa, ngram, none, suffix
 from specexport.errors import UserError
 
 SECTIONS = {"none": none, "ngram": ngram, "draft": draft, "medusa": medusa, "eagle": eagle, "eagle3": eagle,
-            "mtp": eagle, "suffix": suffix, "hybrid": hybrid}
+            "mtp": eagle, "dflash": dflash, "suffix": suffix, "hybrid": hybrid}
 
 
 def get(name):

@@ -9,7 +9,7 @@ says what it adds to the export (methods/plan.py). Plain decoding and prompt loo
 from __future__ import annotations
 
 from specexport.errors import UserError
-from specexport.exporter.methods import draft, eagle, hybrid, medusa, suffix
+from specexport.exporter.methods import dflash, draft, eagle, hybrid, medusa, suffix
 from specexport.exporter.methods.plan import ExportMethod, NoOptions, PlainPlan, Plan
 from specexport.runtime import methods as runtime_methods
 
@@ -21,6 +21,7 @@ METHODS: dict[str, ExportMethod] = {
     "eagle": eagle.EAGLE1,
     "eagle3": eagle.EAGLE3,
     "mtp": eagle.MTP,
+    "dflash": dflash.METHOD,
     "suffix": suffix.METHOD,
     "hybrid": hybrid.METHOD,
 }

@@ -18,6 +18,8 @@ from specexport.runtime.kvcache import KVCache, KVPool
 from specexport.runtime.verify import greedy_inputs
 
 _NUMPY_TYPES = {"fp32": np.float32, "fp16": np.float16}
+ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
+             "tensor(int32)": np.int32, "tensor(bool)": np.bool_}  # ONNX Runtime's type names -> numpy
 
 
 def providers(device: str = "auto") -> list[str]:
@@ -68,6 +70,8 @@ class GraphSession:
         self.batch_outputs = {o.name for o in self.session.get_outputs() if o.shape and o.shape[0] == "batch"}
         self.seq_outputs = {o.name for o in self.session.get_outputs() if o.shape[:2] == ["batch", "seq"]}
         names = {i.name for i in self.session.get_inputs()}
+        # a graph's own per-row inputs (EAGLE's features, DFlash's context rows) in their declared types
+        self.input_types = {i.name: ORT_TYPES.get(i.type, self.dtype) for i in self.session.get_inputs()}
         self.fused_inputs = "sample_u" in names  # exporter/fused.py
         self.wide_bias = "attention_bias" in names  # bundles exported before the compact tree mask
         self.ragged = "live_rows" in names  # computes a batched step's real rows only (exporter/graph.py)
@@ -120,7 +124,7 @@ class GraphSession:
             for name, value in ragged_inputs(b, t, live, real).items():
                 stage(name, value, np.int64)
         for name, value in (inputs or {}).items():
-            stage(name, value, self.dtype)
+            stage(name, value, self.input_types[name])
         if self.fused_inputs:
             for name, value in (accept or greedy_inputs(len(logits_indices))).items():
                 stage(name, value, np.float32)

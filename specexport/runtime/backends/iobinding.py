@@ -29,7 +29,15 @@ import numpy as np
 import onnxruntime as ort
 
 from specexport.errors import UserError
-from specexport.runtime.backends.host import check_step, laid_out, load_session, on_cpu, ragged_inputs, session_options
+from specexport.runtime.backends.host import (
+    ORT_TYPES,
+    check_step,
+    laid_out,
+    load_session,
+    on_cpu,
+    ragged_inputs,
+    session_options,
+)
 from specexport.runtime.kvcache import CacheRows, SlotPool, SlotView
 from specexport.runtime.verify import greedy_inputs
 
@@ -152,9 +160,10 @@ class DeviceSession:
         self.layers = graph_info.get("layers", 0)
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.output_dims = {o.name: o.shape for o in self.session.get_outputs()}
-        self.output_types = {o.name: _NUMPY.get(o.type) for o in self.session.get_outputs()}
+        self.output_types = {o.name: ORT_TYPES.get(o.type) for o in self.session.get_outputs()}
         self.batch_outputs = {name for name, dims in self.output_dims.items() if dims and dims[0] == "batch"}
         names = {i.name for i in self.session.get_inputs()}
+        self.input_types = {i.name: ORT_TYPES.get(i.type, self.dtype) for i in self.session.get_inputs()}
         if "attention_bias" in names:
             raise UserError(f"{graph_path.name} takes the wide attention bias of bundles exported before the compact "
                             f"tree mask: re-export the bundle to run it on a device")
@@ -205,7 +214,7 @@ class DeviceSession:
             for name, value in ragged_inputs(b, t, live, real).items():
                 self._stage(io, name, value, np.int64)
         for name, value in (inputs or {}).items():
-            self._stage(io, name, value, self.dtype)
+            self._stage(io, name, value, self.input_types[name])
         if self.fused_inputs:
             for name, value in (accept or greedy_inputs(len(logits_indices))).items():
                 self._stage(io, name, value, np.float32)
@@ -343,10 +352,6 @@ class DeviceSession:
         if buffer is None or int(np.prod(buffer.shape())) < count:
             buffer = self.results[name] = ort.OrtValue.ortvalue_from_shape_and_type([count], dtype, self.device, 0)
         io.bind_output(name, self.device, 0, dtype, dims, buffer.data_ptr())
-
-
-_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int64)": np.int64,
-          "tensor(int32)": np.int32, "tensor(bool)": np.bool_}
 
 
 def compact_model(elem_type: int) -> bytes:

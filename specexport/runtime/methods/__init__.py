@@ -11,7 +11,7 @@ from typing import Protocol
 
 from specexport.errors import UserError
 from specexport.options import fields
-from specexport.runtime.methods import draft, eagle, hybrid, medusa, ngram, none, suffix
+from specexport.runtime.methods import dflash, draft, eagle, hybrid, medusa, ngram, none, suffix
 from specexport.runtime.proposer import Proposer
 
 
@@ -28,7 +28,7 @@ class RuntimeMethod(Protocol):
 
 METHODS: dict[str, RuntimeMethod] = {"none": none.METHOD, "ngram": ngram.METHOD, "draft": draft.METHOD,
                                      "medusa": medusa.METHOD, "eagle": eagle.EAGLE1, "eagle3": eagle.EAGLE3,
-                                     "mtp": eagle.MTP, "suffix": suffix.METHOD, "hybrid": hybrid.METHOD}
+                                     "mtp": eagle.MTP, "dflash": dflash.METHOD, "suffix": suffix.METHOD, "hybrid": hybrid.METHOD}
 PLAIN_NAME = "none"  # plain decoding: the baseline every method is measured against
 PLAIN = METHODS[PLAIN_NAME]
 
