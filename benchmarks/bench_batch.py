@@ -6,6 +6,7 @@ one finishes, `--requests` each), C = 1, 2, 4, 8, 16, for each configuration:
 - `plain`: plain decoding, batched (runtime/scheduler.py) on the plain bundle;
 - `fixed`: the speculative bundle's method, batched, every tree as its proposer made it;
 - `budget`: the same with one tree budget for the batch (runtime/budget.py);
+  with several `--method` bundles each gets both, named after its method (`eagle3-fixed`, `dflash-budget`, ...);
 - `genai`: with `--genai CACHE`, onnxruntime-genai's `og.Engine` on its own build of the same weights (the plain
   bundle's precision; its venv and model folders made as benchmarks/bench_plain.py makes them, in CACHE), the same
   prompt ids, greedy, EOS masked for exactly --new-tokens. On CPU genai 0.18 batches statically
@@ -35,7 +36,7 @@ one finishes, `--requests` each), C = 1, 2, 4, 8, 16, for each configuration:
 Printed per configuration and C: aggregate tokens/s (all new tokens / wall time), time to first token p50/p99
 (submit to first token: queueing and prefill included), time between tokens p50/p99 (the gap before each step's
 tokens divided by how many it brought, over all steps of all requests), the mean rows per target call and the
-scheduler's time outside the graph calls per step. Configurations alternate at each C, so they see the same
+scheduler's time outside the graph calls per step and the time in its draft graphs per step (the drafting cost). Configurations alternate at each C, so they see the same
 machine; each closed loop runs in a process of its own (its bundle loaded afresh, so that no configuration runs beside
 another's engine, caches and threads) and starts after one short untimed request. With `--rounds R` each
 configuration runs R closed loops at each C (each round after the first in a shuffled order): the tokens/s printed is
@@ -46,7 +47,7 @@ nothing changed. Greedy unless `--temperature` (then every request samples, with
 request keeps its whole tree, so that its tokens never depend on the batch), EOS suppressed (every request emits
 exactly --new-tokens).
 
-    python benchmarks/bench_batch.py --plain BUNDLE --method BUNDLE [--prompts benchmarks/prompts/sharegpt40.jsonl]
+    python benchmarks/bench_batch.py --plain BUNDLE --method BUNDLE [--method BUNDLE ...] [--prompts FILE]
         [--concurrency 1,2,4,8,16] [--requests 2] [--rounds 1] [--new-tokens 128] [--temperature T [--top-p P]]
         [--threads N] [--prefill-tokens N] [--genai CACHE] [--openvino CACHE [--openvino-f32]] [--vllm CACHE [--vllm-dtype float32]]
         [--json OUT]
@@ -327,6 +328,20 @@ class _Done:
         return self.generation
 
 
+def method_tags(methods: list[Path]) -> dict[str, Path]:
+    """Each --method bundle by the prefix its configurations carry: none for one bundle (`fixed`, `budget`), its
+    method's name for several (`eagle3-fixed`), the folder's name where two share a method."""
+    if len(methods) <= 1:
+        return {"": m for m in methods}
+    names = [json.loads((m / "manifest.json").read_text())["method"]["name"] for m in methods]
+    return {f"{n if names.count(n) == 1 else m.name}-": m for n, m in zip(names, methods)}
+
+
+def drafting(engine) -> float:
+    """Seconds spent so far in the engine's draft graphs (the side graphs its proposers call)."""
+    return sum(g.seconds for g in engine.side_graphs())
+
+
 def worker(job: dict) -> dict:
     """One closed loop of configuration job["config"] at C = job["clients"], in this process: its figures, and its
     scheduler's steps, rows, summed widths and time outside the graph calls."""
@@ -341,17 +356,18 @@ def worker(job: dict) -> dict:
         engine.generate(prompts[0], max_new_tokens=8, stop_ids=())  # warm-up, untimed
         one = BatchOne(engine, new)
         return closed_loop(lambda prompt: one.submit(prompt, sampling()), prompts, job["clients"], job["per_client"])
-    scheduler = Scheduler(engine, max_batch=job["max_batch"], plain=name.startswith("plain"), budget=name != "fixed",
-                          prefill_tokens=job.get("prefill_tokens"))
+    scheduler = Scheduler(engine, max_batch=job["max_batch"], plain=name.startswith("plain"),
+                          budget=not name.endswith("fixed"), prefill_tokens=job.get("prefill_tokens"))
     widths = [0]  # the widths of every target call, summed (Scheduler.on_step)
     scheduler.on_step = lambda n, width: widths.__setitem__(0, widths[0] + width)
     try:
         scheduler.submit(prompts[0], max_new_tokens=8, stop_ids=()).result(timeout=600)  # warm-up, untimed
-        before = (scheduler.steps, scheduler.rows, scheduler.overhead_s, widths[0])
+        before = (scheduler.steps, scheduler.rows, scheduler.overhead_s, widths[0], drafting(engine))
         row = closed_loop(lambda prompt: scheduler.submit(prompt, max_new_tokens=new, stop_ids=(), sampling=sampling()),
                           prompts, job["clients"], job["per_client"])
         row.update(steps=scheduler.steps - before[0], rows=scheduler.rows - before[1],
-                   overhead_ms=1e3 * (scheduler.overhead_s - before[2]), width=widths[0] - before[3])
+                   overhead_ms=1e3 * (scheduler.overhead_s - before[2]), width=widths[0] - before[3],
+                   draft_ms=1e3 * (drafting(engine) - before[4]))
     finally:
         scheduler.close()
     return row
@@ -360,7 +376,8 @@ def worker(job: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plain", type=Path, help="a plain-decoding bundle")
-    ap.add_argument("--method", type=Path, default=None, help="a speculative bundle (its fixed tree)")
+    ap.add_argument("--method", type=Path, action="append", default=[],
+                    help="a speculative bundle (its fixed tree and the batch's budget); may be given several times")
     ap.add_argument("--prompts", type=Path, default=SHAREGPT40)
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
@@ -400,7 +417,10 @@ def main() -> None:
     prompts = prompt_texts(args.prompts)  # checked here, read again by each worker
     new = args.new_tokens
     peers = prepare_peers(args, prompts, max(levels))
-    configs = ["plain"] + (["fixed", "budget"] if args.method is not None else [])
+    bundles = {"plain": args.plain, "plain-again": args.plain, "batch-1": args.plain}
+    for tag, bundle in method_tags(args.method).items():
+        bundles.update({f"{tag}fixed": bundle, f"{tag}budget": bundle})
+    configs = ["plain"] + list(bundles)[3:]  # plain-again and batch-1 join as the rounds and C ask
 
     def one_run(name: str, c: int, r: int) -> dict:
         """One closed loop of configuration `name` at C = c, in a process of its own."""
@@ -409,8 +429,7 @@ def main() -> None:
             job = {"clients": c, "per_client": args.requests, "new_tokens": new, **extra}
             row = peer_closed_loop(label, python, worker_file, model, job, env)
         else:
-            bundle = args.plain if name in ("plain", "plain-again", "batch-1") else args.method
-            job = {"bundle": str(bundle), "config": name, "clients": c, "per_client": args.requests,
+            job = {"bundle": str(bundles[name]), "config": name, "clients": c, "per_client": args.requests,
                    "new_tokens": new, "temperature": args.temperature, "top_p": args.top_p, "threads": args.threads,
                    "prompts": str(args.prompts), "max_batch": max(levels), "prefill_tokens": args.prefill_tokens}
             done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], stdout=subprocess.PIPE,
@@ -482,10 +501,10 @@ def prepare_peers(args, prompts: list[str], max_batch: int) -> dict[str, tuple]:
 
 def report(args, levels: list[int], runs: list[dict]) -> None:
     how = f"temperature {args.temperature:g}, top-p {args.top_p:g}" if args.temperature else "greedy"
-    print(f"{args.plain.name} vs {args.method.name if args.method else '-'}: closed loop, {args.requests} requests per "
+    print(f"{args.plain.name} vs {', '.join(m.name for m in args.method) or '-'}: closed loop, {args.requests} requests per "
           f"client, {args.new_tokens} new tokens each, {how}, {args.threads} threads, {args.rounds} round(s) per C")
     print(f"{'config':<12}{'C':>4}{'tokens/s':>10}{'rounds':>14}{'TTFT p50':>10}{'p99':>8}{'TBT p50':>9}{'p99':>8}"
-          f"{'rows/call':>10}{'width':>7}{'host ms/step':>13}")
+          f"{'rows/call':>10}{'width':>7}{'host ms/step':>13}{'draft ms/step':>14}")
     summary, by = [], {}
     for c in levels:
         for name in dict.fromkeys(r["config"] for r in runs if r["concurrency"] == c):
@@ -497,26 +516,34 @@ def report(args, levels: list[int], runs: list[dict]) -> None:
                    "tokens_per_s_rounds": speeds, "ttft_p50_ms": 1e3 * pct(ttft, 50), "ttft_p99_ms": 1e3 * pct(ttft, 99),
                    "tbt_p50_ms": 1e3 * pct(tbt, 50), "tbt_p99_ms": 1e3 * pct(tbt, 99)}
             if steps:
-                row.update({key: sum(r[key] for r in mine) / steps for key in ("rows", "width", "overhead_ms")})
+                row.update({key: sum(r[key] for r in mine) / steps
+                            for key in ("rows", "width", "overhead_ms", "draft_ms")})
             summary.append(row)
             by[(name, c)] = row["tokens_per_s"]
             spread = f"{min(speeds):.0f}-{max(speeds):.0f}" if len(speeds) > 1 else ""
             print(f"{name:<12}{c:>4}{row['tokens_per_s']:>10.1f}{spread:>14}{row['ttft_p50_ms']:>10.0f}"
                   f"{row['ttft_p99_ms']:>8.0f}{row['tbt_p50_ms']:>9.1f}{row['tbt_p99_ms']:>8.1f}"
-                  f"{row.get('rows', 1):>10.1f}{row.get('width', 1):>7.1f}{row.get('overhead_ms', float('nan')):>13.2f}")
+                  f"{row.get('rows', 1):>10.1f}{row.get('width', 1):>7.1f}{row.get('overhead_ms', float('nan')):>13.2f}"
+                  f"{row.get('draft_ms', float('nan')):>14.2f}")
     if ("plain", 1) in by and ("plain", max(levels)) in by:
         print(f"plain batched C={max(levels)} / C=1: {by[('plain', max(levels))] / by[('plain', 1)]:.2f}x (target >= 3x)")
     if ("batch-1", 1) in by:
         print(f"plain batched C=1 / batch-1 engine: {by[('plain', 1)] / by[('batch-1', 1)]:.2f}x")
     for name, theirs, label in (("plain", "genai", "plain batched / onnxruntime-genai's og.Engine"),
                                 ("plain", "ov-plain", "plain batched / OpenVINO GenAI plain"),
-                                ("budget", "ov-lookup", "budget / OpenVINO GenAI prompt lookup"),
+                                *((f"{tag}budget", "ov-lookup", f"{tag}budget / OpenVINO GenAI prompt lookup")
+                                  for tag in method_tags(args.method)),
                                 ("plain", "vllm", "plain batched / vLLM plain"),
-                                ("budget", "vllm-ngram", "budget / vLLM n-gram")):
+                                *((f"{tag}budget", "vllm-ngram", f"{tag}budget / vLLM n-gram")
+                                  for tag in method_tags(args.method))):
         if all((n, c) in by for n in (name, theirs) for c in levels):
             print(f"{label}, per C: " + ", ".join(f"C={c} {by[(name, c)] / by[(theirs, c)]:.2f}x" for c in levels))
-    if args.method is not None:
-        print("budget / the better of plain and fixed, per C: " + paired(runs, levels, "budget", ("plain", "fixed")))
+    for tag in method_tags(args.method):
+        print(f"{tag}budget / the better of plain and {tag}fixed, per C: "
+              + paired(runs, levels, f"{tag}budget", ("plain", f"{tag}fixed")))
+    first, *others = method_tags(args.method) or [None]
+    for tag in others:
+        print(f"{tag}budget / {first}budget, per C: " + paired(runs, levels, f"{tag}budget", (f"{first}budget",)))
     if args.rounds > 1:
         print("plain / plain again (A/A: the noise of such a ratio here), per C: "
               + paired(runs, levels, "plain-again", ("plain",)))

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Bundles side by side, interleaved prompt by prompt (alternating the order), each with its own method: greedy,
-128 new tokens, tokens/s and tau. What a profile's [speed] table records: figures from one run, so that the load of
-the machine falls on every bundle alike.
+128 new tokens, tokens/s and tau (what a profile's [speed] table records), and what a step costs: ms per decoding step
+(prefill left out) and of that, ms in the draft graphs (the drafting cost). Figures from one run, so that the load of the
+machine falls on every bundle alike.
 
     python benchmarks/side_by_side.py PROMPTS.jsonl COUNT BUNDLE [BUNDLE ...] [--json OUT]
 """
@@ -31,19 +32,27 @@ def main() -> None:
     ids = encode_prompts(engines[args.bundles[0]], prompts)
     for engine in engines.values():
         engine.generate(ids[0], max_new_tokens=8)  # warm-up
-    totals = {b: [0, 0.0, []] for b in args.bundles}
+    totals = {b: [0, 0.0, [], 0, 0.0, 0.0] for b in args.bundles}
     for k, prompt_ids in enumerate(ids):
         for b in args.bundles if k % 2 == 0 else args.bundles[::-1]:
-            r = engines[b].generate(prompt_ids, max_new_tokens=args.max_new_tokens)
+            engine = engines[b]
+            draft_s = sum(g.seconds for g in engine.side_graphs())
+            r = engine.generate(prompt_ids, max_new_tokens=args.max_new_tokens)
+            totals[b][3] += r.stats.steps
+            totals[b][4] += r.stats.seconds - r.stats.ttft_s
+            totals[b][5] += sum(g.seconds for g in engine.side_graphs()) - draft_s
             totals[b][0] += r.stats.new_tokens
             totals[b][1] += r.stats.seconds
             totals[b][2] += r.stats.accept_lengths
     out = {}
-    for b, (tokens, seconds, lengths) in totals.items():
+    for b, (tokens, seconds, lengths, steps, decode_s, draft_s) in totals.items():
         out[b] = {"method": engines[b].bundle.method, "precision": engines[b].bundle.manifest["precision"],
-                  "tokens_per_s": round(tokens / seconds, 2), "tau": round(float(np.mean(lengths)), 3)}
+                  "tokens_per_s": round(tokens / seconds, 2), "tau": round(float(np.mean(lengths)), 3),
+                  "step_ms": round(1e3 * decode_s / max(steps, 1), 2),
+                  "draft_ms_per_step": round(1e3 * draft_s / max(steps, 1), 2)}
         print(f"{b:40s} {out[b]['method']:>7} {out[b]['precision']:>5} {tokens / seconds:7.1f} tokens/s  "
-              f"tau {out[b]['tau']:.3f}")
+              f"tau {out[b]['tau']:.3f}  {out[b]['step_ms']:6.2f} ms/step  "
+              f"of which drafting {out[b]['draft_ms_per_step']:6.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

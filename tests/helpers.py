@@ -80,6 +80,21 @@ def train_tiny_eagle(folder, output, data, method="eagle3", resume=False, **sett
     return trainer.train(str(folder), output, config, resume=resume, quiet=True)
 
 
+def greedy_sequences(model, prompts, new_tokens: int) -> list:
+    """Each prompt (a list of ids) followed by the model's `new_tokens` greedy tokens, as 1-D tensors: what a draft
+    trained in a test learns, so that its drafts are accepted."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([list(prompt)])
+            for _ in range(new_tokens):
+                ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], 1)
+            out.append(ids[0])
+    return out
+
+
 def check_batched_and_sampled(engine, prompts, new_tokens: int, want: list[list[int]], temperature: float) -> None:
     """Batched equals alone (3 slots, prefill chunks of 5: `want` holds each prompt's tokens alone), and sampled
     output follows plain sampling (a chi-square test over 1200 draws each, the speculative path exercised)."""

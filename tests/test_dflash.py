@@ -14,7 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import save_folder, tiny_model
-from helpers import check_batched_and_sampled
+from helpers import check_batched_and_sampled, greedy_sequences
 from safetensors.torch import save_file
 
 from specexport.cli import main
@@ -161,13 +161,8 @@ def prompt_ids(folder, prompt: str) -> list[int]:
 def trained(target, tmp_path_factory):
     model, folder = target
     torch.manual_seed(0)
-    sequences = []
-    with torch.no_grad():  # the target's greedy continuations of the prompts the tests run: what a block learns
-        for ids in (prompt_ids(folder, p) for p in PROMPTS + ["the cat"]):
-            ids = torch.tensor([ids])
-            for _ in range(40):
-                ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], 1)
-            sequences.append(ids[0])
+    # the target's greedy continuations of the prompts the tests run: what a block learns
+    sequences = greedy_sequences(model, [prompt_ids(folder, p) for p in PROMPTS + ["the cat"]], 40)
     draft = train(model, ZlabDFlash(model.config), sequences)
     return write_zlab(tmp_path_factory.mktemp("drafts") / "dflash", draft, model.config), draft.eval()
 
@@ -186,12 +181,17 @@ def test_reads_zlabs_layout(trained):
 
 
 def test_graphs_equal_the_reference(target, trained, tmp_path):
-    model, folder = target
-    bundle = build(folder, trained[0], tmp_path / "bundle")
+    check_graphs(target[0], build(target[1], trained[0], tmp_path / "bundle"), trained[1])
+
+
+def check_graphs(model, bundle, ref, head=None, hot=None):
+    """The bundle's target graph gives the reference's context rows, and its draft graph, called twice (the first
+    call's context rows cached), the reference's top log-probs and tokens: over the target's LM head, or over a draft
+    head `head` whose row i is target token hot[i]."""
     manifest = json.loads((bundle / "manifest.json").read_text())
     numerics = manifest["numerics"]["dflash"]
     assert numerics["draft_topk_match"] == 1.0, numerics
-    graphs, ref = manifest["graphs"], trained[1]
+    graphs = manifest["graphs"]
     session = GraphSession(bundle / graphs["target"]["file"], graphs["target"], threads=1, device="cpu")
     draft = GraphSession(bundle / graphs["draft"]["file"], graphs["draft"], threads=1, device="cpu")
     ids = np.random.default_rng(1).integers(3, 250, 14)
@@ -216,9 +216,11 @@ def test_graphs_equal_the_reference(target, trained, tmp_path):
         fed = upto
         with torch.no_grad():
             out = ref(want_ctx[:upto], model.model.embed_tokens(torch.tensor(block)), upto)
-            top = torch.log_softmax(model.lm_head(out[1:]), -1).topk(got["draft_tokens"].shape[1], -1)
+            logits = model.lm_head(out[1:]) if head is None else out[1:] @ head.T
+            top = torch.log_softmax(logits, -1).topk(got["draft_tokens"].shape[1], -1)
         np.testing.assert_allclose(got["draft_logp"], top.values.numpy(), atol=1e-4)
-        assert (got["draft_tokens"] == top.indices.numpy()).all()
+        tokens = top.indices.numpy() if hot is None else hot[top.indices.numpy()]
+        assert (got["draft_tokens"] == tokens).all()
 
 
 @pytest.mark.parametrize("settings", [[], ["--draft-top-k", "2", "--total-tokens", "6"]])
@@ -281,3 +283,191 @@ def test_profile_chooses_dflash_settings_that_build_reads(target, trained, tmp_p
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
     assert (manifest["method"]["depth"], manifest["method"]["top_k"], manifest["method"]["total_tokens"]) == \
         (chosen.depth, chosen.top_k, chosen.total_tokens)
+
+
+# ------------------------------------------------------------------------------------ specexport train --method dflash
+
+
+def test_blocks_at_many_anchors_equal_one_block_at_a_time(trained, target):
+    """What training runs (many blocks of a sequence in one call, under a block-diagonal mask) equals what the graphs
+    are checked against (one block after exactly the context rows before its anchor)."""
+    from specexport.exporter.dflash import DFlashModule
+
+    model = target[0]
+    module = DFlashModule(load_dflash(trained[0], LAYERS), model.model.embed_tokens.weight.detach(),
+                          model.lm_head.weight.detach())
+    g = torch.Generator().manual_seed(3)
+    ctx = torch.randn(2, 12, model.config.hidden_size, generator=g)
+    anchors = torch.tensor([[3, 9, 5], [1, 11, 7]])
+    ids = torch.randint(3, 250, (2, 3, BLOCK), generator=g)
+    with torch.no_grad():
+        many = torch.log_softmax(module.blocks(ctx, ids, anchors)[:, :, 1:] @ module.lm_head.T, -1)
+        for n in range(2):
+            for a in range(3):
+                one = module.block(ctx[n], ids[n, a], int(anchors[n, a]))
+                torch.testing.assert_close(many[n, a], one, atol=1e-5, rtol=1e-5)
+
+
+def train_args(target, data, out, *more):
+    return ["train", "--method", "dflash", "--model", str(target[1]), "--data", str(data), "--output", str(out),
+            "--block", str(BLOCK), "--gamma", "3", "--samples", "32", "--new-tokens", "24", "--self-share", "1",
+            "--batch", "8", "--anchors", "6", "--lr", "3e-3", "--threads", "1", *more]
+
+
+@pytest.fixture(scope="module")
+def sharegpt(tmp_path_factory):
+    from helpers import write_sharegpt
+
+    return write_sharegpt(tmp_path_factory.mktemp("data") / "sharegpt.json", train=32)
+
+
+def test_train_writes_zlabs_layout_that_learns_and_builds_lossless(target, sharegpt, tmp_path, lossless):
+    untrained = CliRunner().invoke(main, train_args(target, sharegpt, tmp_path / "d0", "--steps", "0"))
+    assert untrained.exit_code == 0, untrained.output
+    result = CliRunner().invoke(main, train_args(target, sharegpt, tmp_path / "d", "--steps", "150",
+                                                 "--context-layers", "0,2"))
+    assert result.exit_code == 0, result.output
+    assert "dflash draft written to" in result.output and "a chain of top-1 tokens: tau" in result.output
+    config = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == BLOCK
+    assert config["dflash_config"]["target_layer_ids"] == [0, 2]  # z-lab's meaning: layer outputs
+    read = load_dflash(tmp_path / "d", LAYERS)
+    assert (read.config.target_layers, read.config.layers, read.config.block) == ((1, 3), 1, BLOCK)
+    before = json.loads((tmp_path / "d0" / "training.json").read_text())
+    after = json.loads((tmp_path / "d" / "training.json").read_text())
+    assert after["losses"][-1] < after["losses"][0] and after["accuracy"][0]["top1"] > before["accuracy"][0]["top1"]
+    assert after["chain_tau"] > before["chain_tau"]
+    bundle = build(target[1], tmp_path / "d", tmp_path / "bundle")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    assert manifest["numerics"]["dflash"]["draft_topk_match"] == 1.0
+    lossless(Engine.load(bundle, threads=1), PROMPTS, 24)
+
+
+def test_train_resumes_exactly_and_bad_settings_are_one_line(target, sharegpt, tmp_path, monkeypatch):
+    from safetensors.numpy import load_file
+
+    import specexport.train.dflash as td
+
+    whole = CliRunner().invoke(main, train_args(target, sharegpt, tmp_path / "whole", "--steps", "6",
+                                                "--save-every", "3"))
+    assert whole.exit_code == 0, whole.output
+    calls, real = {"n": 0}, td.block_loss
+
+    def crash_at_step_5(*args):  # Ctrl-C during the 5th step: the checkpoint of step 3 remains
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(td, "block_loss", crash_at_step_5)
+    crashed = CliRunner().invoke(main, train_args(target, sharegpt, tmp_path / "resumed", "--steps", "6",
+                                                  "--save-every", "3"))
+    assert crashed.exit_code != 0
+    monkeypatch.setattr(td, "block_loss", real)
+    resumed = CliRunner().invoke(main, train_args(target, sharegpt, tmp_path / "resumed", "--steps", "6",
+                                                  "--save-every", "3", "--resume"))
+    assert resumed.exit_code == 0, resumed.output
+    a, b = (json.loads((tmp_path / d / "training.json").read_text()) for d in ("whole", "resumed"))
+    assert a["losses"] == b["losses"] and a["accuracy"] == b["accuracy"]
+    wa, wb = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("whole", "resumed"))
+    assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+    for bad, match in ((["--block", "1"], "--block must be in 2..64"),
+                       (["--context-layers", f"0,{LAYERS - 1}"], "--context-layers"),
+                       (["--mask-token", "-1"], "--mask-token"), (["--gamma", "0"], "--gamma"),
+                       (["--draft-layers", "9"], "--draft-layers")):
+        result = CliRunner().invoke(main, train_args(target, sharegpt, tmp_path / "bad", *bad))
+        assert result.exit_code == 1 and match in result.output.strip().splitlines()[-1], result.output
+        assert "Traceback" not in result.output and not (tmp_path / "bad").exists()
+
+
+# ------------------------------------------------------------------------------------------- speculators' layout
+
+
+def write_speculators(folder, zlab, model, draft_vocab=None):
+    """The z-lab draft rewritten as speculators saves a DFlash draft (models/dflash/config.py, core.py): config.json
+    with `speculators_model_type: "dflash"`, the nested Qwen3 `transformer_layer_config`, `block_size`,
+    `mask_token_id`, `aux_hidden_state_layer_ids` (layer INPUTS: z-lab's ids + 1), `speculators_config`; the same
+    tensors plus the verifier's `embed_tokens` and `lm_head`, the head cut to the `draft_vocab` ids (sorted) with
+    `d2t` (offsets) and `t2d` where given. Returns the head and the ids it keeps."""
+    from safetensors.torch import load_file
+
+    config = json.loads((zlab / "config.json").read_text())
+    layer = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                    "head_dim", "rms_norm_eps", "vocab_size", "rope_theta", "max_position_embeddings")}
+    tensors = dict(load_file(str(zlab / "model.safetensors")))
+    head = model.lm_head.weight.detach()
+    tensors["embed_tokens.weight"] = model.model.embed_tokens.weight.detach().to(torch.bfloat16)
+    hot = None
+    if draft_vocab is not None:
+        hot = np.asarray(draft_vocab, np.int64)
+        head = head[torch.from_numpy(hot)]
+        tensors["d2t"] = torch.from_numpy(hot - np.arange(len(hot)))
+        t2d = torch.zeros(config["vocab_size"], dtype=torch.bool)
+        t2d[torch.from_numpy(hot)] = True
+        tensors["t2d"] = t2d
+    tensors["lm_head.weight"] = head.to(torch.bfloat16)
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "speculators_model_type": "dflash", "architectures": ["DFlashSpeculator"], "speculators_version": "0.3.0",
+        "transformer_layer_config": {"model_type": "qwen3", **layer, "num_hidden_layers": config["num_hidden_layers"]},
+        "draft_vocab_size": len(head), "block_size": BLOCK, "mask_token_id": MASK,
+        "aux_hidden_state_layer_ids": [i + 1 for i in OUTPUTS], "sliding_window_non_causal": False,
+        "sample_from_anchor": False,
+        "speculators_config": {"algorithm": "dflash", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": BLOCK - 1}],
+                               "verifier": {"name_or_path": "tiny-qwen3", "architectures": ["Qwen3ForCausalLM"]}}},
+        indent=2))
+    return head.to(torch.bfloat16).float(), hot
+
+
+def test_speculators_layout_runs_as_zlabs(target, trained, tmp_path, lossless):
+    model, folder = target
+    write_speculators(tmp_path / "spec", trained[0], model)
+    read = load_dflash(tmp_path / "spec", LAYERS)
+    assert (read.config.producer, read.config.target_layers, read.config.draft_vocab) == ("speculators", (1, 3),
+                                                                                          model.config.vocab_size)
+    ours, theirs = build(folder, trained[0], tmp_path / "a"), build(folder, tmp_path / "spec", tmp_path / "b")
+    section = json.loads((theirs / "manifest.json").read_text())["method"]
+    assert (section["producer"], section["speculative_tokens"], section["verifier"]) == ("speculators", BLOCK - 1,
+                                                                                         "tiny-qwen3")
+    a, b = (lossless(Engine.load(x, threads=1), PROMPTS, 24) for x in (ours, theirs))
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert [r.stats.accept_lengths for r in a] == [r.stats.accept_lengths for r in b]
+
+
+def test_speculators_draft_vocabulary_scores_its_own_head(target, trained, tmp_path, lossless):
+    """A head cut to the ids of the target's continuations and a few others (d2t / t2d): the draft graph scores the
+    block over those ids only and maps them to the target's, as vLLM's qwen3_dflash does; output stays lossless,
+    batched equal to alone, sampling as plain sampling."""
+    model, folder = target
+    sequences = greedy_sequences(model, [prompt_ids(folder, p) for p in PROMPTS + ["the cat"]], 24)
+    hot = np.unique(np.concatenate([s.numpy() for s in sequences] + [np.random.default_rng(2).integers(3, 250, 10)]))
+    assert 10 < len(hot) < model.config.vocab_size // 2
+    head, hot = write_speculators(tmp_path / "spec", trained[0], model, draft_vocab=hot)
+    bundle = build(folder, tmp_path / "spec", tmp_path / "bundle")
+    check_graphs(model, bundle, trained[1], head, hot)
+    engine = Engine.load(bundle, threads=1)
+    runs = lossless(engine, PROMPTS, 24)
+    check_batched_and_sampled(engine, PROMPTS, 24, [r.tokens for r in runs], temperature=0.3)
+
+
+def test_speculators_drafts_we_cannot_run_are_one_line(target, trained, tmp_path):
+    model, folder = target
+    write_speculators(tmp_path / "spec", trained[0], model)
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    for change, match in ((lambda c: c.update(sample_from_anchor=True), "sample_from_anchor"),
+                          (lambda c: c["transformer_layer_config"].update(
+                              layer_types=["sliding_attention", "full_attention"], sliding_window=8), "sliding-window"),
+                          (lambda c: c.update(aux_hidden_state_layer_ids=[1, LAYERS]), "out of range")):
+        edited = json.loads(json.dumps(config))
+        change(edited)
+        (tmp_path / "spec" / "config.json").write_text(json.dumps(edited))
+        result = CliRunner().invoke(main, ["build", "--model", str(folder), "--method", "dflash", "--draft",
+                                           str(tmp_path / "spec"), "--output", str(tmp_path / "out")])
+        assert result.exit_code == 1 and match in result.stderr.strip().splitlines()[-1], result.output
+        assert not (tmp_path / "out").exists()
+    (tmp_path / "spec" / "config.json").write_text(json.dumps(config))
+    result = CliRunner().invoke(main, ["build", "--model", str(folder), "--method", "eagle3", "--draft",
+                                       str(tmp_path / "spec"), "--output", str(tmp_path / "out")])
+    assert result.exit_code == 1 and "--method dflash" in result.stderr.strip().splitlines()[-1], result.output

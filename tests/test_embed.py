@@ -12,6 +12,7 @@ import sys
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import CONSTRAINTS
 
@@ -21,7 +22,8 @@ from specexport.runtime.grammar import Constraint
 from specexport.runtime.sampling import SamplingParams
 
 CHECKS = Path(__file__).parent / "embed"  # the test programs' CMake project (find_package(specexport))
-METHODS = ("none", "ngram", "medusa", "eagle3")
+METHODS = ("none", "ngram", "medusa", "eagle3", "dflash")
+SHIPPED = ("none", "ngram", "medusa", "eagle3")  # the methods whose proposer for SmolLM2 ships with the package
 PROMPTS = ["the cat sat on the mat", "hello there", "def f(n):\n    return n * 2\n", "x"]
 TOOLS = all(shutil.which(tool) for tool in ("cmake", "cc", "c++"))
 pytestmark = pytest.mark.skipif(not TOOLS, reason="needs cmake and a C/C++ compiler")
@@ -64,13 +66,30 @@ def bundles(tiny_folder, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("embed-bundles")
     save_draft(random_draft(3), root / "eagle3-draft")
+    random_dflash(json.loads((tiny_folder / "config.json").read_text()), root / "dflash-draft")
     given = {"none": {}, "ngram": {"draft_length": 4},
              "medusa": {"heads": str(write_heads(root / "heads", random_heads())), "tree": "chain_3"},
-             "eagle3": {"draft": str(root / "eagle3-draft")}}
+             "eagle3": {"draft": str(root / "eagle3-draft")},
+             "dflash": {"draft": str(root / "dflash-draft"), "top_k": 2, "total_tokens": 5}}
     for name, options in given.items():
         export_bundle(str(tiny_folder), root / name, ExportOptions(max_context=256, validate=False,
                                                                     **method_export(name, **options)), quiet=True)
     return root
+
+
+def random_dflash(config: dict, folder):
+    """A DFlash draft with random weights for the target of `config`, in z-lab's layout (a block of 4, one layer,
+    the context from the first layer's output)."""
+    from specexport.exporter.dflash import DFlashConfig, DFlashDraft, save_dflash, shapes
+
+    h, heads = config["hidden_size"], config["num_attention_heads"]
+    c = DFlashConfig(hidden=h, intermediate=2 * h, heads=heads, kv_heads=config["num_key_value_heads"],
+                     head_dim=h // heads, rms_eps=1e-6, rope_theta=10000.0, vocab=config["vocab_size"], layers=1,
+                     block=4, mask_token=config["vocab_size"] - 1, target_layers=(1,))
+    rng = np.random.default_rng(4)
+    weights = {name: np.ones(shape, np.float32) if len(shape) == 1 else
+               (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32) for name, shape in shapes(c).items()}
+    save_dflash(DFlashDraft(c, weights), folder)
 
 
 def serve(prefix, bundle, requests, *args, env=None):
@@ -444,7 +463,7 @@ def test_a_python_host_drives_the_library_through_ctypes(prefix, bundles):
 @pytest.mark.real
 @pytest.mark.slow
 def test_real_smollm2_cpp_tokens_equal_python_on_every_method(prefix, tmp_path):
-    """SmolLM2-135M fp32, every method: the C++ service's greedy tokens on the 40 ShareGPT prompts equal the Python
+    """SmolLM2-135M fp32, every method whose proposer ships for it: the C++ service's greedy tokens on the 40 ShareGPT prompts equal the Python
     engine's (what `specexport run --json` prints), 24 new tokens each. The two run side by side, one core each, each
     generation alone (--max-batch -1). In fp32 because the drafting governor cuts trees by the time of the moment, and
     an int8 step's activation scale spans the call's rows: a near-tie may go the other way in a call of other rows
@@ -457,7 +476,7 @@ def test_real_smollm2_cpp_tokens_equal_python_on_every_method(prefix, tmp_path):
     prompts = [json.loads(line)["prompt"] for line in (bench / "sharegpt40.jsonl").read_text().splitlines()
                if line.strip()]
     cli = Path(sys.executable).parent / "specexport"
-    for method in METHODS:
+    for method in SHIPPED:
         bundle = tmp_path / method
         run([cli, "build", "--model", "smollm2-135m", "--method", method, "--precision", "fp32", "--no-validate",
              "--output", bundle])

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from conftest import save_folder, tiny_model
-from helpers import check_batched_and_sampled
+from helpers import check_batched_and_sampled, greedy_sequences
 from safetensors.torch import load_file, save_file
 
 from specexport.cli import main
@@ -96,13 +96,9 @@ def mimo(tmp_path_factory):
     torch.manual_seed(0)
     model = tiny_model("qwen2")
     folder = save_folder(model, tmp_path_factory.mktemp("models") / "tiny-mimo")
-    sequences = []
-    with torch.no_grad():
-        for seed in range(12):
-            ids = torch.randint(3, model.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(seed))
-            for _ in range(36):
-                ids = torch.cat([ids, model(input_ids=ids).logits[:, -1:].argmax(-1)], 1)
-            sequences.append(ids[0])
+    starts = [torch.randint(3, model.config.vocab_size, (4,), generator=torch.Generator().manual_seed(seed)).tolist()
+              for seed in range(12)]
+    sequences = greedy_sequences(model, starts, 36)
     mtp = train_mtp(model, MimoMtp(model.config), sequences)
     tensors = {**load_file(str(folder / "model.safetensors")), **mtp.checkpoint()}
     save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, str(folder / "model.safetensors"))

@@ -213,14 +213,14 @@ def test_overwrite_checks_settings_first_and_replaces_only_training_output(targe
 
 
 def test_registry_holds_each_trainers_options_once():
-    assert list(trainers.TRAINERS) == ["draft", "medusa", "eagle", "eagle3"]
+    assert list(trainers.TRAINERS) == ["draft", "medusa", "eagle", "eagle3", "dflash"]
     with pytest.raises(UserError, match="unknown training method 'gpt'"):
         trainers.get("gpt")
     eagle, eagle3 = trainers.get("eagle").Config(), trainers.get("eagle3").Config()
     assert (eagle.version, eagle3.version) == (1, 3) and not hasattr(eagle, "draft_vocab")
     assert (td.Config().minutes, eagle3.minutes, eagle3.draft_vocab) == (30.0, 35.0, 8192)
     shown = " ".join(CliRunner().invoke(main, ["train", "--help"]).output.split())
-    assert "[default: draft 30.0, medusa 20.0, eagle 35.0, eagle3 35.0]" in shown
+    assert "[default: draft 30.0, medusa 20.0, eagle 35.0, eagle3 35.0, dflash 35.0]" in shown
     assert "--prompt-tokens" not in shown and "--feature-batch" not in shown  # library settings, not options
 
 

@@ -37,6 +37,9 @@ def train(method, model_spec, output, resume, overwrite, **options):
     --method eagle3 / eagle: an EAGLE draft decoder on cached target features of the target's own
     continuations, trained with EAGLE-3's training-time test (unrolled steps, loss sum_i 0.8^i CE); OUTPUT is
     in the published layout: use it with build --method eagle3 --draft OUTPUT.
+    --method dflash: a DFlash block draft on cached target features (the target's layers' outputs as context), each
+    block [token, mask x (B-1)] learning the next B-1 tokens at once (loss sum_k exp(-(k-1)/gamma) CE); OUTPUT is in
+    z-lab's layout: use it with build --method dflash --draft OUTPUT.
     The last 2000 ShareGPT conversations are held out for evaluation in all.
 
     \b
@@ -47,6 +50,7 @@ def train(method, model_spec, output, resume, overwrite, **options):
       specexport build --model smollm2-135m --method medusa --heads heads/smollm2-135m
       specexport train --method eagle3 --model smollm2-135m --output drafts/eagle3-smollm2
       specexport build --model smollm2-135m --method eagle3 --draft drafts/eagle3-smollm2
+      specexport train --method dflash --model smollm2-135m --output drafts/dflash-smollm2
     """
     trainer = trainers.get(method)
     config = with_given(trainer.Config(), OPTIONS.given(options, method), f"--method {method}")

@@ -52,12 +52,14 @@ def draft_dims(draft: DFlashDraft, target_dims: Dims) -> Dims:
     c = draft.config
     return replace(Dims(**{f.name: getattr(target_dims, f.name) for f in fields(Dims) if f.default is MISSING}),
                    hidden=c.hidden, intermediate=c.intermediate, layers=c.layers, heads=c.heads, kv_heads=c.kv_heads,
-                   head_dim=c.head_dim, rms_eps=c.rms_eps)
+                   head_dim=c.head_dim, rms_eps=c.rms_eps,
+                   tie_embeddings=target_dims.tie_embeddings and not c.draft_vocab)
 
 
 def draft_weights(draft: DFlashDraft, target_weights: dict) -> dict:
     w = {k.replace(".post_norm", ".mlp_norm"): v for k, v in draft.weights.items() if k.startswith("layers.")}
-    w["embed"], w["lm_head"] = target_weights["embed"], target_weights["lm_head"]
+    w["embed"] = target_weights["embed"]
+    w["lm_head"] = draft.weights["lm_head"] if draft.config.draft_vocab else target_weights["lm_head"]
     return w
 
 
@@ -90,6 +92,10 @@ def build_draft_graph(builder, draft: DFlashDraft):
     if et != TensorProto.FLOAT:
         logits = g.op("Cast", [logits], to=TensorProto.FLOAT)
     logp = g.op("LogSoftmax", [logits], axis=-1)
-    g.op("TopK", [logp, g.const("top_k", np.array([DFLASH_TOP_K], np.int64))], outputs=["draft_logp", "draft_tokens"],
-         axis=-1)
+    top = g.const("top_k", np.array([DFLASH_TOP_K], np.int64))
+    if "hot" in w:  # a draft vocabulary: its ids mapped to the target's
+        g.op("TopK", [logp, top], outputs=["draft_logp", "draft_ids"], axis=-1)
+        g.op("Gather", [g.const("dflash.hot", w["hot"]), "draft_ids"], outputs=["draft_tokens"])
+    else:
+        g.op("TopK", [logp, top], outputs=["draft_logp", "draft_tokens"], axis=-1)
     return make_model(helper.make_graph(g.nodes, "dflash_draft", inputs, outputs, initializer=g.initializers))

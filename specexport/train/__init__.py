@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable
 
 from specexport.errors import UserError
-from specexport.train import draft, eagle, medusa
+from specexport.train import dflash, draft, eagle, medusa
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +29,7 @@ TRAINERS = {
     "medusa": Trainer("Medusa heads", medusa.Config, medusa.train, medusa.summary),
     "eagle": Trainer("an EAGLE-1/2 draft decoder", eagle.Config, eagle.train, eagle.summary),
     "eagle3": Trainer("an EAGLE-3 draft decoder", eagle.Config3, eagle.train, eagle.summary),
+    "dflash": Trainer("a DFlash block draft", dflash.Config, dflash.train, dflash.summary),
 }
 
 

@@ -63,9 +63,7 @@ class Config(loop.FeatureBudget):
     samples: int = loop.samples(4096)
     ttt_steps: int = setting(4, "eagle, eagle3: unrolled training-time-test steps (each step drafts one token "
                                 "further).")
-    self_share: float = setting(0.25, "eagle, eagle3: the share of sequences that are the target's own continuations "
-                                      "of ShareGPT prompts (the rest: ShareGPT windows read teacher-forced, far "
-                                      "cheaper).")
+    self_share: float = loop.self_share(0.25)
     init: Path | None = setting(None, "eagle, eagle3: start from this draft's weights (a warm restart, e.g. of the "
                                       "shipped draft); its draft vocabulary is kept.")
 

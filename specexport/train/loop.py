@@ -73,12 +73,17 @@ def self_distill():
 
 
 def samples(default: int):
-    return setting(default, "medusa, eagle, eagle3: sequences of cached target features.")
+    return setting(default, "medusa, eagle, eagle3, dflash: sequences of cached target features.")
 
 
 def new_tokens():
-    return setting(128, "medusa, eagle, eagle3: tokens generated per prompt (window length minus prompt for "
+    return setting(128, "medusa, eagle, eagle3, dflash: tokens generated per prompt (window length minus prompt for "
                         "ShareGPT text).")
+
+
+def self_share(default: float):
+    return setting(default, "eagle, eagle3, dflash: the share of sequences that are the target's own continuations "
+                            "of ShareGPT prompts (the rest: ShareGPT windows read teacher-forced, far cheaper).")
 
 
 def prompt_tokens():

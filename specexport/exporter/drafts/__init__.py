@@ -6,7 +6,7 @@ INPUTS make the feature), read strictly: every tensor mapped, every shape checke
 Readers, in the order they are tried (the first whose `detect` holds reads the folder):
 - specexport: ours (a `specexport` object in config.json, which no other producer writes);
 - speculators: Red Hat / vLLM's format (`speculators_model_type`, a nested `transformer_layer_config`);
-- modelopt: NVIDIA Model Optimizer's export (ModelOpt's `eagle_config` flags, `layers.*` names, d2t without t2d);
+- modelopt: NVIDIA Model Optimizer's export (its `eagle_config` flags, `midlayer.*` names, d2t without t2d);
 - specforge: SGLang SpecForge's export (the reference's names, with explicit aux ids or EAGLE 3.1 keys);
 - reference: SafeAILab's EAGLE-1/2/3 (`midlayer.*` for EAGLE-3, `fc` + `layers.*` for EAGLE-1/2).
 

@@ -15,6 +15,7 @@ from specexport.exporter.eagle import DraftConfig, checkpoint_keys
 
 NAME = "speculators"
 MODEL_TYPE = "eagle3"  # the speculators_model_type of its EAGLE-3 drafts (dflash, mtp, peagle name others)
+DFLASH_TYPE = "dflash"  # ... and of its DFlash drafts (exporter/dflash.py reads them)
 
 
 def detect(config: dict, keys: set[str]) -> bool:
@@ -24,9 +25,10 @@ def detect(config: dict, keys: set[str]) -> bool:
 def read(config: dict, keys: set[str], where: str, target_layers: int | None) -> Read:
     kind = config["speculators_model_type"]
     if kind != MODEL_TYPE:
-        raise UserError(f"{where}: a speculators '{kind}' draft; specexport reads speculators' EAGLE-3 drafts "
-                        "(speculators_model_type eagle3)")
-    layer = _layer_config(config.get("transformer_layer_config"), where)
+        hint = ": build it with --method dflash" if kind == DFLASH_TYPE else ""
+        raise UserError(f"{where}: a speculators '{kind}' draft is not an EAGLE-3 draft{hint} (EAGLE reads "
+                        "speculators_model_type eagle3)")
+    layer = layer_config(config.get("transformer_layer_config"), where)
     fields = decoder_fields(layer, where)
     if layer.get("layer_types") and any(t != "full_attention" for t in layer["layer_types"]):
         raise UserError(f"{where}: draft layers with sliding-window attention are not supported")
@@ -45,10 +47,10 @@ def read(config: dict, keys: set[str], where: str, target_layers: int | None) ->
     if c.feature_norm == "concat":
         keys_of["feature_norm"] = "input_norm.weight"
     return Read(c, keys_of, {"t2d", "embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight"},
-                _meta(config))
+                meta(config))
 
 
-def _layer_config(layer, where: str) -> dict:
+def layer_config(layer, where: str) -> dict:
     """The nested layer config as its transformers class makes it (speculators writes only the differences from the
     class's defaults; the class derives head_dim and the RoPE parameters as it does for the verifier)."""
     if not isinstance(layer, dict):
@@ -64,7 +66,7 @@ def _layer_config(layer, where: str) -> dict:
         raise UserError(f"{where}: transformer_layer_config is not a valid {kind} config ({e})") from None
 
 
-def _meta(config: dict) -> dict:
+def meta(config: dict) -> dict:
     """speculators_config's verifier and speculative token count, for the manifest."""
     spec = config.get("speculators_config") or {}
     proposals = spec.get("proposal_methods") or [{}]

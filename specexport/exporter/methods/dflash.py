@@ -33,11 +33,14 @@ class DFlashPlan(Plan):
     def __init__(self, options: Options, settings: dflash.Settings, target: Target):
         super().__init__(options, settings, target)
         if not options.draft:
-            raise UserError("--method dflash needs --draft PATH: a DFlash draft folder (z-lab's layout)")
+            raise UserError("--method dflash needs --draft PATH: a DFlash draft folder (z-lab's or speculators' layout)")
         self.where = Path(options.draft)
         self.draft = load_dflash(self.where, target.dims.layers)
         self.draft.check(target.dims, str(self.where))
         c = self.draft.config
+        if c.draft_vocab and c.draft_vocab < DFLASH_TOP_K:
+            raise UserError(f"{self.where}: a draft vocabulary of {c.draft_vocab} tokens; the draft graph returns the "
+                            f"top {DFLASH_TOP_K}")
         depth, _, total = dflash.resolved(settings, c.block, DFLASH_TOP_K)  # bad settings fail before any work
         self.settings = replace(settings, depth=depth, total_tokens=total)
 
@@ -68,13 +71,15 @@ class DFlashPlan(Plan):
         c = self.draft.config
         return {**settings_dict(self.settings), "graph_top_k": DFLASH_TOP_K, "draft": self.where.resolve().name,
                 "producer": c.producer, "block_size": c.block, "mask_token": c.mask_token, "hidden": c.hidden,
-                "target_layers": list(c.target_layers), "draft_layers": c.layers}
+                "target_layers": list(c.target_layers), "draft_layers": c.layers,
+                **({"draft_vocab": c.draft_vocab} if c.draft_vocab else {}),
+                **{k: self.draft.meta[k] for k in ("verifier", "speculative_tokens") if k in self.draft.meta}}
 
 
 @dataclass(frozen=True)
 class Options:
-    draft: str | None = setting(None, "dflash: the DFlash draft folder (config.json with dflash_config, "
-                                      "model.safetensors), as z-lab publishes them.")
+    draft: str | None = setting(None, "dflash: the DFlash draft folder (config.json and model.safetensors), as z-lab "
+                                      "or speculators publish them.")
 
 
 METHOD = ExportMethod(Options, dflash.METHOD, DFlashPlan)
