@@ -1,10 +1,12 @@
 #!/usr/bin/env python
 """Bundles side by side, interleaved prompt by prompt (alternating the order), each with its own method: greedy,
 128 new tokens, tokens/s and tau (what a profile's [speed] table records), and what a step costs: ms per decoding step
-(prefill left out) and of that, ms in the draft graphs (the drafting cost). Figures from one run, so that the load of the
+(prefill left out) and of that, ms in the draft graphs (the drafting cost); and on how many prompts each bundle's
+greedy tokens equal the first bundle's (a plain bundle first: speculation must not change them). The drafting
+governor decides each step's tree unless `--whole`. Figures from one run, so that the load of the
 machine falls on every bundle alike.
 
-    python benchmarks/side_by_side.py PROMPTS.jsonl COUNT BUNDLE [BUNDLE ...] [--json OUT]
+    python benchmarks/side_by_side.py PROMPTS.jsonl COUNT BUNDLE [BUNDLE ...] [--whole] [--json OUT]
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ def main() -> None:
     ap.add_argument("count", type=int, help="prompts taken, evenly spaced over the file")
     ap.add_argument("bundles", nargs="+")
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--whole", action="store_true",
+                    help="verify every tree whole (the drafting governor off): the method's own tau and cost")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     prompts = read_prompts(args.prompts)
@@ -33,11 +37,13 @@ def main() -> None:
     for engine in engines.values():
         engine.generate(ids[0], max_new_tokens=8)  # warm-up
     totals = {b: [0, 0.0, [], 0, 0.0, 0.0] for b in args.bundles}
+    outputs = {b: [] for b in args.bundles}
     for k, prompt_ids in enumerate(ids):
         for b in args.bundles if k % 2 == 0 else args.bundles[::-1]:
             engine = engines[b]
             draft_s = sum(g.seconds for g in engine.side_graphs())
-            r = engine.generate(prompt_ids, max_new_tokens=args.max_new_tokens)
+            r = engine.generate(prompt_ids, max_new_tokens=args.max_new_tokens, budget=not args.whole)
+            outputs[b].append(r.tokens)
             totals[b][3] += r.stats.steps
             totals[b][4] += r.stats.seconds - r.stats.ttft_s
             totals[b][5] += sum(g.seconds for g in engine.side_graphs()) - draft_s
@@ -49,10 +55,12 @@ def main() -> None:
         out[b] = {"method": engines[b].bundle.method, "precision": engines[b].bundle.manifest["precision"],
                   "tokens_per_s": round(tokens / seconds, 2), "tau": round(float(np.mean(lengths)), 3),
                   "step_ms": round(1e3 * decode_s / max(steps, 1), 2),
-                  "draft_ms_per_step": round(1e3 * draft_s / max(steps, 1), 2)}
+                  "draft_ms_per_step": round(1e3 * draft_s / max(steps, 1), 2),
+                  "same_as_first": sum(x == y for x, y in zip(outputs[b], outputs[args.bundles[0]]))}
         print(f"{b:40s} {out[b]['method']:>7} {out[b]['precision']:>5} {tokens / seconds:7.1f} tokens/s  "
               f"tau {out[b]['tau']:.3f}  {out[b]['step_ms']:6.2f} ms/step  "
-              f"of which drafting {out[b]['draft_ms_per_step']:6.2f}")
+              f"of which drafting {out[b]['draft_ms_per_step']:6.2f}  same tokens as the first: "
+              f"{out[b]['same_as_first']}/{len(ids)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

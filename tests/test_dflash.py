@@ -257,12 +257,14 @@ def test_bad_drafts_are_one_line(target, trained, tmp_path):
                                            str(bad), "--output", str(tmp_path / "out")])
         assert result.exit_code == 1 and match in result.stderr.strip().splitlines()[-1], result.output
         assert not (tmp_path / "out").exists()
-    with pytest.raises(UserError, match="needs --draft"):
-        from specexport.exporter.methods.dflash import DFlashPlan, Options
-        from specexport.exporter.methods.plan import Target
-        from specexport.runtime.methods.dflash import Settings
+    from specexport.exporter.methods.dflash import DFlashPlan, Options
+    from specexport.exporter.methods.plan import Target
+    from specexport.runtime.methods.dflash import Settings
 
+    with pytest.raises(UserError, match="no DFlash draft ships for t: pass --draft PATH"):
         DFlashPlan(Options(), Settings(), Target("t", None))
+    with pytest.raises(UserError, match="DFlash draft .*nowhere not found"):
+        DFlashPlan(Options(draft=str(tmp_path / "nowhere")), Settings(), Target("t", None))
 
 
 def test_profile_chooses_dflash_settings_that_build_reads(target, trained, tmp_path):

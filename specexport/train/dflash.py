@@ -173,7 +173,8 @@ def block_loss(module: DFlashModule, batch, gamma: float):
 def accuracy(module: DFlashModule, data: dict, max_len: int, mask: int, count: int | None = None) -> dict:
     """On (the first `count`) held-out sequences, blocks at every EVAL_STRIDE-th generated position: per block row
     the top-1 and top-5 against the target's argmax, and the mean accepted length of a chain (rows right in a row
-    from the first; tau = 1 + that)."""
+    from the first; tau = 1 + that). Row k predicts t+k+1 in EAGLE's numbering (t: the last context row, t+1: the
+    anchor, the token the target gave last)."""
     import torch
 
     c = module.c
@@ -273,7 +274,7 @@ def train(model_spec: str, output: Path, config: Config = Config(), *, resume: b
                                                 "chain_tau": table["chain_tau"], "seconds": round(state["seconds"], 1),
                                                 "token_passes": state["token_passes"]})
         write_record(output, record, log, "held-out accuracy against the target's greedy tokens:",
-                     [f"row {r['row']} (t+{r['row']}): top-1 {r['top1']:.1%}  top-5 {r['top5']:.1%}  "
+                     [f"row {r['row']} (t+{r['row'] + 1}): top-1 {r['top1']:.1%}  top-5 {r['top5']:.1%}  "
                       f"({r['positions']} positions)" for r in table["rows"]]
                      + [f"a chain of the block's top-1 tokens: tau {table['chain_tau']:.3f} over {table['blocks']} "
                         f"blocks"])
@@ -290,7 +291,7 @@ def summary(result: dict, output: Path) -> list[str]:
     d = result["data"]
     return [(f"dflash draft written to {output} ({result['steps']} steps, {d['train_sequences']} sequences, "
              f"{d['train_tokens']} tokens, {result['seconds'] / 60:.1f} min of training)"),
-            "held-out top-1 per block row: " + "; ".join(f"t+{r['row']} {r['top1']:.1%}"
+            "held-out top-1 per block row: " + "; ".join(f"t+{r['row'] + 1} {r['top1']:.1%}"
                                                           for r in result["accuracy"][:6])
             + f"; a chain of top-1 tokens: tau {result['chain_tau']:.3f}"]
 

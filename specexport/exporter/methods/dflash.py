@@ -20,7 +20,7 @@ from specexport.exporter.dflash_graph import (
     rope_for,
 )
 from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions
-from specexport.exporter.methods.plan import ExportMethod, Plan, Target, settings_dict
+from specexport.exporter.methods.plan import ASSETS, ExportMethod, Plan, Target, settings_dict
 from specexport.exporter.save import ExportContext, save_graph
 from specexport.options import setting
 from specexport.runtime.backends.host import GraphSession
@@ -32,9 +32,13 @@ class DFlashPlan(Plan):
 
     def __init__(self, options: Options, settings: dflash.Settings, target: Target):
         super().__init__(options, settings, target)
-        if not options.draft:
-            raise UserError("--method dflash needs --draft PATH: a DFlash draft folder (z-lab's or speculators' layout)")
-        self.where = Path(options.draft)
+        self.where = Path(options.draft) if options.draft else ASSETS / f"dflash-{target.name}"
+        if not self.where.exists():
+            if options.draft:
+                raise UserError(f"DFlash draft {self.where} not found")
+            raise UserError(f"no DFlash draft ships for {target.name}: pass --draft PATH (a DFlash draft folder in "
+                            f"z-lab's or speculators' layout, or train one with specexport train --method dflash "
+                            f"--model ...)")
         self.draft = load_dflash(self.where, target.dims.layers)
         self.draft.check(target.dims, str(self.where))
         c = self.draft.config
@@ -79,7 +83,8 @@ class DFlashPlan(Plan):
 @dataclass(frozen=True)
 class Options:
     draft: str | None = setting(None, "dflash: the DFlash draft folder (config.json and model.safetensors), as z-lab "
-                                      "or speculators publish them.")
+                                      "or speculators publish them or specexport train writes them (default: the "
+                                      "draft shipped for the model).")
 
 
 METHOD = ExportMethod(Options, dflash.METHOD, DFlashPlan)
