@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 
-from specexport.errors import UserError
 from specexport.exporter.arch import dims_from_config
 from specexport.exporter.dflash import DFlashConfig, DFlashDraft, DFlashModule, save_dflash
 from specexport.exporter.eagle import LAYER, default_aux_layers
@@ -35,7 +33,7 @@ from specexport.options import setting
 from specexport.train import loop
 from specexport.train.data import sharegpt_split
 from specexport.train.eagle import bf16_matmuls
-from specexport.train.eagle_data import SOFT_LABELS, FeatureChunks, build_features
+from specexport.train.eagle_data import SOFT_LABELS, cached_features
 from specexport.train.output import checkpoint_dir, feature_folder, load_checkpoint, run_record, write_record
 
 SOFT_WEIGHT = 0.5  # the loss: this much cross-entropy against the soft labels, the rest against the argmax
@@ -229,14 +227,8 @@ def train(model_spec: str, output: Path, config: Config = Config(), *, resume: b
         target, tokenizer = loop.load_frozen_target(source, log)
         mask = c.mask_token if c.mask_token is not None else _mask_token(tokenizer, dims.vocab)
         settings["mask_token"] = mask
-        cache = FeatureChunks(features)
-        started = time.monotonic()
-        build_features(target, tokenizer, train_set, heldout, cache, settings, log, quiet)
-        feature_seconds = time.monotonic() - started
-        data = FeatureChunks.read(cache.chunks())
-        held = FeatureChunks.read([features / "heldout.safetensors"])
-        if not data:
-            raise UserError("the data gave no training sequences (all prompts too long or empty?)")
+        data, held, feature_seconds = cached_features(target, tokenizer, train_set, heldout, features, settings, log,
+                                                      quiet)
         log(f"{len(data['lengths'])} training sequences ({len(data['tokens'])} tokens), {len(held['lengths'])} held "
             f"out; context layers (outputs) {[i - 1 for i in inputs]}, mask token {mask}")
         embed = target.get_input_embeddings().weight.detach().float()

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -39,7 +38,7 @@ from specexport.exporter.sources import load_config, resolve
 from specexport.options import setting
 from specexport.train import loop
 from specexport.train.data import sharegpt_split
-from specexport.train.eagle_data import SOFT_LABELS, FeatureChunks, build_features, draft_vocabulary, make_batch
+from specexport.train.eagle_data import SOFT_LABELS, cached_features, draft_vocabulary, make_batch
 from specexport.train.output import checkpoint_dir, feature_folder, load_checkpoint, run_record, write_record
 
 DECAY = 0.8  # loss weight of unrolled step i: DECAY ** i
@@ -276,14 +275,8 @@ def train(model_spec: str, output: Path, config: Config = Config3(), *, resume: 
     log = loop.logger(quiet)
     with loop.torch_threads(c.threads):
         target, tokenizer = loop.load_frozen_target(source, log)
-        cache = FeatureChunks(features)
-        started = time.monotonic()
-        build_features(target, tokenizer, train_set, heldout, cache, settings, log, quiet)
-        feature_seconds = time.monotonic() - started
-        train = FeatureChunks.read(cache.chunks())
-        held = FeatureChunks.read([features / "heldout.safetensors"])
-        if not train:
-            raise UserError("the data gave no training sequences (all prompts too long or empty?)")
+        train, held, feature_seconds = cached_features(target, tokenizer, train_set, heldout, features, settings, log,
+                                                       quiet)
         counted = np.concatenate([train["argmax"][s + max(0, p - 1):s + n] for s, n, p in
                                   zip(train["starts"], train["lengths"], train["prompt_lens"])])
         hot = start.hot_ids if start is not None else draft_vocabulary(counted, draft_vocab, dims.vocab)

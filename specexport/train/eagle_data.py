@@ -91,6 +91,24 @@ def build_features(model, tokenizer, train_set, heldout, cache: FeatureChunks, s
                settings["samples"], write, log, quiet)
 
 
+def cached_features(model, tokenizer, train_set, heldout, features: Path, settings: dict, log,
+                    quiet: bool) -> tuple[dict, dict, float]:
+    """(training data, held-out data, seconds spent making features): the cache in `features` filled as
+    `build_features` says, then read; one line where the data gave no training sequence."""
+    import time
+
+    from specexport.errors import UserError
+
+    cache = FeatureChunks(features)
+    started = time.monotonic()
+    build_features(model, tokenizer, train_set, heldout, cache, settings, log, quiet)
+    seconds = time.monotonic() - started
+    train = FeatureChunks.read(cache.chunks())
+    if not train:
+        raise UserError("the data gave no training sequences (all prompts too long or empty?)")
+    return train, FeatureChunks.read([features / "heldout.safetensors"]), seconds
+
+
 # --------------------------------------------------------------------------------------------------- model
 
 
