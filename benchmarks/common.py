@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: where the prompts are, reading them, the closed loop, percentiles, the CPU's
-description, and the peers' environments (vLLM's venv, SmolLM2 as a Hugging Face folder).
+"""What the benchmark scripts share: where the prompts are, reading them, the closed loop, percentiles, the drafting
+cost, the CPU's description, and the peers' environments (vLLM's venv, SmolLM2 as a Hugging Face folder).
 
 Each script in this folder imports it as `common` (Python puts a script's own folder first on its path). Only the
 standard library at import time, so that a script's worker can import it in another venv (onnxruntime-genai's);
@@ -42,6 +42,11 @@ def pct(values: list[float], q: float) -> float:
     """The q-th percentile by nearest rank (nan for no values)."""
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))] if values else float("nan")
+
+
+def drafting(engine) -> float:
+    """Seconds spent so far in an engine's draft graphs (the side graphs its proposers call): the drafting cost."""
+    return sum(g.seconds for g in engine.side_graphs())
 
 
 def cpu_description() -> str:

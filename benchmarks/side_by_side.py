@@ -19,6 +19,8 @@ import numpy as np
 from specexport.runtime.bench import encode_prompts, read_prompts
 from specexport.runtime.generate import Engine
 
+from common import drafting
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -41,12 +43,12 @@ def main() -> None:
     for k, prompt_ids in enumerate(ids):
         for b in args.bundles if k % 2 == 0 else args.bundles[::-1]:
             engine = engines[b]
-            draft_s = sum(g.seconds for g in engine.side_graphs())
+            draft_s = drafting(engine)
             r = engine.generate(prompt_ids, max_new_tokens=args.max_new_tokens, budget=not args.whole)
             outputs[b].append(r.tokens)
             totals[b][3] += r.stats.steps
             totals[b][4] += r.stats.seconds - r.stats.ttft_s
-            totals[b][5] += sum(g.seconds for g in engine.side_graphs()) - draft_s
+            totals[b][5] += drafting(engine) - draft_s
             totals[b][0] += r.stats.new_tokens
             totals[b][1] += r.stats.seconds
             totals[b][2] += r.stats.accept_lengths

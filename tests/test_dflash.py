@@ -261,7 +261,7 @@ def test_bad_drafts_are_one_line(target, trained, tmp_path):
     from specexport.exporter.methods.plan import Target
     from specexport.runtime.methods.dflash import Settings
 
-    with pytest.raises(UserError, match="no DFlash draft ships for t: pass --draft PATH"):
+    with pytest.raises(UserError, match="no DFlash draft shipped for t: pass --draft PATH"):
         DFlashPlan(Options(), Settings(), Target("t", None))
     with pytest.raises(UserError, match="DFlash draft .*nowhere not found"):
         DFlashPlan(Options(draft=str(tmp_path / "nowhere")), Settings(), Target("t", None))

@@ -5,7 +5,6 @@ hidden_norm over the target layers' inputs, computed in the target graph)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from specexport.errors import UserError
 from specexport.exporter import families, validate
@@ -20,7 +19,7 @@ from specexport.exporter.dflash_graph import (
     rope_for,
 )
 from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions
-from specexport.exporter.methods.plan import ASSETS, ExportMethod, Plan, Target, settings_dict
+from specexport.exporter.methods.plan import ExportMethod, Plan, Target, proposer_folder, settings_dict
 from specexport.exporter.save import ExportContext, save_graph
 from specexport.options import setting
 from specexport.runtime.backends.host import GraphSession
@@ -32,13 +31,9 @@ class DFlashPlan(Plan):
 
     def __init__(self, options: Options, settings: dflash.Settings, target: Target):
         super().__init__(options, settings, target)
-        self.where = Path(options.draft) if options.draft else ASSETS / f"dflash-{target.name}"
-        if not self.where.exists():
-            if options.draft:
-                raise UserError(f"DFlash draft {self.where} not found")
-            raise UserError(f"no DFlash draft ships for {target.name}: pass --draft PATH (a DFlash draft folder in "
-                            f"z-lab's or speculators' layout, or train one with specexport train --method dflash "
-                            f"--model ...)")
+        self.where = proposer_folder(options.draft, "dflash", target, "DFlash draft", "--draft", "a DFlash draft "
+                                     "folder in z-lab's or speculators' layout, or train one with specexport train "
+                                     "--method dflash --model ...")
         self.draft = load_dflash(self.where, target.dims.layers)
         self.draft.check(target.dims, str(self.where))
         c = self.draft.config

@@ -23,7 +23,7 @@ from specexport.exporter.eagle_graph import (
     rope_for,
 )
 from specexport.exporter.graph import DecoderGraphBuilder, GraphOptions
-from specexport.exporter.methods.plan import ASSETS, ExportMethod, NoOptions, Plan, Target, settings_dict
+from specexport.exporter.methods.plan import ExportMethod, NoOptions, Plan, Target, proposer_folder, settings_dict
 from specexport.exporter.save import ExportContext, save_graph
 from specexport.options import setting
 from specexport.runtime.backends.host import GraphSession
@@ -36,12 +36,9 @@ class EaglePlan(Plan):
     def __init__(self, method: str, version: int, options: Options, settings: eagle.Settings, target: Target):
         super().__init__(options, settings, target)
         eagle.EagleMethod.static_tree(settings, EAGLE_TOP_K)
-        self.where = Path(options.draft) if options.draft else ASSETS / f"{method}-{target.name}"
-        if not self.where.exists():
-            if options.draft:
-                raise UserError(f"EAGLE draft {self.where} not found")
-            raise UserError(f"no {method} draft ships for {target.name}: pass --draft PATH (a published checkpoint "
-                            f"folder, or train one with specexport train --method {method} --model ...)")
+        self.where = proposer_folder(options.draft, method, target, f"{method} draft", "--draft", "a published "
+                                     f"checkpoint folder, or train one with specexport train --method {method} "
+                                     "--model ...")
         self.draft = load_draft(self.where, target.dims.layers)
         if self.draft.config.version != version:
             raise UserError(f"{self.where} is an EAGLE-{self.draft.config.version} draft: use --method "

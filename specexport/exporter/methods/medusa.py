@@ -5,14 +5,12 @@ written as a stand-alone heads graph for sampling outside the graph."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-from specexport.errors import UserError
 from specexport.exporter import validate
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.medusa import load_heads
 from specexport.exporter.medusa_graph import HeadsAtAcceptedRow, build_heads_graph
-from specexport.exporter.methods.plan import ASSETS, ExportMethod, Plan, Target
+from specexport.exporter.methods.plan import ExportMethod, Plan, Target, proposer_folder
 from specexport.exporter.save import ExportContext, decoder_builder, save_graph
 from specexport.options import setting
 from specexport.runtime.backends.host import GraphSession
@@ -26,10 +24,8 @@ class MedusaPlan(Plan):
 
     def __init__(self, options: Options, settings: medusa.Settings, target: Target):
         super().__init__(options, settings, target)
-        self.where = Path(options.heads) if options.heads else ASSETS / f"medusa-{target.name}"
-        if not options.heads and not self.where.is_dir():
-            raise UserError(f"no Medusa heads ship for {target.name}: pass --heads PATH (published heads, or train "
-                            f"them with specexport train --method medusa --model ...)")
+        self.where = proposer_folder(options.heads, "medusa", target, "Medusa heads", "--heads",
+                                     "published heads, or train them with specexport train --method medusa --model ...")
         self.heads = load_heads(self.where)
         self.heads.check(target.dims.hidden, target.dims.vocab, str(self.where))
         section = {"heads_count": self.heads.count, "top_k": TOP_K, "accuracy": self.heads.meta.get("accuracy")}

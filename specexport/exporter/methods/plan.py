@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from specexport.errors import UserError
 from specexport.exporter.graph import GraphOptions
 from specexport.exporter.save import ExportContext
 from specexport.options import fields
@@ -24,6 +25,18 @@ class Target:
     dims: object  # arch.Dims
     source: object = None  # sources.ModelSource
     config: object = None  # its transformers config
+
+
+def proposer_folder(given: str | None, kind: str, target: Target, what: str, option: str, how: str) -> Path:
+    """The proposer's checkpoint: the path given, else the one shipped for the target (ASSETS/<kind>-<name>); one
+    line where neither exists. Example: proposer_folder(None, "eagle3", target, "eagle3 draft", "--draft", ...) is
+    ASSETS/eagle3-smollm2-135m for SmolLM2."""
+    where = Path(given) if given else ASSETS / f"{kind}-{target.name}"
+    if where.exists():
+        return where
+    if given:
+        raise UserError(f"{what} {where} not found")
+    raise UserError(f"no {what} shipped for {target.name}: pass {option} PATH ({how})")
 
 
 class Plan:
