@@ -3,7 +3,8 @@
 one finishes, `--requests` each), C = 1, 2, 4, 8, 16, for each configuration:
 
 - `batch-1`: today's engine, one generation at a time (`Engine.generate`; C = 1 only, the reference);
-- `plain`: plain decoding, batched (runtime/scheduler.py) on the plain bundle;
+- `plain`: plain decoding, batched (runtime/scheduler.py) on the plain bundle; `plain-FOLDER` the same on each
+  `--plain-also` bundle (another precision or int8 kernel);
 - `fixed`: the speculative bundle's method, batched, every tree as its proposer made it;
 - `budget`: the same with one tree budget for the batch (runtime/budget.py);
   with several `--method` bundles each gets both, named after its method (`eagle3-fixed`, `dflash-budget`, ...);
@@ -47,7 +48,8 @@ nothing changed. Greedy unless `--temperature` (then every request samples, with
 request keeps its whole tree, so that its tokens never depend on the batch), EOS suppressed (every request emits
 exactly --new-tokens).
 
-    python benchmarks/bench_batch.py --plain BUNDLE --method BUNDLE [--method BUNDLE ...] [--prompts FILE]
+    python benchmarks/bench_batch.py --plain BUNDLE [--plain-also BUNDLE ...] --method BUNDLE [--method BUNDLE ...]
+        [--prompts FILE]
         [--concurrency 1,2,4,8,16] [--requests 2] [--rounds 1] [--new-tokens 128] [--temperature T [--top-p P]]
         [--threads N] [--prefill-tokens N] [--genai CACHE] [--openvino CACHE [--openvino-f32]] [--vllm CACHE [--vllm-dtype float32]]
         [--json OUT]
@@ -76,6 +78,7 @@ from common import (
     VLLM_MAX_MODEL_LEN,
     VLLM_NGRAM,
     closed_loop,
+    drafting,
     ensure_hf_folder,
     ensure_vllm,
     loop_row,
@@ -337,11 +340,6 @@ def method_tags(methods: list[Path]) -> dict[str, Path]:
     return {f"{n if names.count(n) == 1 else m.name}-": m for n, m in zip(names, methods)}
 
 
-def drafting(engine) -> float:
-    """Seconds spent so far in the engine's draft graphs (the side graphs its proposers call)."""
-    return sum(g.seconds for g in engine.side_graphs())
-
-
 def worker(job: dict) -> dict:
     """One closed loop of configuration job["config"] at C = job["clients"], in this process: its figures, and its
     scheduler's steps, rows, summed widths and time outside the graph calls."""
@@ -378,6 +376,9 @@ def main() -> None:
     ap.add_argument("--plain", type=Path, help="a plain-decoding bundle")
     ap.add_argument("--method", type=Path, action="append", default=[],
                     help="a speculative bundle (its fixed tree and the batch's budget); may be given several times")
+    ap.add_argument("--plain-also", type=Path, action="append", default=[],
+                    help="another plain-decoding bundle (another precision or kernel), batched as `plain-FOLDER`; "
+                         "may be given several times")
     ap.add_argument("--prompts", type=Path, default=SHAREGPT40)
     ap.add_argument("--concurrency", default="1,2,4,8,16")
     ap.add_argument("--requests", type=int, default=2, help="requests per client")
@@ -418,6 +419,7 @@ def main() -> None:
     new = args.new_tokens
     peers = prepare_peers(args, prompts, max(levels))
     bundles = {"plain": args.plain, "plain-again": args.plain, "batch-1": args.plain}
+    bundles.update({f"plain-{bundle.name}": bundle for bundle in args.plain_also})
     for tag, bundle in method_tags(args.method).items():
         bundles.update({f"{tag}fixed": bundle, f"{tag}budget": bundle})
     configs = ["plain"] + list(bundles)[3:]  # plain-again and batch-1 join as the rounds and C ask
@@ -538,6 +540,11 @@ def report(args, levels: list[int], runs: list[dict]) -> None:
                                   for tag in method_tags(args.method))):
         if all((n, c) in by for n in (name, theirs) for c in levels):
             print(f"{label}, per C: " + ", ".join(f"C={c} {by[(name, c)] / by[(theirs, c)]:.2f}x" for c in levels))
+    for also in (f"plain-{bundle.name}" for bundle in args.plain_also):
+        print(f"{also} / plain, per C: " + paired(runs, levels, also, ("plain",)))
+        if all(("ov-plain", c) in by for c in levels):
+            print(f"{also} / OpenVINO GenAI plain, per C: "
+                  + ", ".join(f"C={c} {by[(also, c)] / by[('ov-plain', c)]:.2f}x" for c in levels))
     for tag in method_tags(args.method):
         print(f"{tag}budget / the better of plain and {tag}fixed, per C: "
               + paired(runs, levels, f"{tag}budget", ("plain", f"{tag}fixed")))

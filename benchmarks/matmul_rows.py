@@ -3,7 +3,7 @@
 shapes (a layer's projections and the LM head), M = 1..16 rows, side by side in one run.
 
 Kernels: fp32 MatMul; int8 `DynamicQuantizeMatMul` (per-channel int8 weights, activations quantized per call: what
-the int8 bundles run); int8 with each row quantized on its own into `MatMulIntegerToFloat` (`--int8-rows`); int4
+the int8 bundles run); int8 with each row quantized on its own into `MatMulIntegerToFloat` (`--int8-rows channel`); int4
 `MatMulNBits` (blocks of 32, 64, 128; accuracy level 4 = int8 activations, as the int4 bundles run, 0 = fp32
 activations, 3 = bf16). Prints per kernel the ms of one layer's six projections plus 1/30 of the LM head (so the
 column times 30 is the whole model's matmuls), at each M, the cost of each row past the first relative to the
@@ -61,16 +61,14 @@ def weight_inputs(kernel: str, k: int, n: int, rng) -> tuple[list, list[str], st
 def session(kernel: str, k: int, n: int, threads: int, rng) -> ort.InferenceSession:
     inits, names, op, attrs = weight_inputs(kernel, k, n, rng)
     nodes = [helper.make_node(op, ["x", *names], ["y"], **attrs)]
-    if op == "MatMulIntegerToFloat":  # each row its own scale, as exporter/graph.py's _rows_int8
-        inits += [numpy_helper.from_array(np.array(v, np.float32), name)
-                  for name, v in (("levels", 127), ("offset", 128), ("tiny", 1e-30))]
+    if op == "MatMulIntegerToFloat":  # each row its own scale, as exporter/graph.py's _rows_int8 (--int8-rows channel)
+        inits += [numpy_helper.from_array(np.array(v, np.float32), name) for name, v in (("step", 1 / 127),
+                                                                                       ("tiny", 1e-30))]
         inits.append(numpy_helper.from_array(np.array([-1], np.int64), "last"))
         nodes = [helper.make_node("Abs", ["x"], ["ax"]), helper.make_node("ReduceMax", ["ax", "last"], ["mx"]),
-                 helper.make_node("Max", ["mx", "tiny"], ["mt"]), helper.make_node("Div", ["mt", "levels"], ["xs"]),
-                 helper.make_node("Div", ["x", "xs"], ["xd"]), helper.make_node("Round", ["xd"], ["xr"]),
-                 helper.make_node("Add", ["xr", "offset"], ["xo"]),
-                 helper.make_node("Cast", ["xo"], ["xq"], to=TensorProto.UINT8),
-                 helper.make_node(op, ["xq", names[0], "xs", *names[1:]], ["y"], **attrs)]
+                 helper.make_node("Max", ["mx", "tiny"], ["top"]), helper.make_node("Div", ["x", "top"], ["xd"]),
+                 helper.make_node("QuantizeLinear", ["xd", "step", names[2]], ["xq"]),
+                 helper.make_node(op, ["xq", names[0], "top", *names[1:]], ["y"], **attrs)]
     graph = helper.make_graph(nodes, "mm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])

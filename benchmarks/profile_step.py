@@ -79,6 +79,9 @@ class Step:
             io.bind_cpu_input("tree_mask", np.tril(np.ones((t, t), np.bool_))[None])
             io.bind_cpu_input("past_len", np.array([past], np.int32))
             io.bind_cpu_input("logits_indices", np.arange(t, dtype=np.int64))
+        if "live_rows" in names:  # ours, ragged rows: every row real
+            io.bind_cpu_input("live_rows", np.arange(t, dtype=np.int64))
+            io.bind_cpu_input("padded_rows", np.arange(t, dtype=np.int64)[None])
         if "attention_mask" in names:  # genai's: ones over past + new
             io.bind_cpu_input("attention_mask", np.ones((1, past + t), _TYPES[names["attention_mask"].type]))
         if "sample_u" in names:  # ours with the fused acceptance: its greedy inputs

@@ -15,7 +15,8 @@ from specexport.runtime.generate import Engine
 from specexport.runtime.scheduler import Scheduler
 from specexport.runtime.tree import DraftTree
 
-PRECISIONS = ["fp32", "int4", "int8"]  # int8: activations quantized per row (--int8-rows)
+# int8: activations quantized per row (--int8-rows blocks, the default; -channel: --int8-rows channel)
+PRECISIONS = ["fp32", "int4", "int8", "int8-channel"]
 PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat", "abcabcabcabc",
            "a much longer prompt that takes several chunks to prefill, " * 2, "def f(x):\n    return x * 2\n" * 2,
            "one two three one two three one two", "zz", "Lorem ipsum dolor sit amet, consectetur adipiscing"]
@@ -28,7 +29,8 @@ def bundles(request, tiny_folder, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"exact-{request.param}")
 
     def build(name, **given):
-        graph = GraphOptions(precision=request.param, int8_rows=True)
+        precision, _, kernel = request.param.partition("-")
+        graph = GraphOptions(precision=precision, int8_rows=kernel or "blocks")
         options = ExportOptions(graph=graph, max_context=256, validate=False,
                                 **method_export(name, **given))
         export_bundle(str(tiny_folder), root / name, options, quiet=True)
@@ -117,10 +119,11 @@ def test_speculative_batched_and_cached_output_is_plain_decodings(bundles):
         assert [r.result(timeout=0).tokens for r in requests] == want, (precision, name, "batched")
 
 
-def test_int8_rows_from_the_cli(tiny_folder, tmp_path):
-    """`build --precision int8 --int8-rows`: 8-bit MatMulNBits, activations quantized per row (no
-    DynamicQuantizeMatMul), recorded in the manifest, and the prompt's first token prefilled with the rest (a row's
-    scale is its own)."""
+@pytest.mark.parametrize("kernel, op", [(None, "MatMulNBits"), ("channel", "MatMulIntegerToFloat")])
+def test_int8_rows_from_the_cli(tiny_folder, tmp_path, kernel, op):
+    """`build --precision int8 --int8-rows [channel]`: activations quantized per row (no DynamicQuantizeMatMul) in
+    8-bit MatMulNBits (the option alone) or MatMulIntegerToFloat, recorded in the manifest, and the prompt's first
+    token prefilled with the rest (a row's scale is its own); an unknown kernel is one line."""
     import json
 
     import onnx
@@ -128,18 +131,24 @@ def test_int8_rows_from_the_cli(tiny_folder, tmp_path):
 
     from specexport.cli import main
 
-    result = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--method", "none", "--precision", "int8",
-                                       "--int8-rows", "--no-validate", "--profile", "off", "--max-context", "128",
-                                       "--output", str(tmp_path / "b")])
+    head = ["build", "--model", str(tiny_folder), "--method", "none", "--precision", "int8", "--int8-rows"]
+    tail = ["--no-validate", "--profile", "off", "--max-context", "128", "--output"]
+    result = CliRunner().invoke(main, [*head, *([kernel] if kernel else []), *tail, str(tmp_path / "b")])
     assert result.exit_code == 0, result.output
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["runtime"]["int8_activations"] == "row"
+    assert manifest["runtime"]["int8_kernel"] == (kernel or "blocks")
     assert manifest["runtime"]["prefill_first_token_alone"] is False
     graph = tmp_path / "b" / manifest["graphs"]["target"]["file"]
     nodes = onnx.load(str(graph), load_external_data=False).graph.node
     assert "DynamicQuantizeMatMul" not in {n.op_type for n in nodes}
-    nbits = [n for n in nodes if n.op_type == "MatMulNBits"]
-    assert nbits and all(onnx.helper.get_attribute_value(a) == 8 for n in nbits for a in n.attribute if a.name == "bits")
+    chosen = [n for n in nodes if n.op_type == op]
+    assert len(chosen) >= 4 * 2  # every projection of the tiny model's layers, and the LM head
+    if op == "MatMulNBits":
+        assert all(onnx.helper.get_attribute_value(a) == 8 for n in chosen for a in n.attribute if a.name == "bits")
+    bad = CliRunner().invoke(main, [*head, "rows", *tail, str(tmp_path / "c")])
+    assert bad.exit_code != 0 and "rows" in bad.output and "Traceback" not in bad.output
+    assert not (tmp_path / "c").exists()
 
 
 def test_near_the_end_of_a_run_of_keys_a_tree_keeps_the_nodes_that_stay_exact(real_smol_ngram):

@@ -53,8 +53,11 @@ def test_build_serving_takes_the_precision_measured_under_load(tiny_folder, tmp_
     out = tmp_path / "served"
     result = build("--model", tiny_folder, "--method", "none", "--profile", profile, "--serving", "--output", out)
     assert result.exit_code == 0, result.output
-    assert json.loads((out / "manifest.json").read_text())["precision"] == "int8"
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["precision"] == "int8"
     assert "precision int8 (the fastest serving, as profile cpu-2core measured)" in result.output
+    # served int8 quantizes each row alone, so that batching never changes a request's tokens
+    assert manifest["runtime"]["int8_activations"] == "row" and manifest["runtime"]["int8_kernel"] == "channel"
     alone = build("--model", tiny_folder, "--method", "none", "--profile", profile, "--output", tmp_path / "alone")
     assert alone.exit_code == 0, alone.output
     assert json.loads((tmp_path / "alone" / "manifest.json").read_text())["precision"] == "int4"

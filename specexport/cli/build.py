@@ -12,7 +12,7 @@ from specexport.cli.common import IntList, SettingOptions, path_option
 from specexport.errors import UserError
 from specexport.exporter import hub, methods, sources
 from specexport.exporter.export import ExportOptions, export_bundle
-from specexport.exporter.graph import FLAVOURS, PRECISIONS, GraphOptions
+from specexport.exporter.graph import FLAVOURS, INT8_ROWS, PRECISIONS, GraphOptions
 from specexport.exporter.tensorrt import build as tensorrt
 from specexport.runtime.methods import PLAIN_NAME
 from specexport.tune import probe
@@ -53,10 +53,12 @@ def export_options(f):
     f = click.option("--aux-layers", type=IntList(), default="",
                      help="Also output the inputs of these layers, e.g. 2,15,27.")(f)
     f = click.option("--no-validate", is_flag=True, help="Skip the numerics check against transformers.")(f)
-    f = click.option("--int8-rows", is_flag=True,
-                     help="int8 (ort flavour): weights in blocks of 32 and activations quantized per row "
-                          "(MatMulNBits), so that a token's logits do not depend on the other rows of its call: "
-                          "speculative and batched output exactly plain decoding's (docs/precision.md).")(f)
+    f = click.option("--int8-rows", type=click.Choice(INT8_ROWS), is_flag=False, flag_value="blocks", default=None,
+                     help="int8 (ort flavour): activations quantized per row, so that a token's logits do not depend "
+                          "on the other rows of its call: speculative and batched output exactly plain decoding's. "
+                          "blocks (the value alone): 8-bit weights in blocks of 32 (MatMulNBits), quick for one row; "
+                          "channel: per-channel weights (MatMulIntegerToFloat), cheap extra rows for trees and "
+                          "batches (docs/precision.md).")(f)
     f = click.option("--fused-accept/--no-fused-accept", default=True, show_default=True,
                      help="Acceptance inside the target graph, greedy and sampling: a step returns the accepted rows "
                           "and the bonus token, not logits.")(f)
@@ -87,7 +89,7 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
       specexport export --model smollm2-135m --flavour trt --precision fp16 --output smol-trt
     """
     graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept,
-                         int8_rows=int8_rows)
+                         int8_rows=int8_rows or "")
     options = ExportOptions(graph=graph, max_context=max_context, validate=not no_validate)
     _print_export(export_bundle(model_spec, output, options, overwrite=overwrite), output)
 
@@ -142,7 +144,7 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
       specexport build --model smollm2-135m --precision fp32 --output smol-fp32
       specexport build --model llama3-8b --method none --precision int4
       specexport build --model smollm2-135m --method medusa --profile auto
-      specexport build --model smollm2-135m --method none --serving   # int8 on a CPU: it batches better
+      specexport build --model smollm2-135m --method none --serving   # int8 rows on a CPU: cheap, exact
       specexport build --model smollm2-135m --method eagle3 --depth 3 --draft-top-k 2 --total-tokens 6
       specexport build --model llama3-8b --method eagle --draft ./EAGLE-LLaMA3-Instruct-8B
       specexport build --model smollm2-135m --method suffix
@@ -194,10 +196,14 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
         engines = tensorrt.EngineOptions(tree_tokens, workspace_gb, timing_cache, hardware_compatible,
                                          version_compatible, sampling_accept or "host")
     precision = precision or DEFAULT_CPU_PRECISION
+    if serving and precision == "int8" and (flavour or "ort") == "ort" and int8_rows is None:
+        int8_rows = "channel"  # a server's batches never change a request's tokens, at DynamicQuantizeMatMul's cost
+        click.echo("int8 activations quantized per row (--int8-rows channel): batching never changes a request's "
+                   "tokens", err=True)
     if output is None:
         output = Path(f"{sources.resolve(model_spec).name}-{method}-{backend}-{precision}")
     graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept,
-                         int8_rows=int8_rows)
+                         int8_rows=int8_rows or "")
     options = ExportOptions(graph=graph, max_context=max_context, optimize=True, validate=not no_validate,
                             method=method, settings=settings, method_options=method_options,
                             profile=None if profile is None else {**profile.as_dict(), **chosen}, engines=engines)

@@ -155,6 +155,8 @@ def _runtime_notes(graph: GraphOptions) -> dict:
     if graph.flavour == "ort":
         notes["int8_weight_bits"] = graph.int8_bits
         notes["int8_activations"] = "row" if graph.int8_rows else "call"
+        if graph.int8_rows:
+            notes["int8_kernel"] = graph.int8_rows
     return notes
 
 

@@ -52,6 +52,7 @@ from specexport.runtime import cpu
 
 PRECISIONS = ("fp32", "int8", "int4", "fp16", "bf16")
 FLAVOURS = ("ort", "onnx", "trt")
+INT8_ROWS = ("blocks", "channel")  # GraphOptions.int8_rows: the per-row int8 kernels
 TRT_PRECISIONS = ("fp16", "bf16", "int4", "fp32")  # fp32: the same structure, for validation on ORT's CPU provider
 OPSET = 24
 
@@ -69,15 +70,18 @@ class GraphOptions:
     chain_only: bool = False
     # int8 weights of the ort flavour: 7 bits where this CPU's int8 kernels saturate (runtime/cpu.py)
     int8_bits: int = field(default_factory=cpu.int8_weight_bits)
-    # int8 of the ort flavour with activations quantized per row (MatMulNBits, 8-bit blocks: a row's logits do not
-    # depend on the other rows of its call), else per call (DynamicQuantizeMatMul, docs/precision.md)
-    int8_rows: bool = False
+    # int8 of the ort flavour with activations quantized per row, so that a row's logits do not depend on the other
+    # rows of its call (docs/precision.md): "blocks" (8-bit MatMulNBits blocks of 32: quick one row at a time),
+    # "channel" (per-channel weights, MatMulIntegerToFloat: cheap extra rows); "" per call (DynamicQuantizeMatMul)
+    int8_rows: str = ""
 
     def check(self, d: Dims) -> None:
         if self.precision not in PRECISIONS:
             raise UserError(f"unknown precision '{self.precision}'; choose from {', '.join(PRECISIONS)}")
         if self.flavour not in FLAVOURS:
             raise UserError(f"unknown graph flavour '{self.flavour}'; choose from {', '.join(FLAVOURS)}")
+        if self.int8_rows and self.int8_rows not in INT8_ROWS:
+            raise UserError(f"unknown --int8-rows kernel '{self.int8_rows}'; choose from {', '.join(INT8_ROWS)}")
         if self.chain_only and self.flavour != "ort":
             raise UserError("chain-only step graphs are for the ort flavour (GroupQueryAttention's causal path)")
         if self.flavour == "trt" and self.precision not in TRT_PRECISIONS:
@@ -254,6 +258,7 @@ class DecoderGraphBuilder:
         self.capacity = next(iter(self.rope.values()))[0].shape[0]  # the trt flavour's static S_max
         self.biases: dict[int, str] = {}  # window (0: full) -> the step's attention bias (step_attention)
         self.ragged = False  # build(): the step graph's real rows only (module docstring); other graphs' blocks pad
+        self._int8_rows: dict[str, tuple[str, str]] = {}  # an input tensor -> its per-row int8 codes and scales
 
     # -- building blocks -------------------------------------------------------------------
     def linear(self, x: str, name: str, w: np.ndarray, bias: np.ndarray | None = None) -> str:
@@ -262,6 +267,13 @@ class DecoderGraphBuilder:
         out_dim, in_dim = w.shape
         b = g.const(f"{name}.bias", bias, compute=True) if bias is not None else ""
         if p == "int8":
+            if self.ort and self.opt.int8_rows == "channel":  # per-channel weights, each row quantized in the graph
+                q, scale = quant.int8_per_channel(w, self.opt.int8_bits)
+                xq, x_top = self._rows_int8(x)  # x ~= (xq - 128) * x_top / 127: the 1/127 goes in the weight scales
+                y = g.op("MatMulIntegerToFloat", [xq, g.const(f"{name}.qweight", q), x_top,
+                                                  g.const(f"{name}.scale", scale / 127), "int8.zero"],
+                         domain="com.microsoft")
+                return g.op("Add", [y, b]) if b else y
             if self.ort and self.opt.int8_rows:  # blocks of 32; a row's activations quantized alone, in the kernel
                 packed = quant.matmul_nbits(w, bits=8)
                 inputs = [x] + [g.const(f"{name}.{k}", v) for k, v in packed.items()] + ["", b]
@@ -283,6 +295,27 @@ class DecoderGraphBuilder:
         else:
             y = g.op("MatMul", [x, g.const(f"{name}.weight", np.ascontiguousarray(w.T), compute=True)])
         return g.op("Add", [y, b]) if b else y
+
+    def _rows_int8(self, x: str) -> tuple[str, str]:
+        """x quantized for `--int8-rows channel`, each row with its own scale: (codes uint8 about 128, max |x| per
+        row [.., 1]), made once per tensor (q/k/v's and gate/up's inputs are shared). The weight scales carry the
+        1/127, so five ops: Abs, ReduceMax, Max (a zero row stays zero), Div, QuantizeLinear.
+
+        Why per row: DynamicQuantizeMatMul takes one scale for the whole call, so a row's result would depend on
+        the other rows of its step. Example: rows [1, -2] and [0.5, 0.25] get scales 2/127 and 0.5/127, whatever
+        else is in the call; the integer products are exact, so the kernel's tiling cannot change a row's bits."""
+        if x in self._int8_rows:
+            return self._int8_rows[x]
+        g = self.g
+        if not g.has("int8.zero"):
+            g.add(numpy_helper.from_array(np.array(128, np.uint8), "int8.zero"))
+            g.const("int8.step", np.array(1 / 127, np.float32))
+            g.const("int8.tiny", np.array(1e-30, np.float32))
+            g.const("int8.last", np.array([-1], np.int64))
+        top = g.op("Max", [g.op("ReduceMax", [g.op("Abs", [x]), "int8.last"], keepdims=1), "int8.tiny"])
+        codes = g.op("QuantizeLinear", [g.op("Div", [x, top]), "int8.step", "int8.zero"])  # 1..255: no clipping
+        self._int8_rows[x] = (codes, top)
+        return self._int8_rows[x]
 
     def _qdq_int4(self, name: str, w: np.ndarray) -> str:
         """Blockwise int4 DequantizeLinear (opset 21+) -> float [in, out]: TensorRT's weight-only int4."""
