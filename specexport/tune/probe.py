@@ -13,6 +13,12 @@ that the base profile measured within CANDIDATE_SHARE of its fastest (the order 
 acceptance, which the CPU does not change; what the CPU changes, the cost of wider verification, is what the probe
 measures). A method that cannot be built for this model (no heads or draft for it) is left out, with a line.
 
+For `build --serving` the probe also measures [serve_speed]: each candidate with SERVE_CLIENTS requests batched at
+once (the scheduler, its tree budget on), in int4 and in the int8 a serving build takes (`--int8-rows channel`:
+exact under batching), so that the serving build picks from what this CPU does under load: a kernel whose cost
+grows with the rows (int4's here) can be the fastest alone and the slowest batched. A probe kept without them is
+measured again when a serving build asks.
+
 Example: on a 2-core AVX-512 VNNI EPYC with the AVX2 profile cpu-2core as base, the candidates are none, suffix,
 hybrid and ngram, in int4 and int8: eight builds and eight bundles run on PROMPTS prompts, about two minutes.
 """
@@ -25,6 +31,7 @@ import hashlib
 import os
 import re
 import tempfile
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -41,6 +48,7 @@ from specexport.prompts import AGREEMENT_PROMPTS
 from specexport.runtime.generate import Engine
 from specexport.runtime.methods import PLAIN_NAME
 from specexport.runtime.methods.suffix import fresh_requests
+from specexport.runtime.scheduler import Scheduler
 
 PRECISIONS = ("int4", "int8")  # what a CPU build can take: fp32 streams 4-8x the bytes and is never the fastest
 CANDIDATE_SHARE = 0.9  # speculative methods within this share of the base profile's fastest are probed
@@ -49,6 +57,8 @@ NEW_TOKENS = 64
 ROUNDS = 2
 MAX_CONTEXT = 1024  # the probe's bundles hold the prompts and their tokens, no more
 MTP = "mtp"  # the method of a checkpoint's own MTP layers: a candidate wherever the checkpoint has them
+SERVE_CLIENTS = 16  # requests batched at once for [serve_speed], as the bundled profiles' were measured
+SERVE_INT8 = "channel"  # the int8 kernel a serving build takes (cli/build.py)
 
 
 def cache_dir() -> Path:
@@ -89,9 +99,9 @@ def candidates(base: Profile) -> list[str]:
     return [PLAIN_NAME] + sorted((m for m, v in speeds.items() if v >= CANDIDATE_SHARE * best), key=lambda m: -speeds[m])
 
 
-def probe(model_spec: str, base: Profile, say=lambda text: None) -> Profile:
+def probe(model_spec: str, base: Profile, say=lambda text: None, serving: bool = False) -> Profile:
     """Measure the candidates of `base` for `model_spec` here (module docstring), keep the profile in the cache and
-    return it. `say(text)` is told each stage."""
+    return it. `say(text)` is told each stage; `serving`: [serve_speed] too."""
     found = detect()
     source = sources.resolve(model_spec)
     names = candidates(base)
@@ -100,13 +110,15 @@ def probe(model_spec: str, base: Profile, say=lambda text: None) -> Profile:
     say(f"probing {', '.join(names)} in {' and '.join(PRECISIONS)} on this CPU ({found.describe()}): no profile was "
         "measured on its features")
     with tempfile.TemporaryDirectory(prefix="specexport-probe-") as tmp:
-        bundles = _build(model_spec, source, base, names, Path(tmp), say)
-        built = {m for m, _ in bundles}
+        bundles = _build(model_spec, source, base, names, Path(tmp), say, serving)
+        built = {m for m, _, _ in bundles}
         if PLAIN_NAME not in built or len(built) < 2:
             raise UserError("the probe could not build plain decoding and a speculative method for this model: pass "
                             "--method NAME")
-        speed = _measure(bundles, say)
-    profile = _profile(base, found, source.name, speed)
+        speed = _measure({(m, p): b for (m, p, kernel), b in bundles.items() if not kernel}, say)
+        served = {(m, p): b for (m, p, kernel), b in bundles.items() if p == "int4" or kernel}
+        serve_speed = _serve(served, say) if serving else {}
+    profile = _profile(base, found, source.name, speed, serve_speed)
     path = cache_path(source.name, found)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
@@ -116,28 +128,29 @@ def probe(model_spec: str, base: Profile, say=lambda text: None) -> Profile:
     return load_profile(path)
 
 
-def _build(model_spec: str, source, base: Profile, names: list[str], folder: Path, say) -> dict:
-    """Each candidate in each precision, built into `folder` without validation, the model loaded once:
-    {(method, precision): bundle folder}."""
+def _build(model_spec: str, source, base: Profile, names: list[str], folder: Path, say, serving: bool) -> dict:
+    """Each candidate in each precision (and with `serving` in the serving build's int8), built into `folder`
+    without validation, the model loaded once: {(method, precision, int8 kernel or ""): bundle folder}."""
     say(f"loading {source.name}")
     loaded = sources.load_model(source)
     context = min(MAX_CONTEXT, arch.dims_from_config(sources.load_config(source)).max_positions)
+    variants = [(p, "") for p in PRECISIONS] + ([("int8", SERVE_INT8)] if serving else [])
     bundles = {}
-    total = len(names) * len(PRECISIONS)
+    total = len(names) * len(variants)
     for name in names:
-        for precision in PRECISIONS:
-            say(f"building {name} {precision} ({len(bundles) + 1}/{total})")
+        for precision, kernel in variants:
+            say(f"building {name} {precision}{f' {kernel}' if kernel else ''} ({len(bundles) + 1}/{total})")
             settings = merge(base, methods.get(name).runtime, {})
-            options = ExportOptions(graph=GraphOptions(precision=precision), max_context=context, optimize=True,
-                                    validate=False, method=name, settings=settings,
-                                    profile={**base.as_dict(), "chosen": "probe"})
-            out = folder / f"{name}-{precision}"
+            graph = GraphOptions(precision=precision, int8_rows=kernel)
+            options = ExportOptions(graph=graph, max_context=context, optimize=True, validate=False, method=name,
+                                    settings=settings, profile={**base.as_dict(), "chosen": "probe"})
+            out = folder / f"{name}-{precision}{kernel}"
             try:
                 export_bundle(model_spec, out, options, quiet=True, loaded=loaded)
             except UserError as e:
                 say(f"  {name} left out: {e}")
                 break
-            bundles[(name, precision)] = out
+            bundles[(name, precision, kernel)] = out
     return bundles
 
 
@@ -175,7 +188,44 @@ def _side_by_side(engines: dict, say) -> dict:
     return speed
 
 
-def _profile(base: Profile, found: Found, model: str, speed: dict) -> Profile:
+def _serve(bundles: dict, say) -> dict:
+    """Tokens/s of each bundle with SERVE_CLIENTS requests at once (the built-in prompts in turn, NEW_TOKENS each),
+    batched by one scheduler per bundle (its tree budget on), ROUNDS times, the order alternating:
+    {method: {precision: tokens/s}}."""
+    engines = {key: Engine.load(path) for key, path in bundles.items()}
+    first = next(iter(engines.values()))
+    prompts = [first.encode(p) for p in AGREEMENT_PROMPTS]
+    jobs = [prompts[i % len(prompts)] for i in range(SERVE_CLIENTS)]
+    schedulers = {key: Scheduler(engine, max_batch=SERVE_CLIENTS, background=False) for key, engine in engines.items()}
+    totals = {key: [0, 0.0] for key in engines}
+    keys = list(engines)
+    try:
+        with ExitStack() as fresh:
+            for engine in engines.values():
+                fresh.enter_context(fresh_requests(engine))
+            for scheduler in schedulers.values():  # warm-up, untimed
+                scheduler.submit(jobs[0], max_new_tokens=8, stop_ids=())
+                scheduler.run_until_idle()
+            for r in range(ROUNDS):
+                say(f"serving {SERVE_CLIENTS} requests at once on {len(keys)} bundles, round {r + 1}/{ROUNDS}")
+                for key in keys if r % 2 == 0 else keys[::-1]:
+                    start = time.perf_counter()
+                    requests = [schedulers[key].submit(p, max_new_tokens=NEW_TOKENS, stop_ids=()) for p in jobs]
+                    schedulers[key].run_until_idle()
+                    totals[key][1] += time.perf_counter() - start
+                    totals[key][0] += sum(q.result(timeout=0).stats.new_tokens for q in requests)
+    finally:
+        for scheduler in schedulers.values():
+            scheduler.close()
+    serve: dict = {}
+    for (name, precision), (tokens, seconds) in totals.items():
+        serve.setdefault(name, {})[precision] = round(tokens / seconds, 1) if seconds > 0 else 0.0
+    for name, by in serve.items():
+        say("  " + "  ".join(f"{name} {p} {v:.1f} tokens/s at {SERVE_CLIENTS} requests" for p, v in by.items()))
+    return serve
+
+
+def _profile(base: Profile, found: Found, model: str, speed: dict, serve_speed: dict) -> Profile:
     today = datetime.date.today()
     hardware = dataclasses.replace(base.hardware, match=(found.name,), min_cores=found.cores, max_cores=found.cores,
                                    features=found.features)
@@ -183,15 +233,18 @@ def _profile(base: Profile, found: Found, model: str, speed: dict) -> Profile:
     return dataclasses.replace(
         base, name=f"probe-{found.cores}core-{'-'.join(found.features) or 'basic'}", measured=True, path="",
         description=f"{found.describe()}: probed for {model}",
-        source=f"probed by specexport build --method best on {found.describe()} on {today}, {model}, "
+        source=f"probed by specexport build on {found.describe()} on {today}, {model}, "
                f"{PROMPTS} built-in prompts x {NEW_TOKENS} tokens x {ROUNDS} rounds, greedy; settings from "
-               f"{base.name}; fastest: {best} {max(speed[best], key=speed[best].get)}",
-        hardware=hardware, speed=speed, serve_speed={}, measurements=type(base.measurements)())
+               f"{base.name}; fastest: {best} {max(speed[best], key=speed[best].get)}"
+               + (f"; [serve_speed]: {SERVE_CLIENTS} requests at once, int8 as --int8-rows {SERVE_INT8}"
+                  if serve_speed else ""),
+        hardware=hardware, speed=speed, serve_speed=serve_speed, measurements=type(base.measurements)())
 
 
-def describe(profile: Profile) -> list[str]:
-    """The probe's table, fastest first, for the build's output."""
-    rows = sorted(((v, m, p) for m, by in profile.speed.items() for p, v in by.items()), reverse=True)
-    plain = max(profile.speed[PLAIN_NAME].values())
+def describe(profile: Profile, serving: bool = False) -> list[str]:
+    """The probe's table ([serve_speed]'s with `serving`), fastest first, for the build's output."""
+    speeds = profile.serve_speed if serving else profile.speed
+    rows = sorted(((v, m, p) for m, by in speeds.items() for p, v in by.items()), reverse=True)
+    plain = max(speeds[PLAIN_NAME].values())
     return [f"  {m:>7} {p}  {v:7.1f} tokens/s  {v / plain:.2f}x plain" for v, m, p in rows]
 
