@@ -410,12 +410,18 @@ def test_cancel_from_another_thread_stops_within_one_step(checks, bundles):
     prompt = next(p for p in ("tell me a story", "the cat sat on the mat", "hello there", "x y z")
                   if engine.generate(p, max_new_tokens=60).stop_reason == "length")  # runs long: no early EOS
     for how in ("cancel", "close"):  # specexport_cancel, or specexport_close under the running generation
-        report = json.loads(run([checks / "abi_check", "cancel", bundles / "eagle3", "20", prompt, how]).stdout)
-        assert report["cancel_status"] == "SPECEXPORT_OK" and report["status"] == "SPECEXPORT_OK", report
-        assert report["stop_reason"] == 5 and report["ids_streamed"] == report["new_tokens"] < 200, report
+        late = []
+        for _ in range(3):  # the bound below is timing: a canceller preempted on a busy 2-core machine (as a CI
+            # run once saw: 3 callbacks) lets one step more through; a cancel not honoured misses it every time
+            report = json.loads(run([checks / "abi_check", "cancel", bundles / "eagle3", "20", prompt, how]).stdout)
+            assert report["cancel_status"] == "SPECEXPORT_OK" and report["status"] == "SPECEXPORT_OK", report
+            assert report["stop_reason"] == 5 and report["ids_streamed"] == report["new_tokens"] < 200, report
+            assert report["close_waited"] == (how == "close")  # close returns once the generation is over
+            late.append(report["calls"] - report["calls_at_cancel"])
+            if late[-1] <= 2:
+                break
         # after the cancel: the step in flight streams its tokens (and the held-back text), then it stops
-        assert report["calls"] - report["calls_at_cancel"] <= 2, report
-        assert report["close_waited"] == (how == "close")  # close returns once the generation is over; cancel at once
+        assert min(late) <= 2, (how, late)
 
 
 def test_open_and_close_leak_no_memory_and_no_threads(checks, bundles):
