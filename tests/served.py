@@ -14,6 +14,18 @@ from pathlib import Path
 
 SPECEXPORT = Path(sys.executable).parent / "specexport"
 
+
+def specexport(*args, timeout: float = 900) -> str:
+    """`specexport ARGS...`'s stdout; where it fails, the test fails with the command's last lines of stderr (a
+    fixture's build that fails on a full disk says so, not only its exit status)."""
+    import pytest
+
+    done = subprocess.run([SPECEXPORT, *map(str, args)], capture_output=True, text=True, timeout=timeout)
+    if done.returncode:
+        tail = "\n".join(done.stderr.strip().splitlines()[-15:])
+        pytest.fail(f"specexport {' '.join(map(str, args))} exited {done.returncode}:\n{tail}", pytrace=False)
+    return done.stdout
+
 # `specexport serve` with every request's text held at its first piece while a gate file exists (until the request
 # is cancelled): the scheduler's thread waits there, so what a request does next waits for the test (a disconnect, a
 # signal, more clients), not for how fast this machine generates. At most 120 s, then it goes on.

