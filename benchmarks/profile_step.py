@@ -25,24 +25,29 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from specexport.runtime import kernels
+
 _TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(int32)": np.int32,
           "tensor(int64)": np.int64, "tensor(bool)": np.bool_}
 
 
-def graph_file(path: Path) -> Path:
+def graph_file(path: Path) -> tuple[Path, dict]:
+    """The step graph of a bundle (with its manifest entry), of an onnxruntime-genai folder, or a graph file."""
     if path.is_file():
-        return path
+        return path, {}
     if (path / "genai_config.json").is_file():
-        return path / json.loads((path / "genai_config.json").read_text())["model"]["decoder"]["filename"]
-    manifest = json.loads((path / "manifest.json").read_text())
-    return path / manifest["graphs"]["target"]["file"]
+        return path / json.loads((path / "genai_config.json").read_text())["model"]["decoder"]["filename"], {}
+    info = json.loads((path / "manifest.json").read_text())["graphs"]["target"]
+    return path / info["file"], info
 
 
 class Step:
     """A session over a step graph with its KV buffers bound in place; call(t) runs one forward of t tokens."""
 
-    def __init__(self, file: Path, context: int, capacity: int, threads: int, profile: bool):
+    def __init__(self, file: Path, context: int, capacity: int, threads: int, profile: bool, info: dict):
         so = ort.SessionOptions()
+        if info.get("kernels"):  # specexport's own (--int4-rows)
+            so.register_custom_ops_library(str(kernels.library()))
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
         so.add_session_config_entry("session.intra_op.allow_spinning", "1")
@@ -123,7 +128,7 @@ def main() -> None:
     capacity = args.context + args.t + 64
     files = [graph_file(p) for p in args.paths]
 
-    steps = [Step(f, args.context, capacity, args.threads, profile=False) for f in files]  # without the profiler
+    steps = [Step(f, args.context, capacity, args.threads, False, i) for f, i in files]  # without the profiler
     ms = [[] for _ in steps]
     block = max(1, args.steps // args.rounds)
     for r in range(args.rounds):
@@ -133,14 +138,14 @@ def main() -> None:
             ms[k] += [1000 * steps[k].call(args.t) for _ in range(block)]
     del steps
     report = {}
-    for path, file, times in zip(args.paths, files, ms):
+    for path, (file, info), times in zip(args.paths, files, ms):
         entry = report[path.name] = {"step_ms_median": statistics.median(times)}
         print(f"{path.name}: T={args.t} at {args.context} context, {args.threads} threads: step "
               f"{statistics.median(times):.2f} ms median (p10 {np.percentile(times, 10):.2f}, "
               f"p90 {np.percentile(times, 90):.2f}; {args.rounds} alternating blocks)")
         if args.no_profile:
             continue
-        prof = Step(file, args.context, capacity, args.threads, profile=True)
+        prof = Step(file, args.context, capacity, args.threads, profile=True, info=info)
         for _ in range(20 + args.steps):
             prof.call(args.t)
         per_op, runs = op_table(prof.session.end_profiling(), 20)

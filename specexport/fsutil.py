@@ -17,6 +17,15 @@ from pathlib import Path
 from specexport.errors import UserError
 
 
+def cache_dir() -> Path:
+    """Where specexport keeps what it measured or fetched (probes, ONNX Runtime's headers): $SPECEXPORT_CACHE, else
+    $XDG_CACHE_HOME/specexport, else ~/.cache/specexport."""
+    root = os.environ.get("SPECEXPORT_CACHE")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specexport"
+
+
 @contextmanager
 def staged_output(dest: Path, overwrite: bool = False, kind: str = "a specexport bundle", is_kind=None):
     """Yield an empty folder beside `dest`; on success it replaces `dest`, on any exception it vanishes (with any

@@ -150,6 +150,19 @@ def real_smol_ngram(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def rows4_library():
+    """specexport's own kernels compiled on this machine (runtime/kernels), as a graph built with --int4-rows loads
+    them; skips where they cannot be (no C compiler, no ONNX Runtime header and Debian unreachable)."""
+    from specexport.errors import UserError
+    from specexport.runtime import kernels
+
+    try:
+        return kernels.library()
+    except UserError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
 def sharegpt(tmp_path_factory):
     """A small ShareGPT file for the trainers' tests (60 training conversations)."""
     from helpers import write_sharegpt

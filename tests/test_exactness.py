@@ -17,8 +17,9 @@ from specexport.runtime.generate import Engine
 from specexport.runtime.scheduler import Scheduler
 from specexport.runtime.tree import DraftTree
 
-# int8: activations quantized per row (--int8-rows blocks, the default; -channel: --int8-rows channel)
-PRECISIONS = ["fp32", "int4", "int8", "int8-channel"]
+# int8: activations quantized per row (--int8-rows blocks, the default; -channel: --int8-rows channel); int4-rows:
+# specexport's own kernel (--int4-rows), compiled here
+PRECISIONS = ["fp32", "int4", "int4-rows", "int8", "int8-channel"]
 PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat", "abcabcabcabc",
            "a much longer prompt that takes several chunks to prefill, " * 2, "def f(x):\n    return x * 2\n" * 2,
            "one two three one two three one two", "zz", "Lorem ipsum dolor sit amet, consectetur adipiscing"]
@@ -29,10 +30,13 @@ NEW = 40
 def bundles(request, tiny_folder, tmp_path_factory):
     """(precision, {"none": plain decoding's chain-only bundle, "ngram": a bundle verifying draft chains})."""
     root = tmp_path_factory.mktemp(f"exact-{request.param}")
+    precision, _, kernel = request.param.partition("-")
+    if kernel == "rows":
+        request.getfixturevalue("rows4_library")  # skips where it cannot be compiled
 
     def build(name, **given):
-        precision, _, kernel = request.param.partition("-")
-        graph = GraphOptions(precision=precision, int8_rows=kernel or "blocks")
+        graph = GraphOptions(precision=precision, int8_rows=kernel or "blocks" if precision == "int8" else "",
+                             int4_rows=kernel == "rows")
         options = ExportOptions(graph=graph, max_context=256, validate=False,
                                 **method_export(name, **given))
         export_bundle(str(tiny_folder), root / name, options, quiet=True)

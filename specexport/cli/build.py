@@ -59,6 +59,11 @@ def export_options(f):
                           "blocks (the value alone): 8-bit weights in blocks of 32 (MatMulNBits), quick for one row; "
                           "channel: per-channel weights (MatMulIntegerToFloat), cheap extra rows for trees and "
                           "batches (docs/precision.md).")(f)
+    f = click.option("--int4-rows", is_flag=True,
+                     help="int4 (ort flavour): specexport's own 4-bit kernel, each weight tile unpacked once for all "
+                          "the rows of a call and each row quantized alone: trees and batches cost little more than "
+                          "one row, and a row's logits never depend on its call. Compiled where the bundle is loaded, "
+                          "at first use (a C compiler; docs/precision.md).")(f)
     f = click.option("--fused-accept/--no-fused-accept", default=True, show_default=True,
                      help="Acceptance inside the target graph, greedy and sampling: a step returns the accepted rows "
                           "and the bonus token, not logits.")(f)
@@ -78,8 +83,8 @@ def _print_export(manifest: dict, output: Path) -> None:
 @click.option("--precision", type=click.Choice(PRECISIONS), default="fp32", show_default=True)
 @path_option("--output", required=True, help="Bundle folder to write.")
 @export_options
-def export(model_spec, precision, output, max_context, flavour, aux_layers, no_validate, int8_rows, fused_accept,
-           overwrite):
+def export(model_spec, precision, output, max_context, flavour, aux_layers, no_validate, int8_rows, int4_rows,
+           fused_accept, overwrite):
     """Export a model's target graph and manifest into a bundle folder.
 
     \b
@@ -89,7 +94,7 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
       specexport export --model smollm2-135m --flavour trt --precision fp16 --output smol-trt
     """
     graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept,
-                         int8_rows=int8_rows or "")
+                         int8_rows=int8_rows or "", int4_rows=int4_rows)
     options = ExportOptions(graph=graph, max_context=max_context, validate=not no_validate)
     _print_export(export_bundle(model_spec, output, options, overwrite=overwrite), output)
 
@@ -132,7 +137,8 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
                    "the engine, with the Triton tree acceptance kernel as a TensorRT plugin (triton at build time; "
                    "not yet run on a GPU).")
 def build(model_spec, method, no_probe, backend, precision, profile_spec, serving, output, max_context, flavour,
-          aux_layers, no_validate, int8_rows, fused_accept, overwrite, workspace_gb, timing_cache, hardware_compatible,
+          aux_layers, no_validate, int8_rows, int4_rows, fused_accept, overwrite, workspace_gb, timing_cache,
+          hardware_compatible,
           version_compatible, sampling_accept, **method_kwargs):
     """Export a model and compile it for a backend into a ready-to-run bundle.
 
@@ -206,7 +212,7 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
     if output is None:
         output = Path(f"{sources.resolve(model_spec).name}-{method}-{backend}-{precision}")
     graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept,
-                         int8_rows=int8_rows or "")
+                         int8_rows=int8_rows or "", int4_rows=int4_rows)
     options = ExportOptions(graph=graph, max_context=max_context, optimize=True, validate=not no_validate,
                             method=method, settings=settings, method_options=method_options,
                             profile=None if profile is None else {**profile.as_dict(), **chosen}, engines=engines)

@@ -183,7 +183,8 @@ def optimize_graph(folder: Path, graph_info: dict) -> None:
     """Let ORT fuse and constant-fold once, at build time; the bundle keeps the optimized graph."""
     raw = folder / graph_info["file"]
     optimized = raw.with_suffix(".opt.onnx")
-    ort.InferenceSession(str(raw), session_options(optimized_path=optimized), providers=["CPUExecutionProvider"])
+    ort.InferenceSession(str(raw), session_options(optimized_path=optimized, graph_info=graph_info),
+                         providers=["CPUExecutionProvider"])
     raw.unlink()
     raw.with_suffix(".onnx.data").unlink()
     graph_info["file"] = optimized.name

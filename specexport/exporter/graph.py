@@ -48,7 +48,7 @@ from specexport.exporter.arch import Dims
 from specexport.exporter.families import Family
 from specexport.exporter.fused import INPUTS as ACCEPT_INPUTS
 from specexport.exporter.fused import add_accept, add_batch_accept
-from specexport.runtime import cpu
+from specexport.runtime import cpu, kernels
 
 PRECISIONS = ("fp32", "int8", "int4", "fp16", "bf16")
 FLAVOURS = ("ort", "onnx", "trt")
@@ -74,6 +74,9 @@ class GraphOptions:
     # rows of its call (docs/precision.md): "blocks" (8-bit MatMulNBits blocks of 32: quick one row at a time),
     # "channel" (per-channel weights, MatMulIntegerToFloat: cheap extra rows); "" per call (DynamicQuantizeMatMul)
     int8_rows: str = ""
+    # int4 of the ort flavour in specexport's own kernel (runtime/kernels/rows4.c: MatMulRows4), whose extra rows
+    # are cheap and whose rows are each quantized alone; compiled on the machine that loads the graph
+    int4_rows: bool = False
 
     def check(self, d: Dims) -> None:
         if self.precision not in PRECISIONS:
@@ -82,6 +85,8 @@ class GraphOptions:
             raise UserError(f"unknown graph flavour '{self.flavour}'; choose from {', '.join(FLAVOURS)}")
         if self.int8_rows and self.int8_rows not in INT8_ROWS:
             raise UserError(f"unknown --int8-rows kernel '{self.int8_rows}'; choose from {', '.join(INT8_ROWS)}")
+        if self.int4_rows and (self.precision != "int4" or self.flavour != "ort"):
+            raise UserError("--int4-rows is for --precision int4 of the ort flavour")
         if self.chain_only and self.flavour != "ort":
             raise UserError("chain-only step graphs are for the ort flavour (GroupQueryAttention's causal path)")
         if self.flavour == "trt" and self.precision not in TRT_PRECISIONS:
@@ -126,24 +131,24 @@ def _to_compute(array: np.ndarray, elem_type: int) -> onnx.TensorProto:
 
 
 def make_model(graph: onnx.GraphProto) -> onnx.ModelProto:
-    """A model of `graph` with the opsets and IR version every specexport graph uses (com.microsoft only where a node
-    uses it: a standard graph imports no other domain)."""
+    """A model of `graph` with the opsets and IR version every specexport graph uses (com.microsoft and specexport's
+    kernels only where a node uses them: a standard graph imports no other domain)."""
     opsets = [helper.make_opsetid("", OPSET)]
-    if "com.microsoft" in _domains(graph):
-        opsets.append(helper.make_opsetid("com.microsoft", 1))
+    for domain in sorted(domains(graph) & {"com.microsoft", kernels.DOMAIN}):
+        opsets.append(helper.make_opsetid(domain, 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="specexport")
     model.ir_version = 11
     return model
 
 
-def _domains(graph: onnx.GraphProto) -> set[str]:
+def domains(graph: onnx.GraphProto) -> set[str]:
     """The operator domains of a graph's nodes, its subgraphs' included."""
     found = set()
     for node in graph.node:
         found.add(node.domain)
         for attr in node.attribute:
             for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
-                found |= _domains(sub)
+                found |= domains(sub)
     return found
 
 
@@ -286,7 +291,11 @@ class DecoderGraphBuilder:
             wd = g.op("DequantizeLinear", [g.const(f"{name}.qweight", q), g.const(f"{name}.scale", scale)], axis=1)
             y = g.op("MatMul", [x, wd])
         elif p == "int4":
-            if self.ort:
+            if self.ort and self.opt.int4_rows and not (out_dim % quant.ROWS4_TILE or in_dim % quant.INT4_BLOCK):
+                inputs = [x] + [g.const(f"{name}.{k}", v) for k, v in quant.rows4(w).items()]
+                y = g.op("MatMulRows4", inputs, domain=kernels.DOMAIN, K=in_dim, N=out_dim)
+                return g.op("Add", [y, b]) if b else y
+            if self.ort:  # (also --int4-rows' projections whose shape MatMulRows4 does not take: rows still alone)
                 packed = quant.matmul_nbits(w)
                 inputs = [x] + [g.const(f"{name}.{k}", v) for k, v in packed.items()] + ["", b]
                 return g.op("MatMulNBits", inputs, domain="com.microsoft", K=in_dim, N=out_dim, bits=4,

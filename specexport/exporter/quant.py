@@ -10,6 +10,7 @@ import numpy as np
 from specexport.errors import UserError
 
 INT4_BLOCK = 32
+ROWS4_TILE = 16  # output columns in one tile of MatMulRows4
 TRT_INT4_BLOCK = 64  # TensorRT's weight-only int4: signed, symmetric, blocks of 64 or 128 (the finer one here)
 
 
@@ -76,6 +77,26 @@ def matmul_nbits(w: np.ndarray, block: int = INT4_BLOCK, bits: int = 4) -> dict[
         "scales": scale.reshape(-1),
         "zero_points": pack_nibbles(zero).reshape(-1),
     }
+
+
+def rows4(w: np.ndarray) -> dict[str, np.ndarray]:
+    """specexport's MatMulRows4 (runtime/kernels/rows4.c) weight inputs for a PyTorch-layout weight [out, in]: the int4 blocks of MatMulNBits' int4
+    (quant.int4_blocks: w ~= (q - zero) * scale) in rows4.c's tile order. Example: w [576, 576] -> B [36, 18, 256],
+    scales and zeros [36, 18, 16]. `out` must be a multiple of 16 and `in` of 32."""
+    out_dim, in_dim = w.shape
+    if out_dim % ROWS4_TILE or in_dim % INT4_BLOCK:
+        raise UserError(f"--int4-rows needs output dims divisible by {ROWS4_TILE} and input dims by {INT4_BLOCK}; "
+                        f"got {out_dim} x {in_dim}")
+    q, scale, zero = int4_blocks(w)
+    blocks = in_dim // INT4_BLOCK
+    # [tile, column, block, run p, half h, j] -> input 8p + 4h + j of the block
+    t = q.reshape(out_dim // ROWS4_TILE, ROWS4_TILE, blocks, 4, 2, 4)
+    t = t.transpose(0, 2, 3, 1, 5, 4)  # [tile, block, p, column, j, h]
+    packed = (t[..., 0] | (t[..., 1] << 4)).astype(np.uint8)
+    by_tile = (out_dim // ROWS4_TILE, ROWS4_TILE, blocks)  # scales and zeros [N, blocks] -> [tile, block, column]
+    return {"B": np.ascontiguousarray(packed.reshape(out_dim // ROWS4_TILE, blocks, 256)),
+            "scales": np.ascontiguousarray(scale.reshape(by_tile).transpose(0, 2, 1)),
+            "zeros": np.ascontiguousarray(zero.reshape(by_tile).transpose(0, 2, 1))}
 
 
 def dequantize_int4(q: np.ndarray, scale: np.ndarray, zero: np.ndarray, in_dim: int) -> np.ndarray:

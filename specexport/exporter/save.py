@@ -14,9 +14,10 @@ from tqdm import tqdm
 
 from specexport.exporter import budget
 from specexport.exporter.arch import dims_from_config, longrope_policy, rope_rows, rope_tables, spec_for
-from specexport.exporter.graph import DecoderGraphBuilder, ExternalData, GraphOptions
+from specexport.exporter.graph import DecoderGraphBuilder, ExternalData, GraphOptions, domains
 from specexport.exporter.layerwise import layerwise_model
 from specexport.exporter.weights import StateDictSource, TableWeights
+from specexport.runtime import kernels
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,7 @@ def save_graph(proto, name: str, graph: GraphOptions, dims, folder: Path) -> dic
         "chain_only": graph.chain_only,
         "inputs": _io(proto.graph.input),
         "outputs": _io(proto.graph.output),
+        **({"kernels": list(kernels.NAMES)} if kernels.DOMAIN in domains(proto.graph) else {}),  # compiled at load
     }
 
 

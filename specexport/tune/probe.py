@@ -42,6 +42,7 @@ from specexport.exporter import arch, methods, sources
 from specexport.exporter.drafts.mtp import mtp_layers
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
+from specexport.fsutil import cache_dir
 from specexport.profiles import Profile, dump, load_profile, merge
 from specexport.profiles.detect import Found, detect
 from specexport.prompts import AGREEMENT_PROMPTS
@@ -59,14 +60,6 @@ MAX_CONTEXT = 1024  # the probe's bundles hold the prompts and their tokens, no 
 MTP = "mtp"  # the method of a checkpoint's own MTP layers: a candidate wherever the checkpoint has them
 SERVE_CLIENTS = 16  # requests batched at once for [serve_speed], as the bundled profiles' were measured
 SERVE_INT8 = "channel"  # the int8 kernel a serving build takes (cli/build.py)
-
-
-def cache_dir() -> Path:
-    """Where probes are kept: $SPECEXPORT_CACHE, else $XDG_CACHE_HOME/specexport, else ~/.cache/specexport."""
-    root = os.environ.get("SPECEXPORT_CACHE")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specexport"
 
 
 def cache_path(model: str, found: Found) -> Path:

@@ -12,7 +12,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specexport.errors import UserError
-from specexport.runtime import tree
+from specexport.runtime import kernels, tree
 from specexport.runtime.backends.layout import check_live, lay_out
 from specexport.runtime.kvcache import KVCache, KVPool
 from specexport.runtime.verify import greedy_inputs
@@ -34,11 +34,19 @@ def providers(device: str = "auto") -> list[str]:
     return ["CPUExecutionProvider"]
 
 
-def session_options(threads: int | None = None, optimized_path: Path | None = None, spin: bool = True):
+def session_options(threads: int | None = None, optimized_path: Path | None = None, spin: bool = True,
+                    graph_info: dict | None = None):
     """`spin`: the intra-op threads busy-wait for the next run (fastest for the session that runs most). A second
     session in the same loop (a draft) must not spin: its idle threads would steal the cores from the target's
-    next call (measured on a 2-core CPU: EAGLE at 19 tokens/s with both spinning, 35 with the draft's off)."""
+    next call (measured on a 2-core CPU: EAGLE at 19 tokens/s with both spinning, 35 with the draft's off).
+    `graph_info`: a manifest's graph entry; where it lists "kernels", specexport's own (compiled here at first use)."""
     so = ort.SessionOptions()
+    if (graph_info or {}).get("kernels"):
+        unknown = set(graph_info["kernels"]) - set(kernels.NAMES)
+        if unknown:
+            raise UserError(f"this graph needs kernels this specexport does not have ({', '.join(sorted(unknown))}): "
+                            "upgrade specexport")
+        so.register_custom_ops_library(str(kernels.library()))
     so.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
@@ -63,7 +71,7 @@ class GraphSession:
         self.dtype = _NUMPY_TYPES.get(graph_info["kv_dtype"])
         if self.dtype is None:
             raise UserError(f"KV dtype {graph_info['kv_dtype']} cannot run with this runtime on CPU")
-        self.session = load_session(graph_path, threads, device, spin)
+        self.session = load_session(graph_path, threads, device, spin, graph_info)
         self.layers = graph_info.get("layers", 0)
         self.outputs = [o.name for o in self.session.get_outputs()]
         # outputs per batch row ([batch, seq, ...]: hidden states, features) rather than per selected row
@@ -180,9 +188,11 @@ def on_cpu(session: ort.InferenceSession) -> bool:
     return session.get_providers()[0] == "CPUExecutionProvider"
 
 
-def load_session(graph_path: Path, threads: int | None, device: str, spin: bool) -> ort.InferenceSession:
+def load_session(graph_path: Path, threads: int | None, device: str, spin: bool, graph_info: dict | None = None
+                 ) -> ort.InferenceSession:
+    options = session_options(threads, spin=spin, graph_info=graph_info)
     try:
-        return ort.InferenceSession(str(graph_path), session_options(threads, spin=spin), providers=providers(device))
+        return ort.InferenceSession(str(graph_path), options, providers=providers(device))
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types

@@ -156,7 +156,7 @@ class DeviceSession:
             raise UserError(f"KV dtype {graph_info['kv_dtype']} cannot run with ONNX Runtime's I/O binding")
         self.info, self.device = graph_info, device
         self.dtype, self.elem_type = _TYPES[graph_info["kv_dtype"]]
-        self.session = load_session(graph_path, threads, device, spin)
+        self.session = load_session(graph_path, threads, device, spin, graph_info)
         self.layers = graph_info.get("layers", 0)
         self.outputs = [o.name for o in self.session.get_outputs()]
         self.output_dims = {o.name: o.shape for o in self.session.get_outputs()}
