@@ -145,3 +145,24 @@ def test_int4_rows_from_the_cli(tiny_folder, tmp_path, rows4_library):
     assert bad.exit_code != 0 and "--int4-rows is for --precision int4" in bad.output
     assert "Traceback" not in bad.output and not (tmp_path / "c").exists()
     assert os.environ.get("SPECEXPORT_ROWS_ISA") is None
+
+
+def test_build_takes_the_kernel_where_the_profile_measured_it_faster(tiny_folder, tmp_path, rows4_library):
+    """`[engine] int4_kernel = "rows4"` (cpu-2core-vnni) makes --int4-rows the default of an int4 build, and says so;
+    --no-int4-rows keeps MatMulNBits; a profile without it (cpu-2core, measured on AVX2) keeps MatMulNBits."""
+    from click.testing import CliRunner
+
+    from specexport.cli import main
+
+    def kernels_of(profile, *more):
+        out = tmp_path / f"{profile}{len(more)}"
+        result = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--method", "none", "--precision",
+                                           "int4", "--profile", profile, "--no-validate", "--max-context", "128",
+                                           *more, "--output", str(out)])
+        assert result.exit_code == 0, result.output
+        return json.loads((out / "manifest.json").read_text())["graphs"]["target"].get("kernels"), result.output
+
+    taken, said = kernels_of("cpu-2core-vnni")
+    assert taken == ["rows4"] and "as profile cpu-2core-vnni measured it faster" in said
+    assert kernels_of("cpu-2core-vnni", "--no-int4-rows")[0] is None
+    assert kernels_of("cpu-2core")[0] is None

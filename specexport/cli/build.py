@@ -14,6 +14,7 @@ from specexport.exporter import hub, methods, sources
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import FLAVOURS, INT8_ROWS, PRECISIONS, GraphOptions
 from specexport.exporter.tensorrt import build as tensorrt
+from specexport.runtime import kernels
 from specexport.runtime.methods import PLAIN_NAME
 from specexport.tune import probe
 
@@ -59,11 +60,12 @@ def export_options(f):
                           "blocks (the value alone): 8-bit weights in blocks of 32 (MatMulNBits), quick for one row; "
                           "channel: per-channel weights (MatMulIntegerToFloat), cheap extra rows for trees and "
                           "batches (docs/precision.md).")(f)
-    f = click.option("--int4-rows", is_flag=True,
+    f = click.option("--int4-rows/--no-int4-rows", default=None,
                      help="int4 (ort flavour): specexport's own 4-bit kernel, each weight tile unpacked once for all "
                           "the rows of a call and each row quantized alone: trees and batches cost little more than "
                           "one row, and a row's logits never depend on its call. Compiled where the bundle is loaded, "
-                          "at first use (a C compiler; docs/precision.md).")(f)
+                          "at first use (a C compiler; docs/precision.md). [build's default: where the profile "
+                          "measured it faster and it compiles here]")(f)
     f = click.option("--fused-accept/--no-fused-accept", default=True, show_default=True,
                      help="Acceptance inside the target graph, greedy and sampling: a step returns the accepted rows "
                           "and the bonus token, not logits.")(f)
@@ -94,7 +96,7 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
       specexport export --model smollm2-135m --flavour trt --precision fp16 --output smol-trt
     """
     graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept,
-                         int8_rows=int8_rows or "", int4_rows=int4_rows)
+                         int8_rows=int8_rows or "", int4_rows=bool(int4_rows))
     options = ExportOptions(graph=graph, max_context=max_context, validate=not no_validate)
     _print_export(export_bundle(model_spec, output, options, overwrite=overwrite), output)
 
@@ -209,6 +211,8 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
         int8_rows = "channel"  # a server's batches never change a request's tokens, at DynamicQuantizeMatMul's cost
         click.echo("int8 activations quantized per row (--int8-rows channel): batching never changes a request's "
                    "tokens", err=True)
+    if int4_rows is None:
+        int4_rows = precision == "int4" and (flavour or "ort") == "ort" and _rows4_measured(profile, backend)
     if output is None:
         output = Path(f"{sources.resolve(model_spec).name}-{method}-{backend}-{precision}")
     graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept,
@@ -217,6 +221,21 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
                             method=method, settings=settings, method_options=method_options,
                             profile=None if profile is None else {**profile.as_dict(), **chosen}, engines=engines)
     _print_export(export_bundle(model_spec, output, options, overwrite=overwrite), output)
+
+
+def _rows4_measured(profile, backend: str) -> bool:
+    """Whether an int4 build takes specexport's own kernel (--int4-rows) by default: where the profile measured it
+    faster (its engine's int4_kernel) and it compiles on this machine (else MatMulNBits, and why)."""
+    if profile is None or profile.engine.int4_kernel != "rows4" or backend != profile.engine.backend:
+        return False
+    try:
+        kernels.library()
+    except UserError as e:
+        click.echo(f"int4 in ONNX Runtime's MatMulNBits: specexport's own kernel does not compile here ({e})", err=True)
+        return False
+    click.echo(f"int4 in specexport's own kernel (--int4-rows, as profile {profile.name} measured it faster): extra "
+               "rows cost little, and batching never changes a request's tokens", err=True)
+    return True
 
 
 def _probed(model_spec: str, profile, chosen: dict, measure: bool, serving: bool):

@@ -18,7 +18,7 @@ from pathlib import Path
 from specexport.errors import UserError, read_user_text
 from specexport.options import fields as setting_fields
 from specexport.options import with_given
-from specexport.runtime import cpu, methods
+from specexport.runtime import cpu, kernels, methods
 
 try:
     import tomllib
@@ -52,6 +52,9 @@ class EngineSettings:
     backend: str
     precision: str
     flavour: str
+    # "rows4": int4 builds of the ort flavour take specexport's own kernel (--int4-rows), measured faster here at
+    # every row count; "": ONNX Runtime's MatMulNBits
+    int4_kernel: str = ""
 
 
 @dataclass(frozen=True)
@@ -250,6 +253,8 @@ def _check(p: Profile, fail) -> None:
         ("engine", "backend", p.engine.backend in BACKENDS, f"backend must be one of {', '.join(BACKENDS)}"),
         ("engine", "precision", p.engine.precision in PRECISIONS, f"precision must be one of {', '.join(PRECISIONS)}"),
         ("engine", "flavour", p.engine.flavour in FLAVOURS, f"flavour must be one of {', '.join(FLAVOURS)}"),
+        ("engine", "int4_kernel", p.engine.int4_kernel in ("", *kernels.NAMES),
+         f"int4_kernel must be empty or one of {', '.join(kernels.NAMES)}"),
     ]
     for key in ("max_context", "max_tree_tokens"):
         checks.append(("limits", key, getattr(p.limits, key) >= 1, f"{key} must be >= 1, got {getattr(p.limits, key)}"))

@@ -231,7 +231,8 @@ def _profile(base: Profile, found: Found, model: str, speed: dict, serve_speed: 
                f"{base.name}; fastest: {best} {max(speed[best], key=speed[best].get)}"
                + (f"; [serve_speed]: {SERVE_CLIENTS} requests at once, int8 as --int8-rows {SERVE_INT8}"
                   if serve_speed else ""),
-        hardware=hardware, speed=speed, serve_speed=serve_speed, measurements=type(base.measurements)())
+        hardware=hardware, speed=speed, serve_speed=serve_speed, measurements=type(base.measurements)(),
+        engine=dataclasses.replace(base.engine, int4_kernel=""))  # it measured MatMulNBits' int4
 
 
 def describe(profile: Profile, serving: bool = False) -> list[str]:
