@@ -12,7 +12,7 @@ from specexport.cli.common import IntList, SettingOptions, path_option
 from specexport.errors import UserError
 from specexport.exporter import hub, methods, sources
 from specexport.exporter.export import ExportOptions, export_bundle
-from specexport.exporter.graph import FLAVOURS, INT8_ROWS, PRECISIONS, GraphOptions
+from specexport.exporter.graph import FLAVOURS, INT8_ROWS, PRECISIONS, SERVING_INT8, GraphOptions
 from specexport.exporter.tensorrt import build as tensorrt
 from specexport.runtime import kernels
 from specexport.runtime.methods import PLAIN_NAME
@@ -208,7 +208,7 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
                                          version_compatible, sampling_accept or "host")
     precision = precision or DEFAULT_CPU_PRECISION
     if serving and precision == "int8" and (flavour or "ort") == "ort" and int8_rows is None:
-        int8_rows = "channel"  # a server's batches never change a request's tokens, at DynamicQuantizeMatMul's cost
+        int8_rows = SERVING_INT8  # a server's batches never change a request's tokens, at DynamicQuantizeMatMul's cost
         click.echo("int8 activations quantized per row (--int8-rows channel): batching never changes a request's "
                    "tokens", err=True)
     if int4_rows is None:

@@ -53,6 +53,7 @@ from specexport.runtime import cpu, kernels
 PRECISIONS = ("fp32", "int8", "int4", "fp16", "bf16")
 FLAVOURS = ("ort", "onnx", "trt")
 INT8_ROWS = ("blocks", "channel")  # GraphOptions.int8_rows: the per-row int8 kernels
+SERVING_INT8 = "channel"  # the one `build --serving` takes (and its probe measures): exact in batches, cheap rows
 TRT_PRECISIONS = ("fp16", "bf16", "int4", "fp32")  # fp32: the same structure, for validation on ORT's CPU provider
 OPSET = 24
 

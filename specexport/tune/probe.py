@@ -41,7 +41,7 @@ from specexport.errors import UserError
 from specexport.exporter import arch, methods, sources
 from specexport.exporter.drafts.mtp import mtp_layers
 from specexport.exporter.export import ExportOptions, export_bundle
-from specexport.exporter.graph import GraphOptions
+from specexport.exporter.graph import SERVING_INT8, GraphOptions
 from specexport.fsutil import cache_dir
 from specexport.profiles import Profile, dump, load_profile, merge
 from specexport.profiles.detect import Found, detect
@@ -59,7 +59,6 @@ ROUNDS = 2
 MAX_CONTEXT = 1024  # the probe's bundles hold the prompts and their tokens, no more
 MTP = "mtp"  # the method of a checkpoint's own MTP layers: a candidate wherever the checkpoint has them
 SERVE_CLIENTS = 16  # requests batched at once for [serve_speed], as the bundled profiles' were measured
-SERVE_INT8 = "channel"  # the int8 kernel a serving build takes (cli/build.py)
 
 
 def cache_path(model: str, found: Found) -> Path:
@@ -127,7 +126,7 @@ def _build(model_spec: str, source, base: Profile, names: list[str], folder: Pat
     say(f"loading {source.name}")
     loaded = sources.load_model(source)
     context = min(MAX_CONTEXT, arch.dims_from_config(sources.load_config(source)).max_positions)
-    variants = [(p, "") for p in PRECISIONS] + ([("int8", SERVE_INT8)] if serving else [])
+    variants = [(p, "") for p in PRECISIONS] + ([("int8", SERVING_INT8)] if serving else [])
     bundles = {}
     total = len(names) * len(variants)
     for name in names:
@@ -229,7 +228,7 @@ def _profile(base: Profile, found: Found, model: str, speed: dict, serve_speed: 
         source=f"probed by specexport build on {found.describe()} on {today}, {model}, "
                f"{PROMPTS} built-in prompts x {NEW_TOKENS} tokens x {ROUNDS} rounds, greedy; settings from "
                f"{base.name}; fastest: {best} {max(speed[best], key=speed[best].get)}"
-               + (f"; [serve_speed]: {SERVE_CLIENTS} requests at once, int8 as --int8-rows {SERVE_INT8}"
+               + (f"; [serve_speed]: {SERVE_CLIENTS} requests at once, int8 as --int8-rows {SERVING_INT8}"
                   if serve_speed else ""),
         hardware=hardware, speed=speed, serve_speed=serve_speed, measurements=type(base.measurements)(),
         engine=dataclasses.replace(base.engine, int4_kernel=""))  # it measured MatMulNBits' int4

@@ -236,13 +236,15 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(const void *data, size
         __m256i neg = _mm256_set1_epi32(-c->xsum[r * blocks + b]);
         __m256 xs = _mm256_set1_ps(c->xs[r * blocks + b]);
         for (int h = 0; h < 2; h++) {
-          __m256i dot = _mm256_mullo_epi32(zv[h], neg);
+          /* the 8 groups summed in int16 lanes first: 16 products of at most 15 x 127 a lane, 30480 < 32767 */
+          __m256i pairs = _mm256_setzero_si256();
+#pragma GCC unroll 8
           for (int g = 0; g < 8; g++) {
             int32_t four;
             memcpy(&four, xq + 4 * g, 4);
-            __m256i pairs = _mm256_maddubs_epi16(w[h][g], _mm256_set1_epi32(four));
-            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
+            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[h][g], _mm256_set1_epi32(four)));
           }
+          __m256i dot = _mm256_add_epi32(_mm256_mullo_epi32(zv[h], neg), _mm256_madd_epi16(pairs, ones));
           __m256 scale = _mm256_mul_ps(sv[h], xs);
           __m256 a = _mm256_load_ps(acc + i * TILE + 8 * h);
           _mm256_store_ps(acc + i * TILE + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, a));
