@@ -15,10 +15,12 @@ from specexport.exporter import quant
 from specexport.runtime import kernels
 
 
-def matmul_rows4(library, w: np.ndarray, rank: int = 2, k_dim=None):
-    """A session of one MatMulRows4 over weight w [N, K] (x of `rank` dims, its last one declared as `k_dim`)."""
+def matmul_rows4(library, w: np.ndarray, rank: int = 2, k_dim=None, cut: str = ""):
+    """A session of one MatMulRows4 over weight w [N, K] (x of `rank` dims, its last one declared as `k_dim`; the
+    weight input `cut` one element short, as a malformed bundle would have it)."""
     n, k = w.shape
-    inits = [numpy_helper.from_array(v, name) for name, v in quant.rows4(w).items()]
+    packed = {name: v.reshape(-1)[:-1] if name == cut else v for name, v in quant.rows4(w).items()}
+    inits = [numpy_helper.from_array(v, name) for name, v in packed.items()]
     node = helper.make_node("MatMulRows4", ["x", "B", "scales", "zeros"], ["y"], domain=kernels.DOMAIN, K=k, N=n)
     lead = ["a", "b"][:rank - 1]
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [*lead, k_dim or k])],
@@ -85,6 +87,10 @@ def test_a_wrong_input_is_an_error_not_a_crash(rows4_library):
     assert session.run(None, {"x": np.ones((0, 64), np.float32)})[0].shape == (0, 16)
     with pytest.raises(UserError, match="divisible by 16"):
         quant.rows4(np.ones((20, 64), np.float32))
+    for cut, what in (("B", "packed weights"), ("scales", "scales"), ("zeros", "zero points")):
+        short = matmul_rows4(rows4_library, np.ones((16, 64), np.float32), cut=cut)
+        with pytest.raises(Exception, match=f"the {what} do not match K and N"):
+            short.run(None, {"x": np.ones((2, 64), np.float32)})
 
 
 @pytest.mark.network

@@ -283,6 +283,18 @@ static void run_tile(void *data, size_t t) { ((Call *)data)->tile(data, t); }
 
 static OrtStatus *error(const char *message) { return api->CreateStatus(ORT_INVALID_ARGUMENT, message); }
 
+/* Whether a weight input holds exactly `want` elements: a graph whose weights do not match K and N is refused
+   before any of them is read (a malformed bundle is an error, never a read past its tensors). */
+static OrtStatus *check_size(const OrtValue *value, int64_t want, const char *message) {
+  OrtTensorTypeAndShapeInfo *info;
+  CHECK(api->GetTensorTypeAndShape(value, &info));
+  size_t count = 0;
+  OrtStatus *status = api->GetTensorShapeElementCount(info, &count);
+  api->ReleaseTensorTypeAndShapeInfo(info);
+  if (status) return status;
+  return (int64_t)count == want ? NULL : error(message);
+}
+
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *context) {
   const Kernel *kn = (const Kernel *)kernel;
   const OrtValue *x, *w, *scales, *zeros;
@@ -303,6 +315,10 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *context) 
   int64_t m = 1;
   for (size_t i = 0; i + 1 < rank; i++) m *= dims[i];
   dims[rank - 1] = kn->n;
+  int64_t cells = kn->n / TILE * (kn->k / BLOCK);
+  CHECK(check_size(w, cells * TILE_BYTES, "MatMulRows4: the packed weights do not match K and N"));
+  CHECK(check_size(scales, cells * TILE, "MatMulRows4: the scales do not match K and N"));
+  CHECK(check_size(zeros, cells * TILE, "MatMulRows4: the zero points do not match K and N"));
   OrtValue *out;
   CHECK(api->KernelContext_GetOutput(context, 0, dims, rank, &out));
   Call call = {0};
