@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import method_export
+from helpers import nbits_one_row_apart
 
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
@@ -33,6 +34,9 @@ def bundles(request, tiny_folder, tmp_path_factory):
     precision, _, kernel = request.param.partition("-")
     if kernel == "rows":
         request.getfixturevalue("rows4_library")  # skips where it cannot be compiled
+    if request.param == "int4" and nbits_one_row_apart(4):
+        pytest.skip("ONNX Runtime's MatMulNBits int4 computes a row alone in another float order than beside others "
+                    "on this CPU (its AVX2 kernels): int4 is exact here in --int4-rows, which the profile builds")
 
     def build(name, **given):
         graph = GraphOptions(precision=precision, int8_rows=kernel or "blocks" if precision == "int8" else "",

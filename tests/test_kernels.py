@@ -51,7 +51,7 @@ def isa(monkeypatch):
 
 def test_the_products_are_int4_weights_times_each_rows_int8_blocks(rows4_library):
     rng = np.random.default_rng(0)
-    w = rng.standard_normal((96, 256)).astype(np.float32)
+    w = rng.standard_normal((101, 256)).astype(np.float32)  # a last tile of 5 columns (a vocabulary of any size)
     x = rng.standard_normal((7, 256)).astype(np.float32)
     x[2] = 0.0  # a zero row stays zero (no scale of zero divided by)
     x[3, :32] = 0.0  # and a zero block
@@ -64,7 +64,7 @@ def test_a_rows_bits_do_not_depend_on_its_call_or_the_instruction_set(rows4_libr
     """One row alone, in a call of 3, of 130 (past the kernel's chunks of 64 rows), in a 3-d batch: the same bits;
     plain C, AVX2 and the widest kernel of this CPU agree to the bit."""
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((64, 96)).astype(np.float32)
+    w = rng.standard_normal((72, 96)).astype(np.float32)  # 4 tiles and 8 columns
     x = (rng.standard_normal((130, 96)) * rng.uniform(0.01, 100, (130, 1))).astype(np.float32)
     session = matmul_rows4(rows4_library, w)
     by_isa = {}
@@ -77,7 +77,7 @@ def test_a_rows_bits_do_not_depend_on_its_call_or_the_instruction_set(rows4_libr
         by_isa[name] = whole
     assert np.array_equal(by_isa["c"], by_isa["avx2"]) and np.array_equal(by_isa["c"], by_isa["widest"])
     batched = matmul_rows4(rows4_library, w, rank=3).run(None, {"x": x[:128].reshape(4, 32, 96)})[0]
-    assert np.array_equal(batched.reshape(128, 64), by_isa["c"][:128])
+    assert np.array_equal(batched.reshape(128, 72), by_isa["c"][:128])
 
 
 def test_a_wrong_input_is_an_error_not_a_crash(rows4_library):
@@ -85,8 +85,8 @@ def test_a_wrong_input_is_an_error_not_a_crash(rows4_library):
     with pytest.raises(Exception, match="not K"):
         session.run(None, {"x": np.ones((2, 32), np.float32)})
     assert session.run(None, {"x": np.ones((0, 64), np.float32)})[0].shape == (0, 16)
-    with pytest.raises(UserError, match="divisible by 16"):
-        quant.rows4(np.ones((20, 64), np.float32))
+    with pytest.raises(UserError, match="divisible by 32"):
+        quant.rows4(np.ones((20, 48), np.float32))
     for cut, what in (("B", "packed weights"), ("scales", "scales"), ("zeros", "zero points")):
         short = matmul_rows4(rows4_library, np.ones((16, 64), np.float32), cut=cut)
         with pytest.raises(Exception, match=f"the {what} do not match K and N"):
@@ -122,8 +122,8 @@ def test_a_named_header_folder_without_the_header_is_one_line(tmp_path, monkeypa
 
 
 def test_int4_rows_from_the_cli(tiny_folder, tmp_path, rows4_library):
-    """`build --precision int4 --int4-rows`: the projections in MatMulRows4 (the tiny model's LM head, 259 wide,
-    stays in MatMulNBits), the manifest names the kernels, `run` loads them; a graph naming kernels this
+    """`build --precision int4 --int4-rows`: every projection in MatMulRows4 (the tiny model's LM head, 259 wide,
+    too), the manifest names the kernels, `run` loads them; a graph naming kernels this
     specexport lacks is one line; --int4-rows at another precision is one line and writes nothing."""
     import onnx
     from click.testing import CliRunner
@@ -139,8 +139,8 @@ def test_int4_rows_from_the_cli(tiny_folder, tmp_path, rows4_library):
     assert manifest["graphs"]["target"]["kernels"] == ["rows4"]
     nodes = onnx.load(str(tmp_path / "b" / manifest["graphs"]["target"]["file"]), load_external_data=False).graph.node
     ops = [n.op_type for n in nodes]
-    # a layer's projections: q/k/v as one, o, gate/up as one, down; the head in MatMulNBits
-    assert ops.count("MatMulRows4") == 2 * 4 and ops.count("MatMulNBits") == 1
+    # a layer's projections: q/k/v as one, o, gate/up as one, down; the head too (259 columns: a last tile of 3)
+    assert ops.count("MatMulRows4") == 2 * 4 + 1 and ops.count("MatMulNBits") == 0
     run = CliRunner().invoke(main, ["run", str(tmp_path / "b"), "--prompt", "the cat sat", "--max-new-tokens", "8"])
     assert run.exit_code == 0, run.output
     manifest["graphs"]["target"]["kernels"] = ["rows9"]
@@ -153,12 +153,14 @@ def test_int4_rows_from_the_cli(tiny_folder, tmp_path, rows4_library):
     assert os.environ.get("SPECEXPORT_ROWS_ISA") is None
 
 
-def test_build_takes_the_kernel_where_the_profile_measured_it_faster(tiny_folder, tmp_path, rows4_library):
-    """`[engine] int4_kernel = "rows4"` (cpu-2core-vnni) makes --int4-rows the default of an int4 build, and says so;
-    --no-int4-rows keeps MatMulNBits; a profile without it (cpu-2core, measured on AVX2) keeps MatMulNBits."""
+def test_build_takes_the_kernel_where_the_profile_measured_it_faster(tiny_folder, tmp_path, rows4_library, monkeypatch):
+    """`[engine] int4_kernel = "rows4"` (cpu-2core-vnni, cpu-2core: measured on AVX-512 VNNI and on AVX2) makes
+    --int4-rows the default of an int4 build, and says so; --no-int4-rows keeps MatMulNBits; a profile without it
+    (cpu-8core, never measured) keeps MatMulNBits."""
     from click.testing import CliRunner
 
     from specexport.cli import main
+    from specexport.runtime import cpu
 
     def kernels_of(profile, *more):
         out = tmp_path / f"{profile}{len(more)}"
@@ -171,4 +173,12 @@ def test_build_takes_the_kernel_where_the_profile_measured_it_faster(tiny_folder
     taken, said = kernels_of("cpu-2core-vnni")
     assert taken == ["rows4"] and "as profile cpu-2core-vnni measured it faster" in said
     assert kernels_of("cpu-2core-vnni", "--no-int4-rows")[0] is None
-    assert kernels_of("cpu-2core")[0] is None
+    assert kernels_of("cpu-2core")[0] == ["rows4"]  # measured faster on the AVX2 EPYC too
+    assert kernels_of("cpu-8core")[0] is None  # a guess, never measured: MatMulNBits
+    # ... whose int4 rounds a one-row call otherwise without AVX-512 VNNI (tests/helpers.nbits_one_row_apart): said
+    for features, warned in ((("avx2",), True), (("avx2", "avx512f", "avx512_vnni"), False)):
+        monkeypatch.setattr(cpu, "kernel_features", lambda found=features: found)
+        said = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--precision", "int4", "--profile",
+                                         "cpu-8core", "--no-validate", "--max-context", "128", "--output",
+                                         str(tmp_path / f"nbits{len(features)}")]).output
+        assert ("--int4-rows is exact" in said) == warned, said

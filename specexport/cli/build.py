@@ -14,7 +14,7 @@ from specexport.exporter import hub, methods, sources
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import FLAVOURS, INT8_ROWS, PRECISIONS, SERVING_INT8, GraphOptions
 from specexport.exporter.tensorrt import build as tensorrt
-from specexport.runtime import kernels
+from specexport.runtime import cpu, kernels
 from specexport.runtime.methods import PLAIN_NAME
 from specexport.tune import probe
 
@@ -213,6 +213,9 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
                    "tokens", err=True)
     if int4_rows is None:
         int4_rows = precision == "int4" and (flavour or "ort") == "ort" and _rows4_measured(profile, backend)
+    if precision == "int4" and (flavour or "ort") == "ort" and not int4_rows and "avx512_vnni" not in cpu.kernel_features():
+        click.echo("int4 in MatMulNBits: without AVX-512 VNNI its one-row calls round otherwise than its wider ones, "
+                   "so speculation and batching can change a token at a near-tie; --int4-rows is exact", err=True)
     if output is None:
         output = Path(f"{sources.resolve(model_spec).name}-{method}-{backend}-{precision}")
     graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept,
@@ -226,7 +229,7 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
 def _rows4_measured(profile, backend: str) -> bool:
     """Whether an int4 build takes specexport's own kernel (--int4-rows) by default: where the profile measured it
     faster (its engine's int4_kernel) and it compiles on this machine (else MatMulNBits, and why)."""
-    if profile is None or profile.engine.int4_kernel != "rows4" or backend != profile.engine.backend:
+    if profile is None or profile.engine.int4_kernel != kernels.ROWS4 or backend != profile.engine.backend:
         return False
     try:
         kernels.library()

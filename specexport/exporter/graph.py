@@ -292,7 +292,7 @@ class DecoderGraphBuilder:
             wd = g.op("DequantizeLinear", [g.const(f"{name}.qweight", q), g.const(f"{name}.scale", scale)], axis=1)
             y = g.op("MatMul", [x, wd])
         elif p == "int4":
-            if self.ort and self.opt.int4_rows and not (out_dim % quant.ROWS4_TILE or in_dim % quant.INT4_BLOCK):
+            if self.ort and self.opt.int4_rows and not in_dim % quant.INT4_BLOCK:
                 inputs = [x] + [g.const(f"{name}.{k}", v) for k, v in quant.rows4(w).items()]
                 y = g.op("MatMulRows4", inputs, domain=kernels.DOMAIN, K=in_dim, N=out_dim)
                 return g.op("Add", [y, b]) if b else y

@@ -82,11 +82,12 @@ def matmul_nbits(w: np.ndarray, block: int = INT4_BLOCK, bits: int = 4) -> dict[
 def rows4(w: np.ndarray) -> dict[str, np.ndarray]:
     """specexport's MatMulRows4 (runtime/kernels/rows4.c) weight inputs for a PyTorch-layout weight [out, in]: the int4 blocks of MatMulNBits' int4
     (quant.int4_blocks: w ~= (q - zero) * scale) in rows4.c's tile order. Example: w [576, 576] -> B [36, 18, 256],
-    scales and zeros [36, 18, 16]. `out` must be a multiple of 16 and `in` of 32."""
+    scales and zeros [36, 18, 16]. `in` must be a multiple of 32; `out` is padded to a multiple of 16 with zero
+    weights (the kernel never writes their columns)."""
+    if w.shape[1] % INT4_BLOCK:
+        raise UserError(f"--int4-rows needs input dims divisible by {INT4_BLOCK}; got {w.shape[0]} x {w.shape[1]}")
+    w = np.pad(w, ((0, -w.shape[0] % ROWS4_TILE), (0, 0)))
     out_dim, in_dim = w.shape
-    if out_dim % ROWS4_TILE or in_dim % INT4_BLOCK:
-        raise UserError(f"--int4-rows needs output dims divisible by {ROWS4_TILE} and input dims by {INT4_BLOCK}; "
-                        f"got {out_dim} x {in_dim}")
     q, scale, zero = int4_blocks(w)
     blocks = in_dim // INT4_BLOCK
     # [tile, column, block, run p, half h, j] -> input 8p + 4h + j of the block

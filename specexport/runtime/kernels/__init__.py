@@ -30,11 +30,18 @@ from specexport.fsutil import cache_dir
 SOURCE = Path(__file__).with_name("rows4.c")
 LIBRARY = "libspecexport_rows.so"
 DOMAIN = "specexport.kernels"  # the ops' domain in a graph
-NAMES = ("rows4",)  # what a manifest's graph entry may list under "kernels"
+ROWS4 = "rows4"  # MatMulRows4, the int4 kernel (a profile's `[engine] int4_kernel`)
+NAMES = (ROWS4,)  # what a manifest's graph entry may list under "kernels"
 HEADER = "onnxruntime_c_api.h"
 DEB = ("http://deb.debian.org/debian/pool/main/o/onnxruntime/libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb",
        "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08")
 SYSTEM = ("/usr/include/onnxruntime", "/usr/local/include/onnxruntime", "/opt/homebrew/include/onnxruntime")
+
+
+def int4_kernel(manifest: dict) -> str:
+    """The int4 kernel a bundle's target graph runs: "rows4" (ours, `--int4-rows`) or "" (MatMulNBits), as a
+    profile's `[engine] int4_kernel` names it."""
+    return ROWS4 if ROWS4 in ((manifest.get("graphs") or {}).get("target") or {}).get("kernels", ()) else ""
 
 
 def library() -> Path:

@@ -10,7 +10,8 @@ the same order with the same float operations whatever the number of rows, the t
 set (AVX-512 VNNI, AVX2 and plain C give the same bits): a row's result never depends on the call's other rows.
 
 Inputs: x float [..., K]; w uint8 [N/16, K/32, 256] (see pack order below); scales float [N/16, K/32, 16]; zeros
-uint8 [N/16, K/32, 16] (w = (q - zero) * scale, the 16 columns of a tile together). Attributes K, N (N a multiple of 16, K of 32). Output float [..., N].
+uint8 [N/16, K/32, 16] (w = (q - zero) * scale, the 16 columns of a tile together; N/16 rounded up, the last tile's
+columns past N zero weights, never written out). Attributes K, N (K a multiple of 32). Output float [..., N].
 
 Packed order of one (tile of 16 columns, block of 32 inputs): 4 runs of 64 bytes; byte 4 * c + j of run p holds
 q[column c, input 8p + j] in its low nibble and q[column c, input 8p + 4 + j] in its high nibble (j < 4), so the
@@ -119,6 +120,12 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, int8_t *xq, floa
     }
 }
 
+/* The output columns of tile t: 16, or fewer in the last tile where N is not a multiple of 16. */
+static int64_t columns(const Call *c, size_t t) {
+  int64_t left = c->n - (int64_t)t * TILE;
+  return left < TILE ? left : TILE;
+}
+
 /* Plain C: the reference every instruction set matches bit for bit (fmaf, as the vector kernels' FMA). */
 static void tile_c(const void *data, size_t t) {
   const Call *c = (const Call *)data;
@@ -140,7 +147,7 @@ static void tile_c(const void *data, size_t t) {
         acc[col] = fmaf((float)dot, scale, acc[col]);
       }
     }
-    memcpy(c->y + r * c->n + (int64_t)t * TILE, acc, sizeof acc);
+    memcpy(c->y + r * c->n + (int64_t)t * TILE, acc, sizeof(float) * columns(c, t));
   }
 }
 
@@ -201,7 +208,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void tile_vnni(con
       for (; i + 4 <= rows; i += 4) vnni_rows(c, w, zv, sv, r0 + i, b, acc + i * TILE, 4);
       for (; i < rows; i++) vnni_rows(c, w, zv, sv, r0 + i, b, acc + i * TILE, 1);
     }
-    for (int64_t i = 0; i < rows; i++) memcpy(c->y + (r0 + i) * c->n + (int64_t)t * TILE, acc + i * TILE, 64);
+    for (int64_t i = 0; i < rows; i++)
+      memcpy(c->y + (r0 + i) * c->n + (int64_t)t * TILE, acc + i * TILE, sizeof(float) * columns(c, t));
   }
 }
 
@@ -251,7 +259,8 @@ __attribute__((target("avx2,fma"))) static void tile_avx2(const void *data, size
         }
       }
     }
-    for (int64_t i = 0; i < rows; i++) memcpy(c->y + (r0 + i) * c->n + (int64_t)t * TILE, acc + i * TILE, 64);
+    for (int64_t i = 0; i < rows; i++)
+      memcpy(c->y + (r0 + i) * c->n + (int64_t)t * TILE, acc + i * TILE, sizeof(float) * columns(c, t));
   }
 }
 #endif
@@ -315,7 +324,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *context) 
   int64_t m = 1;
   for (size_t i = 0; i + 1 < rank; i++) m *= dims[i];
   dims[rank - 1] = kn->n;
-  int64_t cells = kn->n / TILE * (kn->k / BLOCK);
+  int64_t tiles = (kn->n + TILE - 1) / TILE, cells = tiles * (kn->k / BLOCK);
   CHECK(check_size(w, cells * TILE_BYTES, "MatMulRows4: the packed weights do not match K and N"));
   CHECK(check_size(scales, cells * TILE, "MatMulRows4: the scales do not match K and N"));
   CHECK(check_size(zeros, cells * TILE, "MatMulRows4: the zero points do not match K and N"));
@@ -337,7 +346,7 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *context) 
   call.xsum = (const int32_t *)((float *)scratch + m * blocks);
   call.xq = (const int8_t *)((int32_t *)call.xsum + m * blocks);
   quantize_rows(xf, m, kn->k, (int8_t *)call.xq, (float *)call.xs, (int32_t *)call.xsum, call.tile != tile_c);
-  status = api->KernelContext_ParallelFor(context, run_tile, (size_t)(kn->n / TILE), 0, &call);
+  status = api->KernelContext_ParallelFor(context, run_tile, (size_t)tiles, 0, &call);
   free(scratch);
   return status;
 }
@@ -348,8 +357,7 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *a, co
   Kernel kn;
   CHECK(api->KernelInfoGetAttribute_int64(info, "K", &kn.k));
   CHECK(api->KernelInfoGetAttribute_int64(info, "N", &kn.n));
-  if (kn.k <= 0 || kn.n <= 0 || kn.k % BLOCK || kn.n % TILE)
-    return error("MatMulRows4: K must be a multiple of 32 and N of 16");
+  if (kn.k <= 0 || kn.n <= 0 || kn.k % BLOCK) return error("MatMulRows4: K must be a multiple of 32 and N positive");
   Kernel *made = (Kernel *)malloc(sizeof kn);
   if (!made) return api->CreateStatus(ORT_FAIL, "MatMulRows4: out of memory");
   *made = kn;
