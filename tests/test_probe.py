@@ -3,6 +3,7 @@ probe measures the candidates here once, keeps a profile per machine and model, 
 and `build` say which profile fits and why. The CPU is a fake one (an AMX Xeon's features) on this machine."""
 
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -59,10 +60,18 @@ def test_best_probes_once_then_reads_the_kept_profile(tiny_folder, amx_machine):
     profile = load_profile(kept[0])
     assert profile.measured and profile.hardware.features == AMX.features
     assert set(profile.speed["none"]) == {"int4", "int8"} and len(profile.speed) >= 2
+    # int4 in both kernels where ours compiles here: the profile keeps the one plain decoding ran faster in
+    nbits = float(re.search(r"none int4 ([\d.]+) tokens/s", first.output).group(1))
+    ours = re.search(r"none int4 rows4 ([\d.]+) tokens/s", first.output)
+    assert ours or "int4 in MatMulNBits only" in first.output
+    assert profile.engine.int4_kernel == ("rows4" if ours and float(ours.group(1)) > nbits else "")
+    assert profile.speed["none"]["int4"] == max(nbits, float(ours.group(1)) if ours else 0.0)
     best = max(profile.speed, key=lambda m: max(profile.speed[m].values()))
     manifest = json.loads((amx_machine / "a" / "manifest.json").read_text())
     assert manifest["method"]["name"] == best and manifest["precision"] == max(profile.speed[best],
                                                                               key=profile.speed[best].get)
+    if manifest["precision"] == "int4":  # built in the kernel the probe measured faster
+        assert manifest["graphs"]["target"].get("kernels", []) == (["rows4"] if profile.engine.int4_kernel else [])
     assert manifest["profile"]["hardware"]["features"] == list(AMX.features)
     assert manifest["profile"]["chosen"] == "probe"
 

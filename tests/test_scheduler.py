@@ -5,6 +5,7 @@ request; and the KV pool's slot bookkeeping on hand-built cases."""
 import dataclasses
 import threading
 import time
+from types import SimpleNamespace
 
 import chisquare
 import numpy as np
@@ -17,7 +18,7 @@ from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
 from specexport.runtime.budget import AcceptanceRates, BatchLatency, share, worth_drafting
 from specexport.runtime.generate import Engine
-from specexport.runtime.governor import PLAIN_PROBE_STEPS, PROBE_STEPS
+from specexport.runtime.governor import PLAIN_PROBE_STEPS, PROBE_STEPS, profiled_latency
 from specexport.runtime.kvcache import KVPool
 from specexport.runtime.prefix import PrefixStore
 from specexport.runtime.sampling import SamplingParams
@@ -662,6 +663,24 @@ def test_the_scheduler_measures_the_batched_call_or_reads_the_profiles_table(eng
         assert list(Scheduler(engine, max_batch=4, background=False).governor.latency.sequences) == [1, 2, 4]  # not its own
     finally:
         manifest["profile"] = saved
+
+
+def test_a_profiles_table_counts_only_for_the_int4_kernel_it_measured():
+    """A batched table measured on int4 in one kernel (MatMulNBits, or ours: `int4_kernel = "rows4"`) is not read
+    for a bundle in the other: their extra rows cost otherwise, so the scheduler measures its own."""
+    table = {"batch_sequences": [1, 8], "batch_widths": [1, 4], "batch_ms": [[5.0, 6.0], [9.0, 30.0]],
+             "batch_single_ms": [[5.0, 5.5], [9.0, 12.0]]}
+
+    def engine(int4_kernel: str, graph_kernels: list):
+        manifest = {"profile": {"measured": True, "engine": {"precision": "int4", "int4_kernel": int4_kernel},
+                                "measurements": table},
+                    "graphs": {"target": {"kernels": graph_kernels} if graph_kernels else {}}}
+        return SimpleNamespace(bundle=SimpleNamespace(manifest=manifest, precision="int4"),
+                               target=SimpleNamespace(ragged=True))
+
+    assert profiled_latency(engine("rows4", ["rows4"]))(8, 4) == pytest.approx(0.030)
+    assert profiled_latency(engine("", []))(8, 4) == pytest.approx(0.030)
+    assert profiled_latency(engine("rows4", [])) is None and profiled_latency(engine("", ["rows4"])) is None
 
 
 def test_the_budget_cuts_trees_under_load_and_a_fixed_tree_does_not(engines):

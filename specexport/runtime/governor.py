@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specexport.runtime import cpu
+from specexport.runtime import cpu, kernels
 from specexport.runtime.budget import AcceptanceRates, BatchLatency, share, worth_drafting
 from specexport.runtime.tree import DraftTree
 
@@ -196,12 +196,16 @@ class Governor:
 
 def profiled_latency(engine) -> BatchLatency | None:
     """The batched latency table of the profile the bundle was built with, where that profile measured it on a bundle
-    of the same precision (another precision's kernels scale differently with rows), on a CPU with this one's kernel
+    of the same precision and int4 kernel (another precision's kernels scale differently with rows), on a CPU with this one's kernel
     features (runtime/cpu.py: another CPU's rows cost otherwise) and, for a graph with ragged rows, measured what a
     width costs alone (`BatchLatency.single`); None otherwise (the engine measures its own)."""
-    profile = engine.bundle.manifest.get("profile") or {}
-    if not profile.get("measured") or (profile.get("engine") or {}).get("precision") != engine.bundle.precision:
+    manifest = engine.bundle.manifest
+    profile, precision = manifest.get("profile") or {}, engine.bundle.precision
+    measured_on = profile.get("engine") or {}
+    if not profile.get("measured") or measured_on.get("precision") != precision:
         return None
+    if precision == "int4" and (measured_on.get("int4_kernel") or "") != kernels.int4_kernel(manifest):
+        return None  # the other int4 kernel's rows cost otherwise
     hardware = profile.get("hardware") or {}
     if hardware.get("kind") == "cpu" and set(hardware.get("features") or ()) != set(cpu.kernel_features()):
         return None

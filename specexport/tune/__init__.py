@@ -31,6 +31,7 @@ from specexport.profiles import dump, resolve_profile
 from specexport.profiles.detect import detect
 from specexport.profiles.schema import Measurements
 from specexport.prompts import AGREEMENT_PROMPTS
+from specexport.runtime import kernels
 from specexport.runtime.budget import grid
 from specexport.runtime.generate import Engine
 from specexport.tune import chain, dflash, eagle, measure, medusa, suffix
@@ -150,7 +151,8 @@ def _measured_profile(base, engine: Engine, measured: measure.Measured, tokens: 
         base, name=name, path="", measured=True, methods=methods, hardware=hardware, **speeds,
         description=base.description.removesuffix(", measured"),  # `measured = true` says it (older files said both)
         engine=dataclasses.replace(base.engine, backend="onnxruntime", precision=manifest["precision"],
-                                   flavour=manifest["flavour"]),
+                                   flavour=manifest["flavour"], int4_kernel=kernels.int4_kernel(manifest)
+                                   if manifest["precision"] == "int4" else base.engine.int4_kernel),
         source=_source(base, _hardware(), entry),
         limits=dataclasses.replace(base.limits, max_tree_tokens=max(base.limits.max_tree_tokens,
                                                                     chosen["tokens"] if chosen else 1)),

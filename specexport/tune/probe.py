@@ -3,9 +3,11 @@
 A profile's [speed] table holds on the CPU it was measured on (its kernel features, profiles/detect.py): on another
 the balance moves (plain int4 decoded 2x faster on a VNNI EPYC than on an AVX2 one, and speculation's wider
 verification calls did not speed up alike). So where the profile `auto` found was measured elsewhere, the probe
-builds each candidate method in each CPU precision (int4, int8) without validation, runs them side by side on a
+builds each candidate method in each CPU precision (int4, int8) without validation, int4 both in ONNX Runtime's
+MatMulNBits and, where it compiles here, in specexport's own kernel (`--int4-rows`), runs them side by side on a
 few built-in prompts (greedy, interleaved, the order alternating), and writes a profile: the base profile's
-settings, this CPU's features, and the [speed] it measured. The profile is cached per machine and model (the CPU,
+settings, this CPU's features, the [speed] it measured, and the int4 kernel in which plain decoding ran faster
+(its `int4_kernel`; [speed]'s int4 figures are that kernel's). The profile is cached per machine and model (the CPU,
 its cores and features, the onnxruntime version, the model's name), so the next build reads it at once.
 
 Candidates: plain decoding always (so that `best` is plain where nothing beats it), and the speculative methods
@@ -19,8 +21,8 @@ exact under batching), so that the serving build picks from what this CPU does u
 grows with the rows (int4's here) can be the fastest alone and the slowest batched. A probe kept without them is
 measured again when a serving build asks.
 
-Example: on a 2-core AVX-512 VNNI EPYC with the AVX2 profile cpu-2core as base, the candidates are none, suffix,
-hybrid and ngram, in int4 and int8: eight builds and eight bundles run on PROMPTS prompts, about two minutes.
+Example: on a 2-core AVX-512 VNNI EPYC with the AVX2 profile cpu-2core as base, the candidates are none, suffix
+and ngram, in int4 (both kernels) and int8: nine builds and nine bundles run on PROMPTS prompts, a few minutes.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from specexport.fsutil import cache_dir
 from specexport.profiles import Profile, dump, load_profile, merge
 from specexport.profiles.detect import Found, detect
 from specexport.prompts import AGREEMENT_PROMPTS
+from specexport.runtime import kernels
 from specexport.runtime.generate import Engine
 from specexport.runtime.methods import PLAIN_NAME
 from specexport.runtime.methods.suffix import fresh_requests
@@ -107,10 +110,14 @@ def probe(model_spec: str, base: Profile, say=lambda text: None, serving: bool =
         if PLAIN_NAME not in built or len(built) < 2:
             raise UserError("the probe could not build plain decoding and a speculative method for this model: pass "
                             "--method NAME")
-        speed = _measure({(m, p): b for (m, p, kernel), b in bundles.items() if not kernel}, say)
-        served = {(m, p): b for (m, p, kernel), b in bundles.items() if p == "int4" or kernel}
+        measured = _measure({(m, p, kernel): b for (m, p, kernel), b in bundles.items() if p == "int4" or not kernel},
+                            say)
+        int4_kernel = _int4_kernel(measured)
+        speed = _folded(measured, int4_kernel)
+        served = {(m, p): b for (m, p, kernel), b in bundles.items()
+                  if (p == "int4" and kernel == int4_kernel) or (p == "int8" and kernel)}
         serve_speed = _serve(served, say) if serving else {}
-    profile = _profile(base, found, source.name, speed, serve_speed)
+    profile = _profile(base, found, source.name, speed, serve_speed, int4_kernel)
     path = cache_path(source.name, found)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", delete=False) as f:
@@ -121,19 +128,22 @@ def probe(model_spec: str, base: Profile, say=lambda text: None, serving: bool =
 
 
 def _build(model_spec: str, source, base: Profile, names: list[str], folder: Path, say, serving: bool) -> dict:
-    """Each candidate in each precision (and with `serving` in the serving build's int8), built into `folder`
-    without validation, the model loaded once: {(method, precision, int8 kernel or ""): bundle folder}."""
+    """Each candidate in each precision, int4 also in our kernel where it compiles (and with `serving` in the serving
+    build's int8), built into `folder` without validation, the model loaded once: {(method, precision, kernel or
+    ""): bundle folder}."""
     say(f"loading {source.name}")
     loaded = sources.load_model(source)
     context = min(MAX_CONTEXT, arch.dims_from_config(sources.load_config(source)).max_positions)
-    variants = [(p, "") for p in PRECISIONS] + ([("int8", SERVING_INT8)] if serving else [])
+    variants = [(p, "") for p in PRECISIONS] + ([("int4", kernels.ROWS4)] if _rows4_compiles(say) else []) \
+        + ([("int8", SERVING_INT8)] if serving else [])
     bundles = {}
     total = len(names) * len(variants)
     for name in names:
         for precision, kernel in variants:
             say(f"building {name} {precision}{f' {kernel}' if kernel else ''} ({len(bundles) + 1}/{total})")
             settings = merge(base, methods.get(name).runtime, {})
-            graph = GraphOptions(precision=precision, int8_rows=kernel)
+            graph = GraphOptions(precision=precision, int8_rows=kernel if precision == "int8" else "",
+                                 int4_rows=kernel == kernels.ROWS4)
             options = ExportOptions(graph=graph, max_context=context, optimize=True, validate=False, method=name,
                                     settings=settings, profile={**base.as_dict(), "chosen": "probe"})
             out = folder / f"{name}-{precision}{kernel}"
@@ -146,10 +156,41 @@ def _build(model_spec: str, source, base: Profile, names: list[str], folder: Pat
     return bundles
 
 
+def _rows4_compiles(say) -> bool:
+    """Whether our int4 kernel compiles here (else int4 is MatMulNBits only, and the line says why)."""
+    try:
+        kernels.library()
+    except UserError as e:
+        say(f"int4 in MatMulNBits only: {e}")
+        return False
+    return True
+
+
+def _int4_kernel(measured: dict) -> str:
+    """The int4 kernel plain decoding ran faster in: kernels.ROWS4 or "" (MatMulNBits)."""
+    plain = measured[PLAIN_NAME]
+    return kernels.ROWS4 if plain.get(f"int4 {kernels.ROWS4}", 0.0) > plain.get("int4", 0.0) else ""
+
+
+def _folded(measured: dict, int4_kernel: str) -> dict:
+    """[speed] from the measured table: each method's int4 figure its `int4_kernel` bundle's."""
+    speed = {}
+    for name, by in measured.items():
+        speed[name] = {p: v for p, v in by.items() if " " not in p}
+        if int4_kernel and f"int4 {int4_kernel}" in by:
+            speed[name]["int4"] = by[f"int4 {int4_kernel}"]
+    return speed
+
+
+def _label(precision: str, kernel: str) -> str:
+    return f"{precision} {kernel}" if kernel else precision
+
+
 def _measure(bundles: dict, say) -> dict:
     """Decode tokens/s of each bundle (after the first token), side by side: every prompt runs every bundle, the
     order alternating, ROUNDS times, each run as a fresh engine's (a response store would draft a round's answers
-    from the round before). {method: {precision: tokens/s}}."""
+    from the round before). `bundles` keyed (method, precision, kernel or ""): {method: {precision[ kernel]:
+    tokens/s}}."""
     engines = {key: Engine.load(path) for key, path in bundles.items()}
     with ExitStack() as fresh:
         for engine in engines.values():
@@ -172,8 +213,8 @@ def _side_by_side(engines: dict, say) -> dict:
                 totals[key][0] += result.stats.new_tokens - 1
                 totals[key][1] += result.stats.seconds - result.stats.ttft_s
     speed: dict = {}
-    for (name, precision), (tokens, seconds) in totals.items():
-        speed.setdefault(name, {})[precision] = round(tokens / seconds, 1) if seconds > 0 else 0.0
+    for (name, precision, kernel), (tokens, seconds) in totals.items():
+        speed.setdefault(name, {})[_label(precision, kernel)] = round(tokens / seconds, 1) if seconds > 0 else 0.0
     plain = max(speed[PLAIN_NAME].values())
     for name, by in speed.items():
         say("  " + "  ".join(f"{name} {p} {v:.1f} tokens/s ({v / plain:.2f}x)" for p, v in by.items()))
@@ -217,21 +258,22 @@ def _serve(bundles: dict, say) -> dict:
     return serve
 
 
-def _profile(base: Profile, found: Found, model: str, speed: dict, serve_speed: dict) -> Profile:
+def _profile(base: Profile, found: Found, model: str, speed: dict, serve_speed: dict, int4_kernel: str) -> Profile:
     today = datetime.date.today()
     hardware = dataclasses.replace(base.hardware, match=(found.name,), min_cores=found.cores, max_cores=found.cores,
                                    features=found.features)
     best = max(speed, key=lambda m: max(speed[m].values()))
+    kernel = "specexport's own kernel (--int4-rows)" if int4_kernel else "MatMulNBits"
     return dataclasses.replace(
         base, name=f"probe-{found.cores}core-{'-'.join(found.features) or 'basic'}", measured=True, path="",
         description=f"{found.describe()}: probed for {model}",
         source=f"probed by specexport build on {found.describe()} on {today}, {model}, "
                f"{PROMPTS} built-in prompts x {NEW_TOKENS} tokens x {ROUNDS} rounds, greedy; settings from "
-               f"{base.name}; fastest: {best} {max(speed[best], key=speed[best].get)}"
+               f"{base.name}; fastest: {best} {max(speed[best], key=speed[best].get)}; int4 in {kernel}"
                + (f"; [serve_speed]: {SERVE_CLIENTS} requests at once, int8 as --int8-rows {SERVING_INT8}"
                   if serve_speed else ""),
         hardware=hardware, speed=speed, serve_speed=serve_speed, measurements=type(base.measurements)(),
-        engine=dataclasses.replace(base.engine, int4_kernel=""))  # it measured MatMulNBits' int4
+        engine=dataclasses.replace(base.engine, int4_kernel=int4_kernel))
 
 
 def describe(profile: Profile, serving: bool = False) -> list[str]:
