@@ -156,14 +156,14 @@ def test_int4_rows_from_the_cli(tiny_folder, tmp_path, rows4_library):
 def test_build_takes_the_kernel_where_the_profile_measured_it_faster(tiny_folder, tmp_path, rows4_library, monkeypatch):
     """`[engine] int4_kernel = "rows4"` (cpu-2core-vnni, cpu-2core: measured on AVX-512 VNNI and on AVX2) makes
     --int4-rows the default of an int4 build, and says so; --no-int4-rows keeps MatMulNBits; a profile without it
-    (cpu-8core, never measured) keeps MatMulNBits."""
+    (cpu-8core, never measured) keeps MatMulNBits where it is exact (AVX-512 VNNI), else takes ours."""
     from click.testing import CliRunner
 
     from specexport.cli import main
     from specexport.runtime import cpu
 
     def kernels_of(profile, *more):
-        out = tmp_path / f"{profile}{len(more)}"
+        out = tmp_path / f"{profile}-{len(list(tmp_path.iterdir()))}"
         result = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--method", "none", "--precision",
                                            "int4", "--profile", profile, "--no-validate", "--max-context", "128",
                                            *more, "--output", str(out)])
@@ -174,11 +174,14 @@ def test_build_takes_the_kernel_where_the_profile_measured_it_faster(tiny_folder
     assert taken == ["rows4"] and "as profile cpu-2core-vnni measured it faster" in said
     assert kernels_of("cpu-2core-vnni", "--no-int4-rows")[0] is None
     assert kernels_of("cpu-2core")[0] == ["rows4"]  # measured faster on the AVX2 EPYC too
-    assert kernels_of("cpu-8core")[0] is None  # a guess, never measured: MatMulNBits
-    # ... whose int4 rounds a one-row call otherwise without AVX-512 VNNI (tests/helpers.nbits_one_row_apart): said
-    for features, warned in ((("avx2",), True), (("avx2", "avx512f", "avx512_vnni"), False)):
+    # a profile that never measured it (cpu-8core): MatMulNBits with AVX-512 VNNI; without it, where MatMulNBits'
+    # int4 rounds a one-row call otherwise (tests/helpers.nbits_one_row_apart), ours, for exactness
+    for features, ours in ((("avx2",), True), (("avx2", "avx512f", "avx512_vnni"), False)):
         monkeypatch.setattr(cpu, "kernel_features", lambda found=features: found)
+        taken, said = kernels_of("cpu-8core")
+        assert (taken == ["rows4"]) == ours and ("exact on this CPU" in said) == ours, said
+        # --no-int4-rows there: one line says that MatMulNBits' int4 is not exact on such a CPU
         said = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--precision", "int4", "--profile",
-                                         "cpu-8core", "--no-validate", "--max-context", "128", "--output",
-                                         str(tmp_path / f"nbits{len(features)}")]).output
-        assert ("--int4-rows is exact" in said) == warned, said
+                                         "cpu-8core", "--no-validate", "--max-context", "128", "--no-int4-rows",
+                                         "--output", str(tmp_path / f"nbits{len(features)}")]).output
+        assert ("--int4-rows is exact" in said) == ours, said

@@ -212,7 +212,7 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
         click.echo("int8 activations quantized per row (--int8-rows channel): batching never changes a request's "
                    "tokens", err=True)
     if int4_rows is None:
-        int4_rows = precision == "int4" and (flavour or "ort") == "ort" and _rows4_measured(profile, backend)
+        int4_rows = precision == "int4" and (flavour or "ort") == "ort" and _rows4_default(profile, backend)
     if precision == "int4" and (flavour or "ort") == "ort" and not int4_rows and "avx512_vnni" not in cpu.kernel_features():
         click.echo("int4 in MatMulNBits: without AVX-512 VNNI its one-row calls round otherwise than its wider ones, "
                    "so speculation and batching can change a token at a near-tie; --int4-rows is exact", err=True)
@@ -226,18 +226,24 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
     _print_export(export_bundle(model_spec, output, options, overwrite=overwrite), output)
 
 
-def _rows4_measured(profile, backend: str) -> bool:
-    """Whether an int4 build takes specexport's own kernel (--int4-rows) by default: where the profile measured it
-    faster (its engine's int4_kernel) and it compiles on this machine (else MatMulNBits, and why)."""
-    if profile is None or profile.engine.int4_kernel != kernels.ROWS4 or backend != profile.engine.backend:
+def _rows4_default(profile, backend: str) -> bool:
+    """Whether an int4 build for a CPU profile takes specexport's own kernel (--int4-rows) by default, where it
+    compiles here (else MatMulNBits, and why): where the profile measured it faster (its engine's int4_kernel), and
+    on a CPU without AVX-512 VNNI, where MatMulNBits' int4 is not row-invariant (docs/precision.md)."""
+    if profile is None or backend != profile.engine.backend or profile.hardware.kind != "cpu":
+        return False
+    measured = profile.engine.int4_kernel == kernels.ROWS4
+    if not measured and "avx512_vnni" in cpu.kernel_features():
         return False
     try:
         kernels.library()
     except UserError as e:
         click.echo(f"int4 in ONNX Runtime's MatMulNBits: specexport's own kernel does not compile here ({e})", err=True)
         return False
-    click.echo(f"int4 in specexport's own kernel (--int4-rows, as profile {profile.name} measured it faster): extra "
-               "rows cost little, and batching never changes a request's tokens", err=True)
+    why = f"as profile {profile.name} measured it faster" if measured else \
+        "exact on this CPU, where MatMulNBits' int4 is not (no AVX-512 VNNI)"
+    click.echo(f"int4 in specexport's own kernel (--int4-rows, {why}): extra rows cost little, and batching never "
+               "changes a request's tokens", err=True)
     return True
 
 
