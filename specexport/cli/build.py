@@ -14,7 +14,7 @@ from specexport.exporter import hub, methods, sources
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import FLAVOURS, INT8_ROWS, PRECISIONS, SERVING_INT8, GraphOptions
 from specexport.exporter.tensorrt import build as tensorrt
-from specexport.runtime import cpu, kernels
+from specexport.runtime import kernels
 from specexport.runtime.methods import PLAIN_NAME
 from specexport.tune import probe
 
@@ -211,9 +211,10 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
         int8_rows = SERVING_INT8  # a server's batches never change a request's tokens, at DynamicQuantizeMatMul's cost
         click.echo("int8 activations quantized per row (--int8-rows channel): batching never changes a request's "
                    "tokens", err=True)
+    nbits = precision == "int4" and (flavour or "ort") == "ort"  # int4 in MatMulNBits unless in our kernel
     if int4_rows is None:
-        int4_rows = precision == "int4" and (flavour or "ort") == "ort" and _rows4_default(profile, backend)
-    if precision == "int4" and (flavour or "ort") == "ort" and not int4_rows and "avx512_vnni" not in cpu.kernel_features():
+        int4_rows = nbits and _rows4_default(profile, backend)
+    if nbits and not int4_rows and not kernels.nbits_int4_exact():
         click.echo("int4 in MatMulNBits: without AVX-512 VNNI its one-row calls round otherwise than its wider ones, "
                    "so speculation and batching can change a token at a near-tie; --int4-rows is exact", err=True)
     if output is None:
@@ -233,12 +234,10 @@ def _rows4_default(profile, backend: str) -> bool:
     if profile is None or backend != profile.engine.backend or profile.hardware.kind != "cpu":
         return False
     measured = profile.engine.int4_kernel == kernels.ROWS4
-    if not measured and "avx512_vnni" in cpu.kernel_features():
+    if not measured and kernels.nbits_int4_exact():
         return False
-    try:
-        kernels.library()
-    except UserError as e:
-        click.echo(f"int4 in ONNX Runtime's MatMulNBits: specexport's own kernel does not compile here ({e})", err=True)
+    if why := kernels.unavailable():
+        click.echo(f"int4 in ONNX Runtime's MatMulNBits: specexport's own kernel does not compile here ({why})", err=True)
         return False
     why = f"as profile {profile.name} measured it faster" if measured else \
         "exact on this CPU, where MatMulNBits' int4 is not (no AVX-512 VNNI)"

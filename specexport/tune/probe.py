@@ -158,10 +158,8 @@ def _build(model_spec: str, source, base: Profile, names: list[str], folder: Pat
 
 def _rows4_compiles(say) -> bool:
     """Whether our int4 kernel compiles here (else int4 is MatMulNBits only, and the line says why)."""
-    try:
-        kernels.library()
-    except UserError as e:
-        say(f"int4 in MatMulNBits only: {e}")
+    if why := kernels.unavailable():
+        say(f"int4 in MatMulNBits only: {why}")
         return False
     return True
 
@@ -169,7 +167,7 @@ def _rows4_compiles(say) -> bool:
 def _int4_kernel(measured: dict) -> str:
     """The int4 kernel plain decoding ran faster in: kernels.ROWS4 or "" (MatMulNBits)."""
     plain = measured[PLAIN_NAME]
-    return kernels.ROWS4 if plain.get(f"int4 {kernels.ROWS4}", 0.0) > plain.get("int4", 0.0) else ""
+    return kernels.ROWS4 if plain.get(_label("int4", kernels.ROWS4), 0.0) > plain.get("int4", 0.0) else ""
 
 
 def _folded(measured: dict, int4_kernel: str) -> dict:
@@ -177,8 +175,8 @@ def _folded(measured: dict, int4_kernel: str) -> dict:
     speed = {}
     for name, by in measured.items():
         speed[name] = {p: v for p, v in by.items() if " " not in p}
-        if int4_kernel and f"int4 {int4_kernel}" in by:
-            speed[name]["int4"] = by[f"int4 {int4_kernel}"]
+        if int4_kernel and _label("int4", int4_kernel) in by:
+            speed[name]["int4"] = by[_label("int4", int4_kernel)]
     return speed
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from specexport.errors import UserError
 from specexport.fsutil import cache_dir
+from specexport.runtime import cpu
 
 SOURCE = Path(__file__).with_name("rows4.c")
 LIBRARY = "libspecexport_rows.so"
@@ -42,6 +43,24 @@ def int4_kernel(manifest: dict) -> str:
     """The int4 kernel a bundle's target graph runs: "rows4" (ours, `--int4-rows`) or "" (MatMulNBits), as a
     profile's `[engine] int4_kernel` names it."""
     return ROWS4 if ROWS4 in ((manifest.get("graphs") or {}).get("target") or {}).get("kernels", ()) else ""
+
+
+def nbits_int4_exact() -> bool:
+    """Whether ONNX Runtime's MatMulNBits int4 is row-invariant on this CPU: with AVX-512 VNNI. Without it, a one-row
+    call rounds otherwise than calls of two or more rows (docs/precision.md), so speculation and batching can change
+    a token at a near-tie; our kernel (rows4) is exact everywhere."""
+    return "avx512_vnni" in cpu.kernel_features()
+
+
+def unavailable() -> str | None:
+    """Why our kernels cannot run here (no compiler, no header: library()'s line), or None where they compile.
+
+    Example: `if why := unavailable(): say(f"int4 in MatMulNBits only: {why}")`."""
+    try:
+        library()
+    except UserError as e:
+        return str(e)
+    return None
 
 
 def library() -> Path:
