@@ -153,13 +153,11 @@ def real_smol_ngram(tmp_path_factory):
 def rows4_library():
     """specexport's own kernels compiled on this machine (runtime/kernels), as a graph built with --int4-rows loads
     them; skips where they cannot be (no C compiler, no ONNX Runtime header and Debian unreachable)."""
-    from specexport.errors import UserError
     from specexport.runtime import kernels
 
-    try:
-        return kernels.library()
-    except UserError as e:
-        pytest.skip(str(e))
+    if why := kernels.unavailable():
+        pytest.skip(why)
+    return kernels.library()
 
 
 @pytest.fixture(scope="session")

@@ -110,28 +110,3 @@ def check_batched_and_sampled(engine, prompts, new_tokens: int, want: list[list[
     plain, _ = chisquare.sampled_counts(engine, "the cat", True, 1200, 100_000, temperature=temperature)
     stat, dof = chisquare.two_sample(spec, plain)
     assert sum(lengths) - len(lengths) > 50 and dof >= 3 and stat < chisquare.threshold(dof), (stat, dof)
-
-
-def nbits_one_row_apart(bits: int) -> bool:
-    """Whether ONNX Runtime's MatMulNBits (accuracy level 4, as our int4 and --int8-rows blocks graphs run it) gives
-    a row alone other bits than the same row beside others, on this CPU: its AVX2 kernels do (a one-row path of
-    its own; measured on an AVX2-only EPYC, onnxruntime 1.32), its AVX-512 VNNI ones do not."""
-    import numpy as np
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
-    from specexport.exporter import quant
-
-    rng = np.random.default_rng(0)
-    n, k = 64, 256
-    weights = quant.matmul_nbits(rng.standard_normal((n, k)).astype(np.float32), bits=bits)
-    node = helper.make_node("MatMulNBits", ["x", *weights], ["y"], domain="com.microsoft", K=k, N=n, bits=bits,
-                            block_size=quant.INT4_BLOCK, accuracy_level=4)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["m", k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", n])],
-                              [numpy_helper.from_array(v, name) for name, v in weights.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)])
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    x = rng.standard_normal((3, k)).astype(np.float32)
-    alone = np.concatenate([session.run(None, {"x": x[i:i + 1]})[0] for i in range(3)])
-    return not np.array_equal(alone, session.run(None, {"x": x})[0])

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import method_export
-from helpers import nbits_one_row_apart
 
+from specexport.exporter import row_invariance
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import GraphOptions
 from specexport.runtime import tree
@@ -34,7 +34,7 @@ def bundles(request, tiny_folder, tmp_path_factory):
     precision, _, kernel = request.param.partition("-")
     if kernel == "rows":
         request.getfixturevalue("rows4_library")  # skips where it cannot be compiled
-    if request.param == "int4" and nbits_one_row_apart(4):
+    if request.param == "int4" and row_invariance.rows_apart(4):
         pytest.skip("ONNX Runtime's MatMulNBits int4 computes a row alone in another float order than beside others "
                     "on this CPU (its AVX2 kernels): int4 is exact here in --int4-rows, which the profile builds")
 

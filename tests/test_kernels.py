@@ -121,6 +121,41 @@ def test_a_named_header_folder_without_the_header_is_one_line(tmp_path, monkeypa
         kernels.include_dir()
 
 
+def test_a_compiler_that_does_not_run_is_one_line(tmp_path, monkeypatch, rows4_library):
+    """$CC naming no program (or a cache folder that cannot be written) is one line, as a failed compile is."""
+    monkeypatch.setenv("ONNXRUNTIME_INCLUDE_DIR", str(kernels.include_dir()))
+    monkeypatch.setenv("SPECEXPORT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    why = kernels.unavailable()
+    assert why.startswith("compiling specexport's kernels (--int4-rows) failed") and "no-such-cc" in why, why
+    monkeypatch.setenv("CC", "cc -Wall")  # a command with its arguments, as make takes it
+    assert kernels.unavailable() is None and kernels.library().is_file()
+
+
+def test_projections_our_kernel_does_not_take_stay_row_invariant(tmp_path, rows4_library):
+    """--int4-rows on a model whose MLP width (144) is no multiple of 32: its down projections go in 8-bit
+    MatMulNBits blocks (int4 ones round a row alone otherwise on some CPUs), the rest in MatMulRows4; it builds,
+    checks against transformers and runs."""
+    import onnx
+    from click.testing import CliRunner
+    from conftest import save_folder, tiny_model
+
+    from specexport.cli import main
+
+    folder = save_folder(tiny_model("llama", intermediate_size=144), tmp_path / "odd")
+    result = CliRunner().invoke(main, ["build", "--model", str(folder), "--method", "none", "--int4-rows", "--profile",
+                                       "off", "--max-context", "128", "--precision", "int4", "--output",
+                                       str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    nodes = onnx.load(str(tmp_path / "b" / manifest["graphs"]["target"]["file"]), load_external_data=False).graph.node
+    nbits = [n for n in nodes if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 2 and all(next(a.i for a in n.attribute if a.name == "bits") == 8 for n in nbits)
+    assert sum(n.op_type == "MatMulRows4" for n in nodes) == 2 * 3 + 1
+    run = CliRunner().invoke(main, ["run", str(tmp_path / "b"), "--prompt", "the cat sat", "--max-new-tokens", "8"])
+    assert run.exit_code == 0, run.output
+
+
 def test_int4_rows_from_the_cli(tiny_folder, tmp_path, rows4_library):
     """`build --precision int4 --int4-rows`: every projection in MatMulRows4 (the tiny model's LM head, 259 wide,
     too), the manifest names the kernels, `run` loads them; a graph naming kernels this
@@ -156,11 +191,11 @@ def test_int4_rows_from_the_cli(tiny_folder, tmp_path, rows4_library):
 def test_build_takes_the_kernel_where_the_profile_measured_it_faster(tiny_folder, tmp_path, rows4_library, monkeypatch):
     """`[engine] int4_kernel = "rows4"` (cpu-2core-vnni, cpu-2core: measured on AVX-512 VNNI and on AVX2) makes
     --int4-rows the default of an int4 build, and says so; --no-int4-rows keeps MatMulNBits; a profile without it
-    (cpu-8core, never measured) keeps MatMulNBits where it is exact (AVX-512 VNNI), else takes ours."""
+    (cpu-8core, never measured) keeps MatMulNBits where its int4 is measured row-invariant here, else takes ours."""
     from click.testing import CliRunner
 
     from specexport.cli import main
-    from specexport.runtime import cpu
+    from specexport.exporter import row_invariance
 
     def kernels_of(profile, *more):
         out = tmp_path / f"{profile}-{len(list(tmp_path.iterdir()))}"
@@ -174,14 +209,14 @@ def test_build_takes_the_kernel_where_the_profile_measured_it_faster(tiny_folder
     assert taken == ["rows4"] and "as profile cpu-2core-vnni measured it faster" in said
     assert kernels_of("cpu-2core-vnni", "--no-int4-rows")[0] is None
     assert kernels_of("cpu-2core")[0] == ["rows4"]  # measured faster on the AVX2 EPYC too
-    # a profile that never measured it (cpu-8core): MatMulNBits with AVX-512 VNNI; without it, where MatMulNBits'
-    # int4 rounds a one-row call otherwise (tests/helpers.nbits_one_row_apart), ours, for exactness
-    for features, ours in ((("avx2",), True), (("avx2", "avx512f", "avx512_vnni"), False)):
-        monkeypatch.setattr(cpu, "kernel_features", lambda found=features: found)
+    # a profile that never measured it (cpu-8core): MatMulNBits where its int4 keeps a row's bits; where it rounds
+    # a one-row call otherwise (exporter/row_invariance.py: an AVX2-only CPU), ours, for exactness
+    for ours in (True, False):
+        monkeypatch.setattr(row_invariance, "rows_apart", lambda bits, apart=ours: apart)
         taken, said = kernels_of("cpu-8core")
         assert (taken == ["rows4"]) == ours and ("exact on this CPU" in said) == ours, said
         # --no-int4-rows there: one line says that MatMulNBits' int4 is not exact on such a CPU
         said = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--precision", "int4", "--profile",
                                          "cpu-8core", "--no-validate", "--max-context", "128", "--no-int4-rows",
-                                         "--output", str(tmp_path / f"nbits{len(features)}")]).output
+                                         "--output", str(tmp_path / f"nbits{ours}")]).output
         assert ("--int4-rows is exact" in said) == ours, said

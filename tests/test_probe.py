@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from specexport.cli import main
+from specexport.exporter import row_invariance
 from specexport.profiles import detect as detection
 from specexport.profiles.detect import Found, auto_profile, fits
 from specexport.profiles.schema import load_profile
@@ -25,6 +26,7 @@ def amx_machine(monkeypatch, tmp_path):
     monkeypatch.setattr(probe, "detect", lambda: AMX)
     monkeypatch.setattr(cpu, "kernel_features", lambda: AMX.features)
     monkeypatch.setattr(cpu, "describe", AMX.describe)
+    monkeypatch.setattr(row_invariance, "rows_apart", lambda bits: False)  # MatMulNBits is exact on an AMX Xeon
     monkeypatch.setenv("SPECEXPORT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(probe, "PROMPTS", 2)
     monkeypatch.setattr(probe, "NEW_TOKENS", 16)
@@ -87,6 +89,22 @@ def test_best_probes_once_then_reads_the_kept_profile(tiny_folder, amx_machine):
     assert skipped.exit_code == 0, skipped.output
     assert "probing" not in skipped.output and "its speeds were measured on another CPU" in skipped.output
     assert not list((amx_machine / "cache" / "probes").glob("*.toml"))
+
+
+def test_the_probe_keeps_the_exact_int4_kernel_where_matmulnbits_is_not(monkeypatch):
+    """Where MatMulNBits' int4 rounds a row alone otherwise (as `build` then takes our kernel), the kept profile's
+    int4 kernel and figures are ours even where MatMulNBits ran plain decoding faster; elsewhere the faster one."""
+    measured = {"none": {"int4": 120.0, "int4 rows4": 100.0, "int8": 90.0}, "ngram": {"int4": 150.0,
+                                                                                   "int4 rows4": 140.0}}
+    for apart, kernel in ((True, "rows4"), (False, "")):
+        monkeypatch.setattr(row_invariance, "rows_apart", lambda bits, apart=apart: apart)
+        assert probe._int4_kernel(measured) == kernel
+        assert probe._folded(measured, kernel)["ngram"]["int4"] == (140.0 if apart else 150.0)
+    measured["none"]["int4 rows4"] = 130.0
+    assert probe._int4_kernel(measured) == "rows4"  # faster, exact or not
+    del measured["none"]["int4 rows4"]  # our kernel did not compile here: MatMulNBits
+    monkeypatch.setattr(row_invariance, "rows_apart", lambda bits: True)
+    assert probe._int4_kernel(measured) == ""
 
 
 def test_serving_probes_under_load_once(tiny_folder, amx_machine):

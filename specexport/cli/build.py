@@ -10,7 +10,7 @@ from specexport import profiles
 from specexport.bundle.describe import numerics_lines
 from specexport.cli.common import IntList, SettingOptions, path_option
 from specexport.errors import UserError
-from specexport.exporter import hub, methods, sources
+from specexport.exporter import hub, methods, row_invariance, sources
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import FLAVOURS, INT8_ROWS, PRECISIONS, SERVING_INT8, GraphOptions
 from specexport.exporter.tensorrt import build as tensorrt
@@ -64,8 +64,9 @@ def export_options(f):
                      help="int4 (ort flavour): specexport's own 4-bit kernel, each weight tile unpacked once for all "
                           "the rows of a call and each row quantized alone: trees and batches cost little more than "
                           "one row, and a row's logits never depend on its call. Compiled where the bundle is loaded, "
-                          "at first use (a C compiler; docs/precision.md). [build's default: where the profile "
-                          "measured it faster and it compiles here]")(f)
+                          "at first use (a C compiler; docs/precision.md). [build's default, where it compiles here: "
+                          "where the profile measured it faster, and where MatMulNBits' int4 rounds a row alone "
+                          "otherwise than beside others on this CPU]")(f)
     f = click.option("--fused-accept/--no-fused-accept", default=True, show_default=True,
                      help="Acceptance inside the target graph, greedy and sampling: a step returns the accepted rows "
                           "and the bonus token, not logits.")(f)
@@ -214,8 +215,8 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
     nbits = precision == "int4" and (flavour or "ort") == "ort"  # int4 in MatMulNBits unless in our kernel
     if int4_rows is None:
         int4_rows = nbits and _rows4_default(profile, backend)
-    if nbits and not int4_rows and not kernels.nbits_int4_exact():
-        click.echo("int4 in MatMulNBits: without AVX-512 VNNI its one-row calls round otherwise than its wider ones, "
+    if nbits and not int4_rows and row_invariance.rows_apart(4):
+        click.echo("int4 in MatMulNBits: on this CPU its one-row calls round otherwise than its wider ones, "
                    "so speculation and batching can change a token at a near-tie; --int4-rows is exact", err=True)
     if output is None:
         output = Path(f"{sources.resolve(model_spec).name}-{method}-{backend}-{precision}")
@@ -230,17 +231,17 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
 def _rows4_default(profile, backend: str) -> bool:
     """Whether an int4 build for a CPU profile takes specexport's own kernel (--int4-rows) by default, where it
     compiles here (else MatMulNBits, and why): where the profile measured it faster (its engine's int4_kernel), and
-    on a CPU without AVX-512 VNNI, where MatMulNBits' int4 is not row-invariant (docs/precision.md)."""
+    where MatMulNBits' int4 is measured not row-invariant on this CPU (exporter/row_invariance.py)."""
     if profile is None or backend != profile.engine.backend or profile.hardware.kind != "cpu":
         return False
     measured = profile.engine.int4_kernel == kernels.ROWS4
-    if not measured and kernels.nbits_int4_exact():
+    if not measured and not row_invariance.rows_apart(4):
         return False
     if why := kernels.unavailable():
         click.echo(f"int4 in ONNX Runtime's MatMulNBits: specexport's own kernel does not compile here ({why})", err=True)
         return False
     why = f"as profile {profile.name} measured it faster" if measured else \
-        "exact on this CPU, where MatMulNBits' int4 is not (no AVX-512 VNNI)"
+        "exact on this CPU, where MatMulNBits' int4 is not"
     click.echo(f"int4 in specexport's own kernel (--int4-rows, {why}): extra rows cost little, and batching never "
                "changes a request's tokens", err=True)
     return True

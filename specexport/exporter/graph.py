@@ -296,10 +296,12 @@ class DecoderGraphBuilder:
                 inputs = [x] + [g.const(f"{name}.{k}", v) for k, v in quant.rows4(w).items()]
                 y = g.op("MatMulRows4", inputs, domain=kernels.DOMAIN, K=in_dim, N=out_dim)
                 return g.op("Add", [y, b]) if b else y
-            if self.ort:  # (also --int4-rows' projections whose shape MatMulRows4 does not take: rows still alone)
-                packed = quant.matmul_nbits(w)
+            if self.ort:  # --int4-rows' projections whose inputs MatMulRows4 does not take: 8-bit blocks, whose rows
+                # are alone on every CPU measured (int4's are not everywhere: exporter/row_invariance.py)
+                bits = 8 if self.opt.int4_rows else 4
+                packed = quant.matmul_nbits(w, bits=bits)
                 inputs = [x] + [g.const(f"{name}.{k}", v) for k, v in packed.items()] + ["", b]
-                return g.op("MatMulNBits", inputs, domain="com.microsoft", K=in_dim, N=out_dim, bits=4,
+                return g.op("MatMulNBits", inputs, domain="com.microsoft", K=in_dim, N=out_dim, bits=bits,
                             block_size=quant.INT4_BLOCK, accuracy_level=4)
             y = g.op("MatMul", [x, self._qdq_int4_signed(name, w) if self.trt else self._qdq_int4(name, w)])
         else:

@@ -40,7 +40,7 @@ from pathlib import Path
 import onnxruntime as ort
 
 from specexport.errors import UserError
-from specexport.exporter import arch, methods, sources
+from specexport.exporter import arch, methods, row_invariance, sources
 from specexport.exporter.drafts.mtp import mtp_layers
 from specexport.exporter.export import ExportOptions, export_bundle
 from specexport.exporter.graph import SERVING_INT8, GraphOptions
@@ -165,9 +165,13 @@ def _rows4_compiles(say) -> bool:
 
 
 def _int4_kernel(measured: dict) -> str:
-    """The int4 kernel plain decoding ran faster in: kernels.ROWS4 or "" (MatMulNBits)."""
+    """The int4 kernel `build` will take: kernels.ROWS4 where it was measured and either ran plain decoding faster or
+    is the exact one here (MatMulNBits' int4 measured not row-invariant on this CPU), else "" (MatMulNBits)."""
     plain = measured[PLAIN_NAME]
-    return kernels.ROWS4 if plain.get(_label("int4", kernels.ROWS4), 0.0) > plain.get("int4", 0.0) else ""
+    if _label("int4", kernels.ROWS4) not in plain:
+        return ""
+    faster = plain[_label("int4", kernels.ROWS4)] > plain.get("int4", 0.0)
+    return kernels.ROWS4 if faster or row_invariance.rows_apart(4) else ""
 
 
 def _folded(measured: dict, int4_kernel: str) -> dict:

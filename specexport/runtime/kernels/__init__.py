@@ -17,6 +17,7 @@ import hashlib
 import io
 import lzma
 import os
+import shlex
 import shutil
 import subprocess
 import tarfile
@@ -26,7 +27,6 @@ from pathlib import Path
 
 from specexport.errors import UserError
 from specexport.fsutil import cache_dir
-from specexport.runtime import cpu
 
 SOURCE = Path(__file__).with_name("rows4.c")
 LIBRARY = "libspecexport_rows.so"
@@ -43,13 +43,6 @@ def int4_kernel(manifest: dict) -> str:
     """The int4 kernel a bundle's target graph runs: "rows4" (ours, `--int4-rows`) or "" (MatMulNBits), as a
     profile's `[engine] int4_kernel` names it."""
     return ROWS4 if ROWS4 in ((manifest.get("graphs") or {}).get("target") or {}).get("kernels", ()) else ""
-
-
-def nbits_int4_exact() -> bool:
-    """Whether ONNX Runtime's MatMulNBits int4 is row-invariant on this CPU: with AVX-512 VNNI. Without it, a one-row
-    call rounds otherwise than calls of two or more rows (docs/precision.md), so speculation and batching can change
-    a token at a near-tie; our kernel (rows4) is exact everywhere."""
-    return "avx512_vnni" in cpu.kernel_features()
 
 
 def unavailable() -> str | None:
@@ -75,15 +68,18 @@ def library() -> Path:
     if not compiler:
         raise UserError("this graph takes specexport's own kernels (--int4-rows), compiled here at first use: no C "
                         "compiler found (install cc, gcc or clang, or set CC)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
-        built = Path(tmp) / LIBRARY
-        done = subprocess.run([compiler, "-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off", f"-I{header}",
-                               str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
-        if done.returncode:
-            first = (done.stderr.strip().splitlines() or ["no message"])[0]
-            raise UserError(f"compiling specexport's kernels (--int4-rows) failed: {first}")
-        os.replace(built, target)  # whole or not at all, also when two processes compile at once
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".build-", dir=target.parent) as tmp:
+            built = Path(tmp) / LIBRARY
+            done = subprocess.run([*shlex.split(compiler), "-O3", "-std=c11", "-shared", "-fPIC", "-ffp-contract=off",
+                                   f"-I{header}", str(SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True)
+            if done.returncode:
+                first = (done.stderr.strip().splitlines() or ["no message"])[0]
+                raise UserError(f"compiling specexport's kernels (--int4-rows) failed: {first}")
+            os.replace(built, target)  # whole or not at all, also when two processes compile at once
+    except OSError as e:  # a compiler that does not run, a cache folder that cannot be written
+        raise UserError(f"compiling specexport's kernels (--int4-rows) failed: {e}") from None
     return target
 
 
