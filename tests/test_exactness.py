@@ -19,8 +19,8 @@ from specexport.runtime.scheduler import Scheduler
 from specexport.runtime.tree import DraftTree
 
 # int8: activations quantized per row (--int8-rows blocks, the default; -channel: --int8-rows channel); int4-rows:
-# specexport's own kernel (--int4-rows), compiled here
-PRECISIONS = ["fp32", "int4", "int4-rows", "int8", "int8-channel"]
+# specexport's own kernel (--int4-rows), compiled here; -attn: attention in specexport's own kernel (--attention-rows)
+PRECISIONS = ["fp32", "int4", "int4-rows", "int8", "int8-channel", "fp32-attn", "int4-rows-attn"]
 PROMPTS = ["hello there hello there hello", "the cat sat on the mat, the cat sat", "abcabcabcabc",
            "a much longer prompt that takes several chunks to prefill, " * 2, "def f(x):\n    return x * 2\n" * 2,
            "one two three one two three one two", "zz", "Lorem ipsum dolor sit amet, consectetur adipiscing"]
@@ -31,8 +31,9 @@ NEW = 40
 def bundles(request, tiny_folder, tmp_path_factory):
     """(precision, {"none": plain decoding's chain-only bundle, "ngram": a bundle verifying draft chains})."""
     root = tmp_path_factory.mktemp(f"exact-{request.param}")
-    precision, _, kernel = request.param.partition("-")
-    if kernel == "rows":
+    precision, *options = request.param.split("-")
+    attention, kernel = "attn" in options, next((o for o in options if o != "attn"), "")
+    if kernel == "rows" or attention:
         request.getfixturevalue("rows4_library")  # skips where it cannot be compiled
     if request.param == "int4" and row_invariance.rows_apart(4):
         pytest.skip("ONNX Runtime's MatMulNBits int4 computes a row alone in another float order than beside others "
@@ -40,7 +41,7 @@ def bundles(request, tiny_folder, tmp_path_factory):
 
     def build(name, **given):
         graph = GraphOptions(precision=precision, int8_rows=kernel or "blocks" if precision == "int8" else "",
-                             int4_rows=kernel == "rows")
+                             int4_rows=kernel == "rows", attention_rows=attention)
         options = ExportOptions(graph=graph, max_context=256, validate=False,
                                 **method_export(name, **given))
         export_bundle(str(tiny_folder), root / name, options, quiet=True)
@@ -87,10 +88,11 @@ WIDE = [-1, 0, 0, 0, 0, 1, 1, 2, 3, 5, 5, 6, 7, 8, 9, 9, 10, 11, 12, 4]
 def test_a_branching_trees_rows_are_their_paths_bits(bundles, parents):
     """Every node of a branching tree verified in one call (runtime/backends/layout.py lays it out in lanes) has
     the logits of its path decoded one token at a time, to the bit, after pasts of several lengths (the lanes of
-    the past differ), and the committed path leaves the cache as plain decoding leaves it."""
-    _, engines = bundles
+    the past differ), and the committed path leaves the cache as plain decoding leaves it. (AttentionRows needs no
+    lanes: a row sums its keys in one order wherever its tree puts them.)"""
+    precision, engines = bundles
     engine = engines["suffix"]
-    assert engine.target.lanes
+    assert engine.target.lanes == ("attn" not in precision)
     rng = np.random.default_rng(len(parents))
     for prompt in PROMPTS[:4]:
         ids = engine.encode(prompt, chat=False)

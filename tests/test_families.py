@@ -116,6 +116,19 @@ def test_fp32_matches_transformers(kind, flavour, tmp_path):
         assert lint_path(tmp_path / "g").errors == []
 
 
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_attention_rows_match_transformers(kind, tmp_path, rows4_library):
+    """Our attention kernel (--attention-rows) in every family whose attention it takes (scales, partial rotary,
+    q/k norms, LongRoPE, experts); a family with windows or sinks is refused in one line before any work."""
+    dims = arch.dims_from_config(model(kind).config)
+    if dims.sinks or any(dims.windows):
+        with pytest.raises(UserError, match="sliding-window layers, which specexport's attention kernel does not take"):
+            GraphOptions(attention_rows=True).check(dims)
+        return
+    s = session(kind, tmp_path / "g", attention_rows=True)
+    check_report(validate.compare(model(kind), s, max_context=MAX_CONTEXT), max_diff=2e-4, min_top1=1.0)
+
+
 @pytest.mark.parametrize("kind", ["gemma3", "mistral_window", "smollm3", "mixtral", "gpt_oss"])
 def test_chain_only_graphs_keep_the_windows(kind, tmp_path):
     """Plain decoding's graph (GQA's causal path) masks the windows from positions alone."""

@@ -10,8 +10,8 @@ from specexport import profiles
 from specexport.bundle.describe import numerics_lines
 from specexport.cli.common import IntList, SettingOptions, path_option
 from specexport.errors import UserError
-from specexport.exporter import hub, methods, row_invariance, sources
-from specexport.exporter.export import ExportOptions, export_bundle
+from specexport.exporter import arch, hub, methods, row_invariance, sources
+from specexport.exporter.export import ExportOptions, bundle_context, export_bundle
 from specexport.exporter.graph import FLAVOURS, INT8_ROWS, PRECISIONS, SERVING_INT8, GraphOptions
 from specexport.exporter.tensorrt import build as tensorrt
 from specexport.runtime import kernels
@@ -67,6 +67,12 @@ def export_options(f):
                           "at first use (a C compiler; docs/precision.md). [build's default, where it compiles here: "
                           "where the profile measured it faster, and where MatMulNBits' int4 rounds a row alone "
                           "otherwise than beside others on this CPU]")(f)
+    f = click.option("--attention-rows/--no-attention-rows", default=None,
+                     help="ort flavour, fp32 activations: attention in specexport's own kernel over the call's real "
+                          "rows only, each sequence with its own rows and tree, the cache written in place: a batch "
+                          "no longer pays every sequence's attention at the widest one's width, and a tree is "
+                          "verified whole (no layout in lanes). Compiled where the bundle is loaded (a C compiler). "
+                          "[build's default for a CPU profile, where it compiles and the model takes it]")(f)
     f = click.option("--fused-accept/--no-fused-accept", default=True, show_default=True,
                      help="Acceptance inside the target graph, greedy and sampling: a step returns the accepted rows "
                           "and the bonus token, not logits.")(f)
@@ -87,7 +93,7 @@ def _print_export(manifest: dict, output: Path) -> None:
 @path_option("--output", required=True, help="Bundle folder to write.")
 @export_options
 def export(model_spec, precision, output, max_context, flavour, aux_layers, no_validate, int8_rows, int4_rows,
-           fused_accept, overwrite):
+           attention_rows, fused_accept, overwrite):
     """Export a model's target graph and manifest into a bundle folder.
 
     \b
@@ -97,7 +103,7 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
       specexport export --model smollm2-135m --flavour trt --precision fp16 --output smol-trt
     """
     graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept,
-                         int8_rows=int8_rows or "", int4_rows=bool(int4_rows))
+                         int8_rows=int8_rows or "", int4_rows=bool(int4_rows), attention_rows=bool(attention_rows))
     options = ExportOptions(graph=graph, max_context=max_context, validate=not no_validate)
     _print_export(export_bundle(model_spec, output, options, overwrite=overwrite), output)
 
@@ -140,9 +146,8 @@ def export(model_spec, precision, output, max_context, flavour, aux_layers, no_v
                    "the engine, with the Triton tree acceptance kernel as a TensorRT plugin (triton at build time; "
                    "not yet run on a GPU).")
 def build(model_spec, method, no_probe, backend, precision, profile_spec, serving, output, max_context, flavour,
-          aux_layers, no_validate, int8_rows, int4_rows, fused_accept, overwrite, workspace_gb, timing_cache,
-          hardware_compatible,
-          version_compatible, sampling_accept, **method_kwargs):
+          aux_layers, no_validate, int8_rows, int4_rows, attention_rows, fused_accept, overwrite, workspace_gb,
+          timing_cache, hardware_compatible, version_compatible, sampling_accept, **method_kwargs):
     """Export a model and compile it for a backend into a ready-to-run bundle.
 
     \b
@@ -218,10 +223,13 @@ def build(model_spec, method, no_probe, backend, precision, profile_spec, servin
     if nbits and not int4_rows and row_invariance.rows_apart(4):
         click.echo("int4 in MatMulNBits: on this CPU its one-row calls round otherwise than its wider ones, "
                    "so speculation and batching can change a token at a near-tie; --int4-rows is exact", err=True)
+    if attention_rows is None:
+        attention_rows = _attention_rows_default(model_spec, profile, backend, GraphOptions(precision, flavour or "ort"),
+                                                 max_context)
     if output is None:
         output = Path(f"{sources.resolve(model_spec).name}-{method}-{backend}-{precision}")
     graph = GraphOptions(precision=precision, flavour=flavour or "ort", aux_layers=aux_layers, fused_accept=fused_accept,
-                         int8_rows=int8_rows or "", int4_rows=int4_rows)
+                         int8_rows=int8_rows or "", int4_rows=int4_rows, attention_rows=attention_rows)
     options = ExportOptions(graph=graph, max_context=max_context, optimize=True, validate=not no_validate,
                             method=method, settings=settings, method_options=method_options,
                             profile=None if profile is None else {**profile.as_dict(), **chosen}, engines=engines)
@@ -244,6 +252,23 @@ def _rows4_default(profile, backend: str) -> bool:
         "exact on this CPU, where MatMulNBits' int4 is not"
     click.echo(f"int4 in specexport's own kernel (--int4-rows, {why}): extra rows cost little, and batching never "
                "changes a request's tokens", err=True)
+    return True
+
+
+def _attention_rows_default(model_spec: str, profile, backend: str, graph: GraphOptions, max_context) -> bool:
+    """Whether a build for a CPU profile takes specexport's own attention kernel (--attention-rows) by default: where
+    the graph and the model (at the bundle's context) take it and it compiles here (else GroupQueryAttention, and
+    why)."""
+    if profile is None or backend != profile.engine.backend or profile.hardware.kind != "cpu":
+        return False
+    dims = arch.dims_from_config(sources.load_config(sources.resolve(model_spec)))
+    dims = dims.within(bundle_context(max_context, dims, profile.as_dict()))
+    why = graph.attention_rows_unfit(dims) or kernels.unavailable()
+    if why:
+        click.echo(f"attention in ONNX Runtime's GroupQueryAttention: {why}", err=True)
+        return False
+    click.echo("attention in specexport's own kernel (--attention-rows): each call computes its real rows only, and "
+               "trees are verified whole", err=True)
     return True
 
 

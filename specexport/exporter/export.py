@@ -77,10 +77,8 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
     config = sources.load_config(source)
     arch.spec_for(config.model_type)  # an unsupported architecture fails here, before any loading
     dims = arch.dims_from_config(config)
-    options.graph.check(dims)
-    max_context = _max_context(options.max_context, dims)
-    if options.profile is not None and options.max_context is None:
-        max_context = min(max_context, options.profile["limits"]["max_context"])
+    max_context = bundle_context(options.max_context, dims, options.profile)
+    options.graph.check(dims.within(max_context))  # (a window no wider than the context is no window)
     plan = method.plan(method_options, settings, Target(source.name, dims, source, config))  # bad heads, drafts or trees fail here
     weights = sources.stream_source(source, config) if loaded is None else None
     streamed = weights is not None
@@ -104,7 +102,8 @@ def export_bundle(model_spec: str, output: Path, options: ExportOptions, overwri
         target_options = plan.graph_options(options.graph)
         graphs = {"target": write_graph(checkpoint, "target", target_options, max_context, tmp, quiet,
                                         plan.extensions())}
-        if graphs["target"]["flavour"] == "ort":  # its trees are laid out in lanes (runtime/backends/layout.py)
+        if graphs["target"]["flavour"] == "ort" and not target_options.attention_rows:  # GQA: trees in lanes
+            # (runtime/backends/layout.py); AttentionRows sums a row's keys in one order wherever they are
             graphs["target"]["tree_lanes"] = LANES
         ctx = ExportContext(source, dims, checkpoint, tokenizer, tmp, options.graph, max_context, quiet, step, model)
         graphs.update(plan.write_graphs(ctx))
@@ -160,9 +159,11 @@ def _runtime_notes(graph: GraphOptions) -> dict:
     return notes
 
 
-def _max_context(requested: int | None, dims) -> int:
+def bundle_context(requested: int | None, dims, profile: dict | None = None) -> int:
+    """A bundle's context: the one asked for (within the model's positions), else the model's, capped by the
+    profile's `max_context` limit."""
     if requested is None:
-        return dims.max_positions
+        return min(dims.max_positions, profile["limits"]["max_context"]) if profile else dims.max_positions
     if not 1 <= requested <= dims.max_positions:
         raise UserError(f"--max-context must be in 1..{dims.max_positions} for this model, got {requested}")
     return requested

@@ -78,6 +78,10 @@ class GraphOptions:
     # int4 of the ort flavour in specexport's own kernel (runtime/kernels/rows4.c: MatMulRows4), whose extra rows
     # are cheap and whose rows are each quantized alone; compiled on the machine that loads the graph
     int4_rows: bool = False
+    # attention of the ort flavour's real rows only, in specexport's own kernel (runtime/kernels/attention.c:
+    # AttentionRows): no sequence pays for the widest one's rows, and a row's sums run in one order wherever its
+    # tree puts it (no layout in lanes)
+    attention_rows: bool = False
 
     def check(self, d: Dims) -> None:
         if self.precision not in PRECISIONS:
@@ -88,6 +92,8 @@ class GraphOptions:
             raise UserError(f"unknown --int8-rows kernel '{self.int8_rows}'; choose from {', '.join(INT8_ROWS)}")
         if self.int4_rows and (self.precision != "int4" or self.flavour != "ort"):
             raise UserError("--int4-rows is for --precision int4 of the ort flavour")
+        if self.attention_rows and (why := self.attention_rows_unfit(d)):
+            raise UserError(f"--attention-rows: {why}")
         if self.chain_only and self.flavour != "ort":
             raise UserError("chain-only step graphs are for the ort flavour (GroupQueryAttention's causal path)")
         if self.flavour == "trt" and self.precision not in TRT_PRECISIONS:
@@ -102,6 +108,15 @@ class GraphOptions:
         bad = [i for i in self.aux_layers if not 0 <= i < d.layers]
         if bad:
             raise UserError(f"aux layer indices {bad} out of range: the model has {d.layers} layers")
+
+    def attention_rows_unfit(self, d: Dims) -> str | None:
+        """Why this graph cannot take AttentionRows (runtime/kernels/attention.c), or None where it can."""
+        if self.flavour != "ort" or self.compute_type != TensorProto.FLOAT:
+            return "specexport's attention kernel is for the ort flavour with fp32 activations (fp32, int8, int4)"
+        if d.sinks or any(d.window(i) for i in range(d.layers)):
+            return (f"{d.model_type} has attention sinks or sliding-window layers, which specexport's attention kernel "
+                    "does not take")
+        return None
 
     @property
     def compute_type(self) -> int:
@@ -265,6 +280,7 @@ class DecoderGraphBuilder:
         self.biases: dict[int, str] = {}  # window (0: full) -> the step's attention bias (step_attention)
         self.ragged = False  # build(): the step graph's real rows only (module docstring); other graphs' blocks pad
         self._int8_rows: dict[str, tuple[str, str]] = {}  # an input tensor -> its per-row int8 codes and scales
+        self._row_positions = ""  # AttentionRows' position ids of the real rows [1, R], made by its first layer
 
     # -- building blocks -------------------------------------------------------------------
     def linear(self, x: str, name: str, w: np.ndarray, bias: np.ndarray | None = None) -> str:
@@ -757,6 +773,27 @@ class DecoderGraphBuilder:
             return g.op("Gemm", inputs, transB=1)  # share the embedding table, no transposed copy
         return self.linear(rows, "lm_head", self.w["lm_head"], bias)
 
+    def _attention_rows(self, i: int, q: str, k: str, v: str) -> str:
+        """Layer i's attention of the real rows q, k, v [1, R, ...] in AttentionRows (runtime/kernels/attention.c),
+        rotated first at their positions; the output [R, q_size], the cache written in place."""
+        d, g = self.d, self.g
+        rope = d.rope(i)
+        if rope:
+            if not self._row_positions:
+                flat = g.op("Reshape", ["position_ids", g.const("rows.flat", np.array([1, -1], np.int64))])
+                self._row_positions = g.op("Gather", [flat, "live_rows"], axis=1)  # [1, R]: once a step
+            cos, sin = self.rope_tables(rope)
+            partial = {"rotary_embedding_dim": d.rotary_dim} if d.rotary_dim else {}
+            partial.update({"interleaved": 1} if d.rope_interleaved else {})
+            q = g.op("RotaryEmbedding", [q, cos, sin, self._row_positions], num_heads=d.heads, **partial)
+            k = g.op("RotaryEmbedding", [k, cos, sin, self._row_positions], num_heads=d.kv_heads, **partial)
+        y, _, _ = g.op("AttentionRows", [q, k, v, "live_rows", "tree_mask", "past_len", f"past_key_values.{i}.key",
+                                         f"past_key_values.{i}.value"],
+                       outputs=[f"attn_{i}", f"present.{i}.key", f"present.{i}.value"], domain=kernels.DOMAIN,
+                       num_heads=d.heads, kv_num_heads=d.kv_heads, scale=float(d.attn_scale or 0.0),
+                       softcap=float(d.attn_softcap or 0.0), causal=int(self.opt.chain_only))
+        return g.op("Reshape", [y, g.const("rows.out", np.array([-1, d.q_size], np.int64))])
+
     def _sink_row(self, i: int, keys: str, values: str, bias: str, kv_len: str | None) -> tuple:
         """Attention sinks in the standard Attention op, which has no sink input: a zero key and value row ahead of
         the cache, whose bias column is the head's sink (q . 0 = 0), so exp(sink) joins each row's softmax
@@ -787,7 +824,10 @@ class DecoderGraphBuilder:
             qkv = g.op("Concat", [self.linear(h, p + "q", w[p + "q"], q_b),
                                   self.linear(kv_source, p + "kv", np.concatenate([w[p + "k"], w[p + "v"]]), kv_b)],
                        axis=-1)
-        if self.ragged:  # attention in the step's padded layout [B, T, qkv] (a padding row repeats a real row)
+        rows = self.ragged and self.opt.attention_rows
+        if rows:  # the real rows only, as [1, R, qkv]
+            qkv = g.op("Unsqueeze", [qkv, g.const("rows.axis0", np.array([0], np.int64))])
+        elif self.ragged:  # attention in the step's padded layout [B, T, qkv] (a padding row repeats a real row)
             qkv = g.op("Gather", [qkv, "padded_rows"], axis=0)
         past_k, past_v = f"past_key_values.{i}.key", f"past_key_values.{i}.value"
         present_k, present_v = f"present.{i}.key", f"present.{i}.value"
@@ -797,7 +837,7 @@ class DecoderGraphBuilder:
         scales = {k: v for k, v in (("scale", d.attn_scale), ("softcap", d.attn_softcap)) if v}
         # GQA rotates itself unless the rotary part's half is not a multiple of 8 (its kernel's rule)
         gqa_rotary = self.ort and bool(rope) and (d.rotary_dim or d.head_dim) // 2 % 8 == 0
-        if self.ort and p + "q_norm" not in w and (gqa_rotary or not rope):  # GQA takes the packed projection
+        if self.ort and p + "q_norm" not in w and (gqa_rotary or not rope) and not rows:  # GQA: the packed projection
             q, k, v = qkv, "", ""
         else:
             sizes = g.const(p + "qkv.split", np.array([d.q_size, d.kv_size, d.kv_size], np.int64))
@@ -805,6 +845,8 @@ class DecoderGraphBuilder:
             if p + "q_norm" in w:
                 q = self.head_norm(q, w[p + "q_norm"], p + "q_norm", d.heads)
                 k = self.head_norm(k, w[p + "k_norm"], p + "k_norm", d.kv_heads)
+        if rows:
+            return self._attention_rows(i, q, k, v)
         if self.ort:  # GQA rotates Q and K itself at `position_ids` (past length + depth; query_seqlens makes it use them all)
             if rope and not gqa_rotary:
                 cos, sin = self.rope_tables(rope)

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from specexport.exporter import budget
 from specexport.exporter.arch import dims_from_config, longrope_policy, rope_rows, rope_tables, spec_for
-from specexport.exporter.graph import DecoderGraphBuilder, ExternalData, GraphOptions, domains
+from specexport.exporter.graph import DecoderGraphBuilder, ExternalData, GraphOptions
 from specexport.exporter.layerwise import layerwise_model
 from specexport.exporter.weights import StateDictSource, TableWeights
 from specexport.runtime import kernels
@@ -152,8 +152,13 @@ def save_graph(proto, name: str, graph: GraphOptions, dims, folder: Path) -> dic
         "chain_only": graph.chain_only,
         "inputs": _io(proto.graph.input),
         "outputs": _io(proto.graph.output),
-        **({"kernels": list(kernels.NAMES)} if kernels.DOMAIN in domains(proto.graph) else {}),  # compiled at load
+        **({"kernels": used} if (used := _kernels(proto.graph)) else {}),  # compiled at load
     }
+
+
+def _kernels(graph) -> list[str]:
+    """The manifest names of specexport's own kernels a graph's nodes use (runtime/kernels.OPS)."""
+    return sorted({kernels.OPS[n.op_type] for n in graph.node if n.domain == kernels.DOMAIN})
 
 
 def _static_capacity(proto) -> int | None:

@@ -206,6 +206,8 @@ def profiled_latency(engine) -> BatchLatency | None:
         return None
     if precision == "int4" and (measured_on.get("int4_kernel") or "") != kernels.int4_kernel(manifest):
         return None  # the other int4 kernel's rows cost otherwise
+    if kernels.ATTENTION_ROWS in kernels.used(manifest):
+        return None  # the profiles' tables are GroupQueryAttention's, whose widths cost otherwise
     hardware = profile.get("hardware") or {}
     if hardware.get("kind") == "cpu" and set(hardware.get("features") or ()) != set(cpu.kernel_features()):
         return None

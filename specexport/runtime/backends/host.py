@@ -83,7 +83,7 @@ class GraphSession:
         self.fused_inputs = "sample_u" in names  # exporter/fused.py
         self.wide_bias = "attention_bias" in names  # bundles exported before the compact tree mask
         self.ragged = "live_rows" in names  # computes a batched step's real rows only (exporter/graph.py)
-        self.lays_out = self.ragged and on_cpu(self.session)  # the CPU kernels' layout (backends/layout.py)
+        self.lays_out = self.ragged and on_cpu(self.session) and kernels.ATTENTION_ROWS not in graph_info.get("kernels", ())  # the CPU kernels' layout (backends/layout.py)
         self.lanes = self.lays_out and bool(graph_info.get("tree_lanes"))
         self.calls, self.seconds = 0, 0.0  # forward calls so far and their time (for `specexport profile`)
 

@@ -29,6 +29,7 @@ import numpy as np
 import onnxruntime as ort
 
 from specexport.errors import UserError
+from specexport.runtime import kernels
 from specexport.runtime.backends.host import (
     ORT_TYPES,
     check_step,
@@ -169,7 +170,7 @@ class DeviceSession:
                             f"tree mask: re-export the bundle to run it on a device")
         self.fused_inputs = "sample_u" in names  # exporter/fused.py
         self.ragged = "live_rows" in names  # exporter/graph.py
-        self.lays_out = self.ragged and on_cpu(self.session)  # runtime/backends/layout.py
+        self.lays_out = self.ragged and on_cpu(self.session) and kernels.ATTENTION_ROWS not in graph_info.get("kernels", ())  # runtime/backends/layout.py
         self.lanes = self.lays_out and bool(graph_info.get("tree_lanes"))
         self.seq_outputs = {name for name, dims in self.output_dims.items() if dims[:2] == ["batch", "seq"]}
         self.calls, self.seconds = 0, 0.0

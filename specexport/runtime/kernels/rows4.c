@@ -25,7 +25,7 @@ the runtime registers it with SessionOptions.register_custom_ops_library. */
 #include <stdlib.h>
 #include <string.h>
 
-#include "onnxruntime_c_api.h"
+#include "ops.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -36,8 +36,6 @@ the runtime registers it with SessionOptions.register_custom_ops_library. */
 #define TILE 16
 #define TILE_BYTES (TILE * BLOCK / 2)
 #define ROW_CHUNK 64 /* rows accumulated at once per tile: 4 KiB of outputs on the stack */
-
-static const OrtApi *api;
 
 typedef struct {
   int64_t k, n;
@@ -284,24 +282,12 @@ static void (*pick_tile(void))(const void *, size_t) {
 
 static void run_tile(void *data, size_t t) { ((Call *)data)->tile(data, t); }
 
-#define CHECK(expr)                      \
-  do {                                   \
-    OrtStatus *status_ = (expr);         \
-    if (status_) return status_;         \
-  } while (0)
-
-static OrtStatus *error(const char *message) { return api->CreateStatus(ORT_INVALID_ARGUMENT, message); }
-
 /* Whether a weight input holds exactly `want` elements: a graph whose weights do not match K and N is refused
    before any of them is read (a malformed bundle is an error, never a read past its tensors). */
 static OrtStatus *check_size(const OrtValue *value, int64_t want, const char *message) {
-  OrtTensorTypeAndShapeInfo *info;
-  CHECK(api->GetTensorTypeAndShape(value, &info));
-  size_t count = 0;
-  OrtStatus *status = api->GetTensorShapeElementCount(info, &count);
-  api->ReleaseTensorTypeAndShapeInfo(info);
-  if (status) return status;
-  return (int64_t)count == want ? NULL : error(message);
+  int64_t count = 0;
+  CHECK(op_count(value, &count));
+  return count == want ? NULL : op_error(message);
 }
 
 static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *context) {
@@ -311,16 +297,10 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *context) 
   CHECK(api->KernelContext_GetInput(context, 1, &w));
   CHECK(api->KernelContext_GetInput(context, 2, &scales));
   CHECK(api->KernelContext_GetInput(context, 3, &zeros));
-  OrtTensorTypeAndShapeInfo *info;
-  CHECK(api->GetTensorTypeAndShape(x, &info));
   size_t rank = 0;
-  OrtStatus *status = api->GetDimensionsCount(info, &rank);
   int64_t dims[8];
-  if (!status && (rank < 1 || rank > 8)) status = error("MatMulRows4: x must have 1 to 8 dimensions");
-  if (!status) status = api->GetDimensions(info, dims, rank);
-  api->ReleaseTensorTypeAndShapeInfo(info);
-  if (status) return status;
-  if (dims[rank - 1] != kn->k) return error("MatMulRows4: x's last dimension is not K");
+  CHECK(op_shape(x, dims, 8, &rank));
+  if (rank < 1 || dims[rank - 1] != kn->k) return op_error("MatMulRows4: x's last dimension is not K");
   int64_t m = 1;
   for (size_t i = 0; i + 1 < rank; i++) m *= dims[i];
   dims[rank - 1] = kn->n;
@@ -341,12 +321,12 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *context) 
   CHECK(api->GetTensorMutableData((OrtValue *)x, (void **)&xf));
   int64_t blocks = kn->k / BLOCK;
   void *scratch = malloc((size_t)(m * kn->k) + (size_t)(m * blocks) * (sizeof(float) + sizeof(int32_t)));
-  if (!scratch) return api->CreateStatus(ORT_FAIL, "MatMulRows4: out of memory");
+  if (!scratch) return op_failed("MatMulRows4: out of memory");
   call.xs = (const float *)scratch;
   call.xsum = (const int32_t *)((float *)scratch + m * blocks);
   call.xq = (const int8_t *)((int32_t *)call.xsum + m * blocks);
   quantize_rows(xf, m, kn->k, (int8_t *)call.xq, (float *)call.xs, (int32_t *)call.xsum, call.tile != tile_c);
-  status = api->KernelContext_ParallelFor(context, run_tile, (size_t)tiles, 0, &call);
+  OrtStatus *status = api->KernelContext_ParallelFor(context, run_tile, (size_t)tiles, 0, &call);
   free(scratch);
   return status;
 }
@@ -357,9 +337,9 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *a, co
   Kernel kn;
   CHECK(api->KernelInfoGetAttribute_int64(info, "K", &kn.k));
   CHECK(api->KernelInfoGetAttribute_int64(info, "N", &kn.n));
-  if (kn.k <= 0 || kn.n <= 0 || kn.k % BLOCK) return error("MatMulRows4: K must be a multiple of 32 and N positive");
+  if (kn.k <= 0 || kn.n <= 0 || kn.k % BLOCK) return op_error("MatMulRows4: K must be a multiple of 32 and N positive");
   Kernel *made = (Kernel *)malloc(sizeof kn);
-  if (!made) return api->CreateStatus(ORT_FAIL, "MatMulRows4: out of memory");
+  if (!made) return op_failed("MatMulRows4: out of memory");
   *made = kn;
   *kernel = made;
   return NULL;
@@ -367,7 +347,6 @@ static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *a, co
 
 static void ORT_API_CALL destroy(void *kernel) { free(kernel); }
 static const char *ORT_API_CALL name(const OrtCustomOp *op) { (void)op; return "MatMulRows4"; }
-static const char *ORT_API_CALL provider(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static ONNXTensorElementDataType ORT_API_CALL input_type(const OrtCustomOp *op, size_t i) {
   (void)op;
   static const ONNXTensorElementDataType types[4] = {
@@ -381,38 +360,10 @@ static ONNXTensorElementDataType ORT_API_CALL output_type(const OrtCustomOp *op,
   return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
 }
 static size_t ORT_API_CALL output_count(const OrtCustomOp *op) { (void)op; return 1; }
-static OrtCustomOpInputOutputCharacteristic ORT_API_CALL required(const OrtCustomOp *op, size_t i) {
-  (void)op, (void)i;
-  return INPUT_OUTPUT_REQUIRED;
-}
-static OrtMemType ORT_API_CALL memory(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return OrtMemTypeDefault; }
-static int ORT_API_CALL one(const OrtCustomOp *op) { (void)op; return 1; }
-static int ORT_API_CALL none(const OrtCustomOp *op) { (void)op; return 0; }
-static int ORT_API_CALL last(const OrtCustomOp *op) { (void)op; return 2147483647; }
-static size_t ORT_API_CALL no_map(int **inputs, int **outputs) { *inputs = NULL, *outputs = NULL; return 0; }
-static void ORT_API_CALL free_map(int *inputs, int *outputs) { free(inputs), free(outputs); }
 
-static OrtCustomOp op;
-static OrtCustomOpDomain *domain;
-
-/* The entry point SessionOptions.register_custom_ops_library calls. */
-OrtStatus *ORT_API_CALL RegisterCustomOps(OrtSessionOptions *options, const OrtApiBase *base) {
-  api = base->GetApi(ORT_API_VERSION);
-  if (!api) return NULL; /* an onnxruntime older than these headers: the graph's op stays unknown, and says so */
-  if (!domain) {
-    memset(&op, 0, sizeof op);
-    op.version = ORT_API_VERSION;
-    op.CreateKernelV2 = create, op.KernelComputeV2 = compute, op.KernelDestroy = destroy;
-    op.GetName = name, op.GetExecutionProviderType = provider;
-    op.GetInputType = input_type, op.GetInputTypeCount = input_count;
-    op.GetOutputType = output_type, op.GetOutputTypeCount = output_count;
-    op.GetInputCharacteristic = required, op.GetOutputCharacteristic = required, op.GetInputMemoryType = memory;
-    op.GetVariadicInputMinArity = one, op.GetVariadicInputHomogeneity = none;
-    op.GetVariadicOutputMinArity = one, op.GetVariadicOutputHomogeneity = none;
-    op.GetStartVersion = one, op.GetEndVersion = last;
-    op.GetMayInplace = no_map, op.ReleaseMayInplace = free_map, op.GetAliasMap = no_map, op.ReleaseAliasMap = free_map;
-    CHECK(api->CreateCustomOpDomain("specexport.kernels", &domain));
-    CHECK(api->CustomOpDomain_Add(domain, &op));
-  }
-  return api->AddCustomOpDomain(options, domain);
+void rows4_op(OrtCustomOp *op) {
+  op_common(op);
+  op->CreateKernelV2 = create, op->KernelComputeV2 = compute, op->KernelDestroy = destroy, op->GetName = name;
+  op->GetInputType = input_type, op->GetInputTypeCount = input_count;
+  op->GetOutputType = output_type, op->GetOutputTypeCount = output_count;
 }
