@@ -4,7 +4,8 @@ one finishes, `--requests` each), C = 1, 2, 4, 8, 16, for each configuration:
 
 - `batch-1`: today's engine, one generation at a time (`Engine.generate`; C = 1 only, the reference);
 - `plain`: plain decoding, batched (runtime/scheduler.py) on the plain bundle; `plain-FOLDER` the same on each
-  `--plain-also` bundle (another precision or int8 kernel);
+  `--plain-also` bundle (another precision or int8 kernel); `plain-unmixed` with `--unmixed`: the plain bundle with
+  its prompts in calls of their own where its graph would mix them into the running rows' (Scheduler's `mixed`);
 - `fixed`: the speculative bundle's method, batched, every tree as its proposer made it;
 - `budget`: the same with one tree budget for the batch (runtime/budget.py);
   with several `--method` bundles each gets both, named after its method (`eagle3-fixed`, `dflash-budget`, ...);
@@ -48,7 +49,7 @@ nothing changed. Greedy unless `--temperature` (then every request samples, with
 request keeps its whole tree, so that its tokens never depend on the batch), EOS suppressed (every request emits
 exactly --new-tokens).
 
-    python benchmarks/bench_batch.py --plain BUNDLE [--plain-also BUNDLE ...] --method BUNDLE [--method BUNDLE ...]
+    python benchmarks/bench_batch.py --plain BUNDLE [--plain-also BUNDLE ...] [--unmixed] --method BUNDLE [--method BUNDLE ...]
         [--prompts FILE]
         [--concurrency 1,2,4,8,16] [--requests 2] [--rounds 1] [--new-tokens 128] [--temperature T [--top-p P]]
         [--threads N] [--prefill-tokens N] [--genai CACHE] [--openvino CACHE [--openvino-f32]] [--vllm CACHE [--vllm-dtype float32]]
@@ -355,7 +356,8 @@ def worker(job: dict) -> dict:
         one = BatchOne(engine, new)
         return closed_loop(lambda prompt: one.submit(prompt, sampling()), prompts, job["clients"], job["per_client"])
     scheduler = Scheduler(engine, max_batch=job["max_batch"], plain=name.startswith("plain"),
-                          budget=not name.endswith("fixed"), prefill_tokens=job.get("prefill_tokens"))
+                          budget=not name.endswith("fixed"), prefill_tokens=job.get("prefill_tokens"),
+                          mixed=False if name.endswith("unmixed") else None)
     widths = [0]  # the widths of every target call, summed (Scheduler.on_step)
     scheduler.on_step = lambda n, width: widths.__setitem__(0, widths[0] + width)
     try:
@@ -392,6 +394,9 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=None,
                     help="several prompts' chunks in one call, up to this many tokens a step (Scheduler's "
                          "prefill_tokens; default: one prompt a step)")
+    ap.add_argument("--unmixed", action="store_true",
+                    help="add `plain-unmixed`: the plain bundle with prompts in calls of their own, where its graph "
+                         "would put them beside the running rows (Scheduler's mixed)")
     ap.add_argument("--genai", type=Path, default=None, metavar="CACHE",
                     help="add onnxruntime-genai's og.Engine (its venv and models in CACHE, as bench_plain.py makes them)")
     ap.add_argument("--openvino", type=Path, default=None, metavar="CACHE",
@@ -420,6 +425,7 @@ def main() -> None:
     peers = prepare_peers(args, prompts, max(levels))
     bundles = {"plain": args.plain, "plain-again": args.plain, "batch-1": args.plain}
     bundles.update({f"plain-{bundle.name}": bundle for bundle in args.plain_also})
+    bundles.update({"plain-unmixed": args.plain} if args.unmixed else {})
     for tag, bundle in method_tags(args.method).items():
         bundles.update({f"{tag}fixed": bundle, f"{tag}budget": bundle})
     configs = ["plain"] + list(bundles)[3:]  # plain-again and batch-1 join as the rounds and C ask

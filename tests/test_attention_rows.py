@@ -140,7 +140,7 @@ def test_a_wrong_input_is_an_error_not_a_crash(rows4_library, change, message):
 def test_attention_rows_from_the_cli(tiny_folder, tmp_path, rows4_library):
     """`build --attention-rows`: every layer in AttentionRows, checked against transformers (prefill, trees with and
     without a past, a batch of two), the manifest names the kernel and no lanes, `run` runs it (the exactness tests
-    hold it to plain decoding); for a trt build it is one line and writes nothing."""
+    hold it to plain decoding), `info` names it; for a trt build it is one line and writes nothing."""
     import onnx
     from click.testing import CliRunner
 
@@ -159,6 +159,8 @@ def test_attention_rows_from_the_cli(tiny_folder, tmp_path, rows4_library):
     run = CliRunner().invoke(main, ["run", str(tmp_path / "a"), "--prompt", "the cat sat on the mat the cat",
                                     "--max-new-tokens", "16", "--json"])
     assert run.exit_code == 0 and json.loads(run.output[run.output.index("{"):])["text"], run.output
+    info = CliRunner().invoke(main, ["info", str(tmp_path / "a")])
+    assert "specexport's kernels: attention_rows" in info.output, info.output
     bad = CliRunner().invoke(main, [*head, "--flavour", "trt", "--precision", "fp16", "--attention-rows",
                                     "--output", str(tmp_path / "c")])
     assert bad.exit_code != 0 and "--attention-rows: specexport's attention kernel is for the ort flavour" in bad.output

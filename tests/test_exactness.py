@@ -118,7 +118,8 @@ def test_a_branching_trees_rows_are_their_paths_bits(bundles, parents):
 
 def test_speculative_batched_and_cached_output_is_plain_decodings(bundles):
     """Plain decoding alone (the chain-only bundle) is the reference: the speculative bundle alone, the same again
-    with the prompts' beginnings kept, both batched eight at a time with prompts fed in chunks of 5, emit it."""
+    with the prompts' beginnings kept, both batched eight at a time with prompts fed in chunks of 5 (beside the
+    running trees in one call, where the attention is ours), emit it."""
     precision, engines = bundles
     want = [engines["none"].generate(p, max_new_tokens=NEW, stop_ids=()).tokens for p in PROMPTS]
     for name, engine in engines.items():
@@ -129,6 +130,8 @@ def test_speculative_batched_and_cached_output_is_plain_decodings(bundles):
         requests = [scheduler.submit(p, max_new_tokens=NEW, stop_ids=()) for p in PROMPTS]
         scheduler.run_until_idle()
         assert [r.result(timeout=0).tokens for r in requests] == want, (precision, name, "batched")
+        # our attention takes each sequence's rows alone: prompt chunks go in the trees' calls
+        assert (scheduler.mixed_calls > 0) == ("attn" in precision), scheduler.mixed_calls
 
 
 @pytest.mark.parametrize("kernel, op", [(None, "MatMulNBits"), ("channel", "MatMulIntegerToFloat")])

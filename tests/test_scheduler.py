@@ -167,10 +167,16 @@ def test_a_burst_prefills_several_prompts_in_one_call(engines, name, device):
     saved, engine.prefixes = engine.prefixes, PrefixStore.of(engine.tokenizer)  # nothing kept: every chunk computed
     scheduler = Scheduler(engine, max_batch=6, prefill_chunk=5, prefill_tokens=24, budget=False, background=False)
     calls, joined = [], []
-    prefill_call = scheduler._prefill_call
-    sizes = lambda seqs: [len(s.chunks[s.fed]) for s in seqs]  # noqa: E731
-    scheduler._prefill_call = lambda seqs: calls.append(sum(sizes(seqs)) if engine.target.ragged else
-                                                        max(sizes(seqs)) * len(seqs)) or prefill_call(seqs)
+    chosen = scheduler._chosen
+
+    def counted():  # the prompt rows of each call that computes prompts
+        seqs = chosen()
+        sizes = [len(s.chunks[s.fed]) for s in seqs]
+        if seqs:
+            calls.append(sum(sizes) if engine.target.ragged else max(sizes) * len(seqs))
+        return seqs
+
+    scheduler._chosen = counted
     requests = [scheduler.submit(p, max_new_tokens=n, stop_ids=(), on_tokens=lambda ids, k=k: joined.append(k))
                 for k, (p, n) in enumerate(zip(PROMPTS, lengths))]
     try:

@@ -26,8 +26,9 @@ def describe(bundle: Bundle) -> list[str]:
     lines += methods.get(section["name"]).describe(section)
     lines.append(f"precision    {m['precision']} ({m['flavour']} ops), context {m['max_context']}")
     for name, g in m["graphs"].items():
+        ours = f"; specexport's kernels: {', '.join(g['kernels'])}" if g.get("kernels") else ""
         lines.append(f"graph        {name}: {_get(g, 'file')} ({len(_get(g, 'inputs'))} inputs, "
-                     f"{len(_get(g, 'outputs'))} outputs)")
+                     f"{len(_get(g, 'outputs'))} outputs{ours})")
         if isinstance(g.get("engine"), dict):  # a TensorRT plan (exporter/tensorrt/build.py)
             e = g["engine"]
             tokens = ", ".join(f"{p[0]}-{p[2]}" for p in e.get("profiles", []) if isinstance(p, list) and len(p) == 3)

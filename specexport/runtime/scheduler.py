@@ -6,7 +6,8 @@ scheduler runs one loop (its own thread, or `run_until_idle` called by the owner
 
 1. Requests cancelled since the last step stop (their slots are free for the next step).
 2. Waiting requests are admitted while there are free slots (`max_batch` admitted at most, decoding or prefilling).
-3. The admitted prompts are fed (`_prefill`): each its next chunk (at most `prefill_chunk` tokens), in the order
+3. The admitted prompts are fed (`_prefill`; with the trees of step 4 in one call where the graph's attention takes
+   each sequence's rows alone, `_mixed`): each its next chunk (at most `prefill_chunk` tokens), in the order
    they came, one prompt a step by default, or several in one call up to `prefill_tokens` prompt tokens a step; a
    long prompt holds the running streams back by a chunk a step, never by its whole length. A prompt's last chunk
    gives its first token. A prompt whose leading chunks an earlier prompt began with (the template's system prompt,
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specexport.errors import UserError
-from specexport.runtime import drafting, tree
+from specexport.runtime import drafting, kernels, tree
 from specexport.runtime.backends.layout import MARGIN
 from specexport.runtime.batch import Entry, PaddedBatch
 from specexport.runtime.budget import BatchLatency, grid
@@ -68,6 +69,8 @@ from specexport.runtime.request import Request
 from specexport.runtime.sampling import Context, Sampler, SamplingParams
 from specexport.runtime.verify import Acceptance, Route, accept, accept_greedy
 
+MIXED_CHUNK = 128  # a prompt chunk beside the trees: the call's width (its tree masks are [B, W, W])
+MIXED_PROMPT_TOKENS = 256  # the prompt tokens of a mixed step
 WIDTHS_KEPT = 10_000  # target calls whose (sequences, width) the scheduler keeps (a server runs for weeks)
 
 
@@ -112,22 +115,31 @@ class _Sequence:
 class Scheduler:
     """Continuous batching on one engine (see the module docstring). `max_batch`: the most sequences admitted at
     once, decoding or prefilling (more requests wait their turn, never refused); `prefill_chunk`: the most tokens of
-    one prompt in one call; `prefill_tokens`: the most prompt tokens a step computes, several prompts' chunks in one
-    call (None: one prompt's chunk a step: on a 2-core CPU, where a prompt's prefill is compute-bound, a bigger call
-    costs as much per token and makes every prompt in it wait for the whole call: see `_prefill`); `plain`: plain decoding instead of the bundle's method; `budget`: the drafting
-    governor (runtime/governor.py: whether a step drafts, and the trees' width), else every tree as its proposer made
-    it; `background`: run the loop in a thread of its own (else the owner calls `run_until_idle`)."""
+    one prompt in one call (None: PREFILL_CHUNK, MIXED_CHUNK where mixed); `prefill_tokens`: the most prompt tokens
+    a step computes, several prompts' chunks in one call (None: one prompt's chunk a step: on a 2-core CPU, where a
+    prompt's prefill is compute-bound, a bigger call costs as much per token and makes every prompt in it wait for
+    the whole call: see `_prefill`; MIXED_PROMPT_TOKENS where mixed); `plain`: plain decoding instead of the bundle's
+    method; `budget`: the drafting governor (runtime/governor.py: whether a step drafts, and the trees' width), else
+    every tree as its proposer made it; `background`: run the loop in a thread of its own (else the owner calls
+    `run_until_idle`); `mixed`: the prompts' chunks in the trees' call (`_mixed`; None: where the target graph's
+    attention is specexport's own, which takes each sequence's rows alone)."""
 
     def __init__(self, engine: Engine, max_batch: int = 8, prefill_chunk: int | None = None, plain: bool = False,
-                 budget: bool = True, background: bool = True, prefill_tokens: int | None = None):
+                 budget: bool = True, background: bool = True, prefill_tokens: int | None = None,
+                 mixed: bool | None = None):
         if max_batch < 1:
             raise UserError(f"max_batch must be >= 1, got {max_batch}")
-        prefill_chunk = PREFILL_CHUNK if prefill_chunk is None else prefill_chunk
+        # prompts beside the trees in one call (`_mixed`), where the graph's attention takes each sequence alone
+        # (not where a prompt's first token goes alone: int8 whose activations set the call's scale)
+        self.mixed = kernels.ATTENTION_ROWS in getattr(engine.target, "info", {}).get("kernels", ()) \
+            and not engine.first_token_alone if mixed is None else mixed
+        prefill_chunk = (MIXED_CHUNK if self.mixed else PREFILL_CHUNK) if prefill_chunk is None else prefill_chunk
         if prefill_chunk < 1:
             raise UserError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         if prefill_tokens is not None and prefill_tokens < 1:
             raise UserError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
-        self.prefill_tokens = prefill_tokens or 1  # (1: a step's first prompt's chunk only)
+        # (1: a step's first prompt's chunk only)
+        self.prefill_tokens = prefill_tokens or (MIXED_PROMPT_TOKENS if self.mixed else 1)
         if not hasattr(engine.target, "new_pool"):
             raise UserError("batched generation runs on ONNX Runtime (--device cpu, cuda or cpu-iobinding) in this "
                             "version")
@@ -153,6 +165,7 @@ class Scheduler:
         self._ids = 0
         self._closed = False
         self.prefill_calls = self.prefill_chunks = 0  # prompt chunks computed so far, and the calls they took
+        self.mixed_calls = 0  # of those, the calls that verified trees too (`_mixed`)
         self.steps = 0  # batched target calls so far
         self.rows = 0  # rows they computed (padding included, where the graph computes it)
         self.overhead_s = 0.0  # the steps' time outside every graph call (the scheduler's own work)
@@ -251,10 +264,13 @@ class Scheduler:
         mark = self.clock.mark()
         self._drop_cancelled()
         self._admit()
-        if self.prefilling:
-            self._prefill()
-        if self.running:
-            self._decode()
+        if self.prefilling and self.running and self.mixed:
+            self._mixed()
+        else:
+            if self.prefilling:
+                self._prefill()
+            if self.running:
+                self._decode()
         self.overhead_s += self.clock.since(mark)[0]
         return self.active > 0
 
@@ -302,13 +318,29 @@ class Scheduler:
     def _prefill(self) -> None:
         """Feed the admitted prompts' next chunks, several in one call (runtime/batch.PaddedBatch over their slots),
         at most `prefill_tokens` tokens a step (the padded rows, where the graph computes them), in the order they
-        came. On a 2-core CPU (2026-12-04, 16 clients, int4) one prompt a step gave TTFT p50 ~0.2 s and p99 ~1.4-1.7 s,
-        512 tokens a step p99 ~1.6 s and p50 up to ~1 s (docs/benchmarks): hence the default of one prompt a step. Chunks an earlier prompt kept are copied
-        first (Engine.restore_kept). A prompt never finishes before one admitted earlier (the finished ones join the
-        running slots in order, with no move), and on a bundle that feeds a prompt's first token alone (int8: its
-        activations would set the call's quantization scale) first tokens go in calls of their own (every prompt's
-        is the same token at position 0). A prompt whose next chunk ends a beginning being computed in this step (the
-        same system prompt, say) waits a step and copies it then. The prompts that finish emit their first token."""
+        came (`_chosen`). On a 2-core CPU (2026-12-04, 16 clients, int4) one prompt a step gave TTFT p50 ~0.2 s and
+        p99 ~1.4-1.7 s, 512 tokens a step p99 ~1.6 s and p50 up to ~1 s (docs/benchmarks): hence the default of one
+        prompt a step. The prompts that finish emit their first token."""
+        chosen = self._chosen()
+        if not chosen:
+            return
+        try:
+            first = chosen[0].slot
+            batch = PaddedBatch.lay_out(self.pool.lengths[first:first + len(chosen)], self._chunks(chosen, first))
+            out = self._forward(self.pool.span(first, first + len(chosen)), batch, self._prefill_wants(chosen))
+        except Exception as e:  # noqa: BLE001 - the call failed: every prompt in it fails with its message
+            for seq in chosen:
+                self._unprefill(seq, _message(e))
+            return
+        self._prefilled(chosen, [self._placed(seq, batch, out, self._prefill_wants([seq])) for seq in chosen])
+
+    def _chosen(self) -> list[_Sequence]:
+        """The prompts whose next chunks this step computes, in the order they came, at most `prefill_tokens` tokens.
+        Chunks an earlier prompt kept are copied first (Engine.restore_kept). A prompt never finishes before one
+        admitted earlier (the finished ones join the running slots in order, with no move), and on a bundle that
+        feeds a prompt's first token alone (int8: its activations would set the call's quantization scale) first
+        tokens go in calls of their own (every prompt's is the same token at position 0). A prompt whose next chunk
+        ends a beginning being computed in this step (the same system prompt, say) waits a step and copies it then."""
         engine, chosen, tokens, behind, solo, computing = self.engine, [], 0, False, None, set()
         ragged, widest = engine.target.ragged, 0  # a graph without ragged rows computes every padded row
         for seq in list(self.prefilling):
@@ -332,15 +364,14 @@ class Scheduler:
             chosen.append(seq)
             computing.add(beginning)
             tokens, behind, solo = tokens + size, behind or not finishes, alone
-        if not chosen:
-            return
-        self.prefill_calls, self.prefill_chunks = self.prefill_calls + 1, self.prefill_chunks + len(chosen)
-        try:
-            outs = self._prefill_call(chosen)
-        except Exception as e:  # noqa: BLE001 - the call failed: every prompt in it fails with its message
-            for seq in chosen:
-                self._unprefill(seq, _message(e))
-            return
+        if chosen:
+            self.prefill_calls, self.prefill_chunks = self.prefill_calls + 1, self.prefill_chunks + len(chosen)
+        return chosen
+
+    def _prefilled(self, chosen: list[_Sequence], outs: list[dict]) -> None:
+        """After the call that computed `chosen`'s chunks (`outs`: each one's outputs): their rows in, their
+        proposers told, the finished prompts' first tokens sampled and emitted as they join the running ones."""
+        engine = self.engine
         for seq in chosen:  # every row in before any request leaves (a slot move copies committed rows)
             self.pool.slot(seq.slot).advance(len(seq.chunks[seq.fed]))
         for seq, out in zip(chosen, outs):
@@ -362,23 +393,26 @@ class Scheduler:
             if self._emit(seq, seq.pending, seq.pending_logprobs):
                 self._retire(seq)
 
-    def _prefill_call(self, seqs: list[_Sequence]) -> list[dict]:
-        """One target call over the consecutive slots of `seqs`, each fed its next chunk; each one's outputs: the
-        logits of its last row and what its proposer reads of the prompt's rows."""
-        first = seqs[0].slot
-        lengths = self.pool.lengths[first:first + len(seqs)]
+    def _chunks(self, seqs: list[_Sequence], first: int) -> list[Entry]:
+        """The entries of `seqs`' next chunks in a call over the slots from `first` on: the rows whose outputs come
+        back are the last (all, where the prompt is scored)."""
         entries = []
-        for k, seq in enumerate(seqs):
-            chunk = seq.chunks[seq.fed]
+        for seq in seqs:
+            chunk, past = seq.chunks[seq.fed], self.pool.lengths[seq.slot]
             rows = list(range(len(chunk))) if seq.scores_prompt else [len(chunk) - 1]
-            entries.append(Entry(k, k, chunk, lengths[k] + np.arange(len(chunk)), tree.causal_mask(len(chunk)), rows))
-        batch = PaddedBatch.lay_out(lengths, entries)
-        extra = tuple(sorted({w for seq in seqs for w in seq.proposer.wants(False)}))
-        target = self.engine.target
-        out = target.forward(self.pool.span(first, first + len(seqs)), batch.ids, batch.positions, batch.mask,
-                             batch.selected, want=("logits",) + extra, live=batch.live)
-        return [batch.placed(k, out, ("logits",) + seq.proposer.wants(False), target.batch_outputs)
-                for k, seq in enumerate(seqs)]
+            entries.append(Entry(seq.request.id, seq.slot - first, chunk, past + np.arange(len(chunk)),
+                                 tree.causal_mask(len(chunk)), rows))
+        return entries
+
+    @staticmethod
+    def _prefill_wants(seqs: list[_Sequence]) -> tuple[str, ...]:
+        """What a prefill call brings back for `seqs`: the logits (the last row's gives the first token) and what
+        their proposers read of the prompt's rows."""
+        return ("logits",) + tuple(sorted({w for seq in seqs for w in seq.proposer.wants(False)}))
+
+    def _forward(self, cache, batch: PaddedBatch, want: tuple[str, ...]) -> dict:
+        return self.engine.target.forward(cache, batch.ids, batch.positions, batch.mask, batch.selected, want=want,
+                                          live=batch.live)
 
     def _unprefill(self, seq: _Sequence, error: str | None = None) -> None:
         """A prefilling request leaves (cancelled, or failed with `error`): the ones after it move down a slot."""
@@ -396,6 +430,46 @@ class Scheduler:
                 and self.running[0].proposer.wants(True) == self.running[0].proposer.wants(False):
             return self._single_step(self.running[0])
         mark = self.clock.mark()
+        plan, seqs, trees, leaving = self._trees()
+        sampled_s = 0.0
+        if seqs:
+            out, batch, call = self._verify(seqs, trees)
+            sampled_s = self._decoded(plan, seqs, trees, out, batch, call, leaving, mark)
+        self._record(plan, mark, sampled_s, len(seqs) + len(leaving))
+        for seq, error in leaving:
+            self._retire(seq, error)
+
+    def _mixed(self) -> None:
+        """One target call over the running sequences' trees and the prompts' next chunks (`_chosen`) beside them:
+        for a graph whose attention takes each sequence's rows alone (AttentionRows), where a chunk costs its own
+        rows only. The running streams do not wait for a call of prompts, and the weights are read once."""
+        chosen = self._chosen()
+        if not chosen:
+            return self._decode()
+        mark = self.clock.mark()
+        plan, seqs, trees, leaving = self._trees()
+        n = len(self.running) + len(chosen)
+        entries = self._tree_entries(seqs, trees) + self._chunks(chosen, 0)
+        batch = PaddedBatch.lay_out(self.pool.lengths[:n], entries)
+        finishing = [seq for seq in chosen if seq.fed + 1 == len(seq.chunks) or seq.scores_prompt]
+        want = self._tree_wants(seqs) + self._prefill_wants(chosen)[1:]
+        want += ("logits",) if finishing and "logits" not in want else ()  # a chunk's logits, where read
+        before = self.engine.target.seconds
+        out = self._forward(self.pool.rows(n), batch, tuple(dict.fromkeys(want)))
+        self.mixed_calls += 1
+        self._count_call(n, batch.width, batch.real_rows())
+        outs = [self._placed(seq, batch, out, self._prefill_wants([seq]) if seq in finishing else
+                             tuple(seq.proposer.wants(False))) for seq in chosen]
+        call = (len(seqs), batch.width, self.engine.target.seconds - before, batch.real_rows())
+        sampled_s = self._decoded(plan, seqs, trees, out, batch, call, leaving, mark, learn=False) if seqs else 0.0
+        self._record(plan, mark, sampled_s, len(seqs) + len(leaving))
+        self._prefilled(chosen, outs)  # (no slot moves before: the leaving ones retire last)
+        for seq, error in leaving:
+            self._retire(seq, error)
+
+    def _trees(self) -> tuple[Plan, list[_Sequence], list, list]:
+        """This step's plan, the running sequences that verify a tree and their trees (proposed, cut to the
+        budget, made exact), and the ones leaving with their errors."""
         live = [seq for seq in self.running if not seq.request.cancelled]  # a cancelled one's row is padding
         plan = self._plan(live)
         proposals = self._propose(live) if plan.propose else [tree.DraftTree.root_only(s.last) for s in live]
@@ -407,41 +481,46 @@ class Scheduler:
             room = self.pool.capacity - int(self.pool.lengths[seq.slot])
             trees.append(pruned(draft.truncated(min(room, self.step_rows)), seq.sampler))
             seqs.append(seq)
-        sampled_s = 0.0
-        if seqs:
-            if self.governor is not None and plan.propose:  # the budget shares the step's rows among the trees
-                # seeded sampling keeps its tree: its tokens must not depend on the batch
-                trees = self.governor.cut(plan, trees, [_seeded(s) for s in seqs],
-                                          [not s.sampler.params.greedy for s in seqs])
-            trees = [self.engine.exact(t, self.pool.slot(s.slot)) for s, t in zip(seqs, trees)]
-            out, batch, call = self._verify(seqs, trees)
-            verified = time.perf_counter()
-            accepted, sampled_s = self._accept_all(seqs, trees, out, batch)
-            if self.governor is not None:
-                fine = [(t, a.path) for t, a in zip(trees, accepted) if not isinstance(a, Exception)]
-                self.governor.verified([t for t, _ in fine], [path for _, path in fine], *call)
-            for seq, draft, acceptance in zip(seqs, trees, accepted):
-                try:
-                    if isinstance(acceptance, Exception):
-                        raise acceptance
-                    self.pool.slot(seq.slot).commit(acceptance.path)
-                    if plan.propose:
-                        seq.proposer.accepted(acceptance.path)
-                    if mine := self._placed(seq, batch, out):
-                        seq.proposer.observe(mine, acceptance.path)
-                except Exception as e:  # noqa: BLE001
-                    leaving.append((seq, _message(e)))
-                    continue
-                context = len(seq.ids) + len(seq.output.tokens)  # len(history), without building it
-                seq.stats.record(StepRecord(draft, acceptance, context, 0.0, verified - mark[0],
-                                            time.perf_counter() - mark[0]))
-                if self._emit(seq, acceptance.tokens, acceptance.logprobs):
-                    leaving.append((seq, None))
+        if seqs and self.governor is not None and plan.propose:  # the budget shares the step's rows among the trees
+            # seeded sampling keeps its tree: its tokens must not depend on the batch
+            trees = self.governor.cut(plan, trees, [_seeded(s) for s in seqs],
+                                      [not s.sampler.params.greedy for s in seqs])
+        trees = [self.engine.exact(t, self.pool.slot(s.slot)) for s, t in zip(seqs, trees)]
+        return plan, seqs, trees, leaving
+
+    def _decoded(self, plan: Plan, seqs: list[_Sequence], trees: list, out: dict, batch: PaddedBatch, call: tuple,
+                 leaving: list, mark, learn: bool = True) -> float:
+        """After the call that verified `seqs`' trees: each one's acceptance, commit, proposer's news and emission
+        (the ones that end join `leaving`); the governor learns the call's cost (`learn`: a call of trees alone).
+        Returns the host's time accepting sampled rows."""
+        verified = time.perf_counter()
+        accepted, sampled_s = self._accept_all(seqs, trees, out, batch)
+        if self.governor is not None and learn:
+            fine = [(t, a.path) for t, a in zip(trees, accepted) if not isinstance(a, Exception)]
+            self.governor.verified([t for t, _ in fine], [path for _, path in fine], *call)
+        for seq, draft, acceptance in zip(seqs, trees, accepted):
+            try:
+                if isinstance(acceptance, Exception):
+                    raise acceptance
+                self.pool.slot(seq.slot).commit(acceptance.path)
+                if plan.propose:
+                    seq.proposer.accepted(acceptance.path)
+                if mine := self._placed(seq, batch, out):
+                    seq.proposer.observe(mine, acceptance.path)
+            except Exception as e:  # noqa: BLE001
+                leaving.append((seq, _message(e)))
+                continue
+            context = len(seq.ids) + len(seq.output.tokens)  # len(history), without building it
+            seq.stats.record(StepRecord(draft, acceptance, context, 0.0, verified - mark[0],
+                                        time.perf_counter() - mark[0]))
+            if self._emit(seq, acceptance.tokens, acceptance.logprobs):
+                leaving.append((seq, None))
+        return sampled_s
+
+    def _record(self, plan: Plan, mark, sampled_s: float, sequences: int) -> None:
         if self.governor is not None:  # the requests leaving (a slot move) are not the kind's cost
             host, _, side = self.clock.since(mark)
-            self.governor.record(plan, host + side - sampled_s, max(len(live), 1))
-        for seq, error in leaving:
-            self._retire(seq, error)
+            self.governor.record(plan, host + side - sampled_s, max(sequences, 1))
 
     def _plan(self, seqs: list[_Sequence]) -> Plan:
         """Whether this step proposes (runtime/governor.Governor.decide): always without a governor."""
@@ -481,23 +560,27 @@ class Scheduler:
     def _verify(self, seqs: list[_Sequence], trees: list) -> tuple[dict, PaddedBatch, tuple]:
         """The batched target call over the running slots (runtime/batch.PaddedBatch: each tree in its slot's row,
         padded to the widest); returns the outputs, the layout (where each request's are: `_placed`) and the call's
-        (sequences, width, seconds, real rows). The logits come back only for what the graph does not accept itself:
-        sampled sequences, or every sequence where the graph has no batched acceptance."""
+        (sequences, width, seconds, real rows)."""
         n = len(self.running)
-        lengths = self.pool.lengths[:n]
-        batch = PaddedBatch.lay_out(lengths, [
-            Entry(seq.request.id, seq.slot, draft.tokens, lengths[seq.slot] + tree.depths(draft.parents),
-                  tree.ancestor_mask(draft.parents), list(range(len(draft)))) for seq, draft in zip(seqs, trees)])
+        batch = PaddedBatch.lay_out(self.pool.lengths[:n], self._tree_entries(seqs, trees))
         target = self.engine.target
-        routes = {self.accepting.route(seq.sampler.params, batched=True) for seq in seqs}
-        want = tuple(name for route in Route for name in route.outputs if route in routes) + \
-            tuple(sorted({w for seq in seqs for w in seq.proposer.wants(False)}))
         before = target.seconds
-        out = target.forward(self.pool.rows(n), batch.ids, batch.positions, batch.mask, batch.selected, want=want,
-                             live=batch.live)
+        out = self._forward(self.pool.rows(n), batch, self._tree_wants(seqs))
         computed = batch.real_rows() if target.ragged else n * batch.width
         self._count_call(n, batch.width, computed)
         return out, batch, (n, batch.width, target.seconds - before, batch.real_rows())
+
+    def _tree_entries(self, seqs: list[_Sequence], trees: list) -> list[Entry]:
+        lengths = self.pool.lengths
+        return [Entry(seq.request.id, seq.slot, draft.tokens, lengths[seq.slot] + tree.depths(draft.parents),
+                      tree.ancestor_mask(draft.parents), list(range(len(draft)))) for seq, draft in zip(seqs, trees)]
+
+    def _tree_wants(self, seqs: list[_Sequence]) -> tuple[str, ...]:
+        """What a verification brings back: the logits only for what the graph does not accept itself (sampled
+        sequences, or every sequence where the graph has no batched acceptance), and what the proposers read."""
+        routes = {self.accepting.route(seq.sampler.params, batched=True) for seq in seqs}
+        return tuple(name for route in Route for name in route.outputs if route in routes) + \
+            tuple(sorted({w for seq in seqs for w in seq.proposer.wants(False)}))
 
     def _placed(self, seq: _Sequence, batch: PaddedBatch, out: dict, names: tuple[str, ...] | None = None) -> dict:
         """What a sequence's proposer wants of a batched call's outputs (or `names`): per-row outputs by its rows,

@@ -19,6 +19,9 @@ no committed row keeps; a ragged graph (exporter/graph.py) computes its per-row 
 the padding costs attention alone. After the call the outputs come back in the caller's row order, and the
 cache remembers where each node's rows went (`Cache.place`) until the caller commits them.
 
+A graph whose attention is specexport's own (`AttentionRows`, `build --attention-rows`) sums a row's keys in one
+order wherever they sit: it is not laid out (GraphSession.lays_out).
+
 Example: a root with two children, [-1, 0, 0], is laid out at slots [0, 1, 17] of a call of 18 rows: the second
 child reads its parent's key at index past + 0 and its own at past + 17, the lanes of past + 0 and past + 1.
 """

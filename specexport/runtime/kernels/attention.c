@@ -35,6 +35,8 @@ Example: exporter/graph.py writes one node per layer where `build --attention-ro
 
 #define LANES 8
 #define CHUNK 64 /* the outputs of probs x V one pass keeps in registers: 8 vectors of 8 */
+#define BLOCK_ROWS 4 /* rows of one sequence a work item takes together */
+#define TILE_FLOATS 4096 /* the cache rows a tile holds: 16 KiB of keys (64 rows of 64) */
 
 typedef struct {
   int64_t heads, kv_heads, causal;
@@ -47,13 +49,14 @@ typedef struct {
   void (*scores)(const float *q, const float *keys, const int32_t *cols, int64_t n, int64_t d, float scale, float *out);
   /* p[j] = exp(p[j] - top) in place; returns their sum */
   float (*softmax)(float *p, int64_t n, float top);
-  /* out = sum over j of p[j] * values[cols[j]] */
+  /* out += sum over j of p[j] * values[cols[j]], in ascending j (the caller zeroes out first) */
   void (*weigh)(const float *p, const float *values, const int32_t *cols, int64_t n, int64_t d, float *out);
 } Loops;
 
 typedef struct {
   const float *q, *k, *v;
   const int64_t *rows;
+  int64_t *blocks; /* [2 x blocks]: each block's first packed row and its row count */
   const uint8_t *mask;
   const int32_t *past;
   float *cache_k, *cache_v, *y;
@@ -104,9 +107,8 @@ static float softmax_c(float *p, int64_t n, float top) {
   return lanes_sum(lane);
 }
 
-/* out[i] = sum over j of p[j] * values[cols[j]][i], by fused multiply-adds in ascending j. */
+/* out[i] += p[j] * values[cols[j]][i] by fused multiply-adds in ascending j. */
 static void weigh_c(const float *p, const float *values, const int32_t *cols, int64_t n, int64_t d, float *out) {
-  for (int64_t i = 0; i < d; i++) out[i] = 0.0f;
   for (int64_t j = 0; j < n; j++) {
     const float *v = values + (int64_t)cols[j] * d;
     for (int64_t i = 0; i < d; i++) out[i] = fmaf(p[j], v[i], out[i]);
@@ -172,7 +174,8 @@ __attribute__((target("avx2,fma"))) static void weigh_avx2(const float *p, const
   for (int64_t c0 = 0; c0 < d; c0 += CHUNK) {
     int64_t vectors = (d - c0 < CHUNK ? d - c0 : CHUNK) / LANES;
     __m256 acc[CHUNK / LANES];
-    for (int k = 0; k < CHUNK / LANES; k++) acc[k] = _mm256_setzero_ps();
+    for (int k = 0; k < CHUNK / LANES; k++) acc[k] = k < vectors ? _mm256_loadu_ps(out + c0 + LANES * k)
+                                                                 : _mm256_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
       const float *v = values + (int64_t)cols[j] * d + c0;
       __m256 pj = _mm256_set1_ps(p[j]);
@@ -199,39 +202,76 @@ static Loops pick_loops(void) {
   return c;
 }
 
-/* Work item i: row i / G, key head i % G, with the H / G query heads that share it. The row's visible cache rows
-   are listed once, in ascending order: every sum below runs over them in that order. */
+/* Work item i: block i / G of up to BLOCK_ROWS rows of one sequence, key head i % G, with the H / G query heads that
+   share it: BLOCK_ROWS x H / G query vectors. Each row sees the cache rows before the step's own columns (`shared`,
+   the same for the block's rows) and then its own among them (`tail`). The shared rows are taken in tiles that
+   stay in the L1 cache while every query vector of the block reads them (one sequence's rows then read its keys
+   and values once, not once a row). Every sum still runs over a row's visible cache rows in ascending order. */
 static void run_item(void *data, size_t item) {
   Call *c = (Call *)data;
-  int64_t row = (int64_t)item / c->kv_heads, g = (int64_t)item % c->kv_heads, group = c->heads / c->kv_heads;
-  int64_t b = c->rows[row] / c->t, t = c->rows[row] % c->t, past = c->past[b], d = c->d;
-  int64_t start = past + c->t - c->kcols, end = c->causal ? past + t + 1 : past + c->t;
-  void *scratch = malloc((sizeof(int32_t) + sizeof(float)) * (size_t)end);
+  int64_t block = (int64_t)item / c->kv_heads, g = (int64_t)item % c->kv_heads, group = c->heads / c->kv_heads;
+  int64_t first = c->blocks[2 * block], m = c->blocks[2 * block + 1], d = c->d;
+  int64_t b = c->rows[first] / c->t, past = c->past[b];
+  int64_t shared = c->causal ? past : past + c->t - c->kcols, widest = shared + c->t, nq = m * group;
+  int64_t tile = TILE_FLOATS / d / LANES * LANES;
+  tile = tile < LANES ? LANES : tile;
+  void *scratch = malloc(sizeof(int32_t) * (size_t)(shared + m * c->t) + sizeof(float) * (size_t)(nq * widest) +
+                         sizeof(int64_t) * (size_t)m);
   if (!scratch) {
     c->failed = op_failed("AttentionRows: out of memory");
     return;
   }
-  int32_t *cols = (int32_t *)scratch;
-  float *score = (float *)(cols + end);
-  int64_t n = 0;
-  const uint8_t *mask = c->mask + (b * c->t + t) * c->kcols;
-  for (int64_t col = 0; col < end; col++)
-    if (c->causal || col < start || mask[col - start]) cols[n++] = (int32_t)col;
+  int32_t *cols = (int32_t *)scratch, *tails = cols + shared; /* row i's own visible columns: tails + i * T */
+  float *score = (float *)(tails + m * c->t);                 /* query vector v's scores: score + v * widest */
+  int64_t *tail_n = (int64_t *)(score + nq * widest);
+  for (int64_t j = 0; j < shared; j++) cols[j] = (int32_t)j;
+  for (int64_t i = 0; i < m; i++) {
+    int64_t t = c->rows[first + i] % c->t, n = 0;
+    const uint8_t *mask = c->mask + (b * c->t + t) * c->kcols;
+    int64_t end = c->causal ? past + t + 1 : past + c->t;
+    for (int64_t col = shared; col < end; col++)
+      if (c->causal || mask[col - (past + c->t - c->kcols)]) tails[i * c->t + n++] = (int32_t)col;
+    tail_n[i] = n;
+  }
   const float *keys = c->cache_k + (b * c->kv_heads + g) * c->s * d;
   const float *values = c->cache_v + (b * c->kv_heads + g) * c->s * d;
-  for (int64_t h = g * group; h < (g + 1) * group; h++) {
-    const float *q = c->q + (row * c->heads + h) * d;
-    float *out = c->y + (row * c->heads + h) * d, top = -INFINITY;
-    c->loops.scores(q, keys, cols, n, d, c->scale, score);
-    for (int64_t j = 0; j < n; j++) {
-      if (c->softcap > 0.0f) score[j] = c->softcap * tanhf(score[j] / c->softcap);
-      top = score[j] > top ? score[j] : top;
-    }
-    float total = c->loops.softmax(score, n, top);
-    c->loops.weigh(score, values, cols, n, d, out);
-    float inv = total > 0.0f ? 1.0f / total : 0.0f;
-    for (int64_t i = 0; i < d; i++) out[i] *= inv;
+#define QUERY(v) (c->q + ((first + (v) / group) * c->heads + g * group + (v) % group) * d)
+#define OUT(v) (c->y + ((first + (v) / group) * c->heads + g * group + (v) % group) * d)
+  for (int64_t j0 = 0; j0 < shared; j0 += tile) {
+    int64_t n = shared - j0 < tile ? shared - j0 : tile;
+    for (int64_t v = 0; v < nq; v++) c->loops.scores(QUERY(v), keys, cols + j0, n, d, c->scale, score + v * widest + j0);
   }
+  float *total = (float *)malloc(sizeof(float) * (size_t)nq);
+  if (!total) {
+    free(scratch);
+    c->failed = op_failed("AttentionRows: out of memory");
+    return;
+  }
+  for (int64_t v = 0; v < nq; v++) {
+    int64_t i = v / group, n = shared + tail_n[i];
+    float *sc = score + v * widest, top = -INFINITY;
+    c->loops.scores(QUERY(v), keys, tails + i * c->t, tail_n[i], d, c->scale, sc + shared);
+    for (int64_t j = 0; j < n; j++) {
+      if (c->softcap > 0.0f) sc[j] = c->softcap * tanhf(sc[j] / c->softcap);
+      top = sc[j] > top ? sc[j] : top;
+    }
+    total[v] = c->loops.softmax(sc, n, top);
+    memset(OUT(v), 0, sizeof(float) * (size_t)d);
+  }
+  for (int64_t j0 = 0; j0 < shared; j0 += tile) {
+    int64_t n = shared - j0 < tile ? shared - j0 : tile;
+    for (int64_t v = 0; v < nq; v++) c->loops.weigh(score + v * widest + j0, values, cols + j0, n, d, OUT(v));
+  }
+  for (int64_t v = 0; v < nq; v++) {
+    int64_t i = v / group;
+    float *out = OUT(v);
+    c->loops.weigh(score + v * widest + shared, values, tails + i * c->t, tail_n[i], d, out);
+    float inv = total[v] > 0.0f ? 1.0f / total[v] : 0.0f;
+    for (int64_t k = 0; k < d; k++) out[k] *= inv;
+  }
+#undef QUERY
+#undef OUT
+  free(total);
   free(scratch);
 }
 
@@ -297,8 +337,19 @@ static OrtStatus *ORT_API_CALL compute(void *kernel, OrtKernelContext *context) 
     }
   }
   if (c.r == 0) return NULL;
-  CHECK(api->KernelContext_ParallelFor(context, run_item, (size_t)(c.r * c.kv_heads), 0, &c));
-  return c.failed;
+  c.blocks = (int64_t *)malloc(sizeof(int64_t) * 2 * (size_t)c.r);
+  if (!c.blocks) return op_failed("AttentionRows: out of memory");
+  int64_t blocks = 0;
+  for (int64_t r = 0; r < c.r; r++) { /* a block: consecutive rows of one sequence, at most BLOCK_ROWS */
+    int64_t *last = c.blocks + 2 * (blocks - 1);
+    if (blocks && c.rows[last[0]] / c.t == c.rows[r] / c.t && last[1] < BLOCK_ROWS)
+      last[1]++;
+    else
+      c.blocks[2 * blocks] = r, c.blocks[2 * blocks + 1] = 1, blocks++;
+  }
+  OrtStatus *status = api->KernelContext_ParallelFor(context, run_item, (size_t)(blocks * c.kv_heads), 0, &c);
+  free(c.blocks);
+  return status ? status : c.failed;
 }
 
 static OrtStatus *ORT_API_CALL create(const OrtCustomOp *op, const OrtApi *a, const OrtKernelInfo *info,
