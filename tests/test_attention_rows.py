@@ -39,15 +39,17 @@ def attention_rows(library, causal: int = 0, softcap: float = 0.0, scale: float 
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def step(seed: int, pasts, trees, width: int, capacity: int = 64):
+def step(seed: int, pasts, trees, width: int, capacity: int = 64, behind: int = 0):
     """A batched step: sequence b after pasts[b] cached rows verifies the tree of parents trees[b], padded to
-    `width` rows (rows past its tree are padding, not in `rows`)."""
+    `width` rows (rows past its tree are padding, not in `rows`); `behind`: the mask also covers that many cache
+    rows before the step (a draft's nodes written by earlier calls), each row seeing a random half of them."""
     rng = np.random.default_rng(seed)
     b = len(pasts)
-    mask = np.zeros((b, width, width), np.bool_)
+    mask = np.zeros((b, width, behind + width), np.bool_)
     rows = []
     for k, parents in enumerate(trees):
-        mask[k, :len(parents), :len(parents)] = tree.ancestor_mask(parents)
+        mask[k, :len(parents), behind:behind + len(parents)] = tree.ancestor_mask(parents)
+        mask[k, :len(parents), :behind] = rng.random((len(parents), behind)) < 0.5
         rows += [k * width + t for t in range(len(parents))]
     r = len(rows)
     cache = rng.standard_normal((2, b, KV_HEADS, capacity, D)).astype(np.float32)
@@ -85,11 +87,13 @@ def reference(feeds: dict, causal: bool = False, softcap: float = 0.0, scale: fl
     return y, keys, values
 
 
-@pytest.mark.parametrize("options", [{}, {"softcap": 2.0, "scale": 0.3}], ids=["plain", "softcap"])
-def test_each_real_row_attends_to_what_its_tree_shows_it(rows4_library, options):
-    """Three sequences of different pasts and trees (a branching one, one row, a chain) padded to 5 rows: each real
-    row's output and the cache rows it wrote, against float64; the past inputs are left as they were."""
-    feeds = step(0, [7, 30, 0], [[-1, 0, 0, 1, 2], [-1], [-1, 0, 1]], width=5)
+@pytest.mark.parametrize("options, behind", [({}, 0), ({"softcap": 2.0, "scale": 0.3}, 0), ({}, 3)],
+                         ids=["plain", "softcap", "earlier-nodes"])
+def test_each_real_row_attends_to_what_its_tree_shows_it(rows4_library, options, behind):
+    """Three sequences of different pasts and trees (a branching one, one row, a chain) padded to 5 rows, the
+    longest past over one tile of 64 cache rows: each real row's output and the cache rows it wrote, against float64;
+    the past inputs are left as they were."""
+    feeds = step(0, [7, 130, 3], [[-1, 0, 0, 1, 2], [-1], [-1, 0, 1]], width=5, capacity=160, behind=behind)
     before = {name: feeds[name].copy() for name in ("past_k", "past_v")}
     y, present_k, present_v = attention_rows(rows4_library, **options).run(None, feeds)
     want, keys, values = reference(feeds, **options)

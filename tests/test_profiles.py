@@ -156,10 +156,11 @@ def test_profile_command_measures_chooses_and_reports(tiny_folder, tmp_path):
     assert "## Batched verification latency (ms)" in report and "one real row a sequence" in report
     for png in ("latency.png", "accept_lengths.png", "predicted_vs_measured.png"):
         assert (tmp_path / "measured-report" / png).read_bytes()[:4] == b"\x89PNG"
-    # the measured profile builds: its explicit tree becomes the bundle's
+    # the measured profile builds: its explicit tree becomes the bundle's (in GroupQueryAttention, as measured: a
+    # bundle in our attention kernel measures its own table)
     built = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--method", "medusa", "--heads", str(heads),
                                       "--profile", str(out), "--output", str(tmp_path / "c"), "--no-validate",
-                                      "--precision", "fp32"])
+                                      "--precision", "fp32", "--no-attention-rows"])
     assert built.exit_code == 0, built.output
     manifest = json.loads((tmp_path / "c" / "manifest.json").read_text())
     assert manifest["method"]["tree"] == chosen
@@ -168,6 +169,10 @@ def test_profile_command_measures_chooses_and_reports(tiny_folder, tmp_path):
     table = profiled_latency(Engine.load(tmp_path / "c", threads=1))
     assert table is not None and table.as_ms() == [list(row) for row in m.batch_ms]
     assert table.as_ms(single=True) == [list(row) for row in m.batch_single_ms]
+    ours = CliRunner().invoke(main, ["build", "--model", str(tiny_folder), "--method", "medusa", "--heads", str(heads),
+                                     "--profile", str(out), "--output", str(tmp_path / "d"), "--no-validate",
+                                     "--precision", "fp32", "--attention-rows"])
+    assert ours.exit_code == 0 and profiled_latency(Engine.load(tmp_path / "d", threads=1)) is None, ours.output
     again = CliRunner().invoke(main, ["profile", str(tmp_path / "b"), "--output", str(out)])
     assert again.exit_code == 1 and "already exists" in again.output
 

@@ -40,11 +40,11 @@ ORIGIN = re.compile(r"[a-z][a-z0-9+.\-]*://[^/\s,]+")  # a browser's Origin: sch
 @click.option("--threads", type=click.IntRange(1), default=None, help="ORT intra-op threads (default: all cores).")
 @click.option("--prefill-chunk", type=click.IntRange(1), default=None,
               help="The most tokens of one prompt fed per step (a long prompt holds the running streams back one "
-                   "chunk per step). [default: 512; 64 where prompts go in the trees' call (--attention-rows)]")
+                   "chunk per step). [default: 512; 128 where prompts go in the trees' call (--attention-rows)]")
 @click.option("--prefill-tokens", type=click.IntRange(1), default=None,
               help="Feed several waiting prompts' chunks in one call, up to this many prompt tokens a step (fewer "
                    "steps for a burst of arrivals; each prompt in the call waits for the whole call). [default: one "
-                   "prompt a step, measured best on a 2-core CPU; 128 where prompts go in the trees' call]")
+                   "prompt a step, measured best on a 2-core CPU; 256 where prompts go in the trees' call]")
 @click.option("--max-context", type=click.IntRange(2), default=None,
               help="Prompt plus new tokens per request (default: the bundle's context). The KV cache holds "
                    "--max-batch x this many tokens.")

@@ -212,17 +212,19 @@ static void run_item(void *data, size_t item) {
   int64_t block = (int64_t)item / c->kv_heads, g = (int64_t)item % c->kv_heads, group = c->heads / c->kv_heads;
   int64_t first = c->blocks[2 * block], m = c->blocks[2 * block + 1], d = c->d;
   int64_t b = c->rows[first] / c->t, past = c->past[b];
-  int64_t shared = c->causal ? past : past + c->t - c->kcols, widest = shared + c->t, nq = m * group;
+  int64_t start = past + c->t - c->kcols;              /* the mask's first column */
+  int64_t shared = c->causal ? past : start, span = c->causal ? c->t : c->kcols; /* a row's own: at most span */
+  int64_t widest = shared + span, nq = m * group;
   int64_t tile = TILE_FLOATS / d / LANES * LANES;
   tile = tile < LANES ? LANES : tile;
-  void *scratch = malloc(sizeof(int32_t) * (size_t)(shared + m * c->t) + sizeof(float) * (size_t)(nq * widest) +
+  void *scratch = malloc(sizeof(int32_t) * (size_t)(shared + m * span) + sizeof(float) * (size_t)(nq * widest) +
                          sizeof(int64_t) * (size_t)m);
   if (!scratch) {
     c->failed = op_failed("AttentionRows: out of memory");
     return;
   }
-  int32_t *cols = (int32_t *)scratch, *tails = cols + shared; /* row i's own visible columns: tails + i * T */
-  float *score = (float *)(tails + m * c->t);                 /* query vector v's scores: score + v * widest */
+  int32_t *cols = (int32_t *)scratch, *tails = cols + shared; /* row i's own visible columns: tails + i * span */
+  float *score = (float *)(tails + m * span);                 /* query vector v's scores: score + v * widest */
   int64_t *tail_n = (int64_t *)(score + nq * widest);
   for (int64_t j = 0; j < shared; j++) cols[j] = (int32_t)j;
   for (int64_t i = 0; i < m; i++) {
@@ -230,7 +232,7 @@ static void run_item(void *data, size_t item) {
     const uint8_t *mask = c->mask + (b * c->t + t) * c->kcols;
     int64_t end = c->causal ? past + t + 1 : past + c->t;
     for (int64_t col = shared; col < end; col++)
-      if (c->causal || mask[col - (past + c->t - c->kcols)]) tails[i * c->t + n++] = (int32_t)col;
+      if (c->causal || mask[col - start]) tails[i * span + n++] = (int32_t)col;
     tail_n[i] = n;
   }
   const float *keys = c->cache_k + (b * c->kv_heads + g) * c->s * d;
@@ -250,7 +252,7 @@ static void run_item(void *data, size_t item) {
   for (int64_t v = 0; v < nq; v++) {
     int64_t i = v / group, n = shared + tail_n[i];
     float *sc = score + v * widest, top = -INFINITY;
-    c->loops.scores(QUERY(v), keys, tails + i * c->t, tail_n[i], d, c->scale, sc + shared);
+    c->loops.scores(QUERY(v), keys, tails + i * span, tail_n[i], d, c->scale, sc + shared);
     for (int64_t j = 0; j < n; j++) {
       if (c->softcap > 0.0f) sc[j] = c->softcap * tanhf(sc[j] / c->softcap);
       top = sc[j] > top ? sc[j] : top;
@@ -265,7 +267,7 @@ static void run_item(void *data, size_t item) {
   for (int64_t v = 0; v < nq; v++) {
     int64_t i = v / group;
     float *out = OUT(v);
-    c->loops.weigh(score + v * widest + shared, values, tails + i * c->t, tail_n[i], d, out);
+    c->loops.weigh(score + v * widest + shared, values, tails + i * span, tail_n[i], d, out);
     float inv = total[v] > 0.0f ? 1.0f / total[v] : 0.0f;
     for (int64_t k = 0; k < d; k++) out[k] *= inv;
   }
